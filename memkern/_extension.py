@@ -1,0 +1,42 @@
+"""Loads the compiled extension ``memkern._C`` once, and says so once when it is missing.
+
+Everything that asks "was the C++/CUDA code built?" reads :data:`compiled` from here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledInfo:
+    has_cpu: bool
+    """The C++ CPU kernels are registered for the ``CPU`` dispatch key."""
+    has_cuda: bool
+    """The CUDA C++ kernels are registered for the ``CUDA`` dispatch key."""
+    cuda_archs: str
+    """The ``TORCH_CUDA_ARCH_LIST`` the CUDA kernels were compiled for ('' without CUDA)."""
+    missing_reason: str
+    """Why the extension is absent ('' when it loaded)."""
+
+
+def _load() -> CompiledInfo:
+    if os.environ.get("MEMKERN_DISABLE_EXT", "0") == "1":
+        return CompiledInfo(False, False, "", "disabled by MEMKERN_DISABLE_EXT=1")
+    try:
+        from memkern import _C  # registers the C++ kernels with the dispatcher
+    except ImportError as exc:
+        return CompiledInfo(False, False, "", f"memkern._C could not be imported ({exc})")
+    return CompiledInfo(True, bool(_C.has_cuda()), _C.cuda_archs(), "")
+
+
+compiled = _load()
+if not compiled.has_cpu:
+    warnings.warn(
+        f"memkern: the compiled extension is not available: {compiled.missing_reason}. "
+        "Running on the reference (plain torch) and Triton backends; reinstall with a C++ "
+        "compiler present to get the C++/CUDA kernels.",
+        RuntimeWarning,
+        stacklevel=2,
+    )

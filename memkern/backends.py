@@ -1,0 +1,116 @@
+"""Which implementation of a memkern op runs on a given device.
+
+Every op has up to four implementations computing the same function:
+
+============  ==============================  ==========================================
+backend       where it runs                   present when
+============  ==============================  ==========================================
+reference     anywhere (plain torch ops)      always
+cpu           CPU (``csrc/cpu``)              the C++ extension was built
+cuda          NVIDIA GPU (``csrc/cuda``)      the extension was built with CUDA kernels
+triton        NVIDIA GPU; CPU when            ``triton`` is importable
+              ``TRITON_INTERPRET=1``
+============  ==============================  ==========================================
+
+By default a CUDA tensor goes to cuda → triton → reference and a CPU tensor to cpu →
+reference, taking the first one present. ``MEMKERN_BACKEND=<name>`` (or the :func:`force`
+context manager) asks for one; when it cannot run on the tensor's device the default order
+is used instead and a warning says so once.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+from memkern._extension import compiled
+
+NAMES = ("cuda", "triton", "cpu", "reference")
+ENV_VAR = "MEMKERN_BACKEND"
+_DEFAULT_ORDER = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "reference")}
+_forced: list[str] = []
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def backends() -> dict[str, bool]:
+    """Which backends can run in this process (on some device)."""
+    cuda_ok = torch.cuda.is_available()
+    return {
+        "reference": True,
+        "cpu": compiled.has_cpu,
+        "cuda": compiled.has_cuda and cuda_ok,
+        "triton": _triton_importable() and (cuda_ok or _triton_interpreted()),
+    }
+
+
+def runs_on(backend: str, device: torch.device) -> bool:
+    """Whether ``backend`` can run an op on tensors of ``device``."""
+    if backend == "reference":
+        return True
+    if backend == "cpu":
+        return compiled.has_cpu and device.type == "cpu"
+    if backend == "cuda":
+        return compiled.has_cuda and device.type == "cuda"
+    if backend == "triton":
+        return _triton_importable() and (
+            device.type == "cuda" or (device.type == "cpu" and _triton_interpreted())
+        )
+    raise ValueError(f"unknown memkern backend {backend!r}; expected one of {NAMES}")
+
+
+def requested() -> str | None:
+    """The backend asked for by :func:`force` or ``MEMKERN_BACKEND``, if any."""
+    if _forced:
+        return _forced[-1]
+    name = os.environ.get(ENV_VAR, "").strip().lower()
+    if not name:
+        return None
+    if name not in NAMES:
+        raise ValueError(f"{ENV_VAR}={name!r} is not a memkern backend; use one of {NAMES}")
+    return name
+
+
+@functools.cache
+def _warn_unusable(name: str, device_type: str, chosen: str) -> None:
+    warnings.warn(
+        f"memkern: backend {name!r} cannot run on {device_type} tensors here; using {chosen!r}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def select(device: torch.device) -> str:
+    """The backend that runs an op whose tensors live on ``device``."""
+    wanted = requested()
+    if wanted is not None and runs_on(wanted, device):
+        return wanted
+    order = _DEFAULT_ORDER.get(device.type, ("reference",))
+    chosen = next(b for b in order if runs_on(b, device))
+    if wanted is not None:
+        _warn_unusable(wanted, device.type, chosen)
+    return chosen
+
+
+@contextlib.contextmanager
+def force(name: str) -> Iterator[None]:
+    """Run memkern ops on backend ``name`` inside the block (tests, benchmarks)."""
+    if name not in NAMES:
+        raise ValueError(f"force(name={name!r}): expected one of {NAMES}")
+    _forced.append(name)
+    try:
+        yield
+    finally:
+        _forced.pop()

@@ -1,0 +1,69 @@
+"""Argument checks shared by the flat-buffer ops: each error names the argument and the fix."""
+from __future__ import annotations
+
+import torch
+
+LOW_OR_FULL = (torch.float32, torch.bfloat16, torch.float16)
+# float64 is accepted so that the reference implementation can serve as a float64 oracle.
+ORACLE_OK = LOW_OR_FULL + (torch.float64,)
+
+
+def flat(
+    op: str,
+    name: str,
+    t: torch.Tensor,
+    dtypes: tuple[torch.dtype, ...],
+    like: torch.Tensor | None = None,
+) -> None:
+    """``t`` is a contiguous 1-D tensor of one of ``dtypes`` (same numel/device as ``like``)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"memkern.{op}: {name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(
+            f"memkern.{op}: {name} must be a contiguous 1-D flat buffer, got shape "
+            f"{tuple(t.shape)} (contiguous={t.is_contiguous()}); pass a flat view, e.g. t.view(-1)"
+        )
+    if t.dtype not in dtypes:
+        raise TypeError(f"memkern.{op}: {name} has dtype {t.dtype}; expected one of {dtypes}")
+    if like is not None:
+        if t.numel() != like.numel():
+            raise ValueError(
+                f"memkern.{op}: {name} has {t.numel()} elements but the buffers it goes with "
+                f"have {like.numel()}; all flat buffers of one call must be the same length"
+            )
+        if t.device != like.device:
+            raise ValueError(
+                f"memkern.{op}: {name} is on {t.device} but the other buffers are on "
+                f"{like.device}; move them to one device"
+            )
+
+
+def scalar(op: str, name: str, t: torch.Tensor | None, like: torch.Tensor) -> None:
+    """``t`` (if given) is a one-element float32 tensor on the buffers' device."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != torch.float32:
+        raise ValueError(
+            f"memkern.{op}: {name} must be a one-element float32 tensor on {like.device}, got "
+            + (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t))
+        )
+    if t.device != like.device:
+        raise ValueError(
+            f"memkern.{op}: {name} is on {t.device}, the buffers on {like.device}; keep it on "
+            "the buffers' device (reading it from elsewhere would force a host sync)"
+        )
+
+
+def keep_where_found_inf(found_inf: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new``, or ``old`` unchanged when ``found_inf`` is set (no host sync)."""
+    if found_inf is None:
+        return new
+    return torch.where(found_inf.reshape(()) != 0, old, new)
+
+
+def advance_step_(step: torch.Tensor, found_inf: torch.Tensor | None) -> None:
+    """``step += 1`` unless ``found_inf`` is set (no host sync)."""
+    if found_inf is None:
+        step.add_(1)
+    else:
+        step.add_((found_inf.reshape(()) == 0).to(step.dtype))

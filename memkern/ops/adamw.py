@@ -1,0 +1,102 @@
+"""``memkern::adamw_step_``: one fused, mixed-precision AdamW step over flat buffers.
+
+Arguments (all 1-D contiguous buffers of the same length on one device)
+    master           float32 master weights, updated in place.
+    exp_avg          float32 first moment, updated in place.
+    exp_avg_sq       float32 second moment, updated in place.
+    grads            float32/bfloat16/float16 gradients (read only).
+    params           optional float32/bfloat16/float16 model weights, overwritten with
+                     ``round(master)`` in the same pass (None when ``master`` *is* the model's
+                     float32 weight).
+    step             one-element float32 step counter, advanced by one in place.
+    grad_multiplier  optional one-element float32: each gradient is multiplied by it before
+                     use (inverse loss scale × clip coefficient × 1/normaliser).
+    found_inf        optional one-element float32: when non-zero nothing at all is written,
+                     the step counter included (a skipped step is bit-identical).
+    lr, beta1, beta2, eps, weight_decay   as ``torch.optim.AdamW``.
+
+The math is ``torch.optim.AdamW``'s, with ``t = step + 1``::
+
+    g      = float32(grads) * grad_multiplier
+    master = master * (1 - lr * weight_decay)
+    m      = lerp(m, g, 1 - beta1)
+    v      = v * beta2 + (1 - beta2) * g * g
+    master = master - (lr / (1 - beta1**t)) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+    params = round(master);  step = t
+
+No host sync: step, grad_multiplier and found_inf are read on the device.
+"""
+from __future__ import annotations
+
+import torch
+
+from memkern.ops import _checks
+from memkern.ops._registry import FlatOp
+
+SCHEMA = (
+    "(Tensor(a!) master, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor grads, "
+    "Tensor(d!)? params, Tensor(e!) step, Tensor? grad_multiplier, Tensor? found_inf, "
+    "float lr, float beta1, float beta2, float eps, float weight_decay) -> ()"
+)
+
+
+def _check(master, exp_avg, exp_avg_sq, grads, params, step, grad_multiplier, found_inf,
+           lr, beta1, beta2, eps, weight_decay) -> torch.device:
+    op = "adamw_step_"
+    state_dtypes = (torch.float32, torch.float64)
+    _checks.flat(op, "master", master, state_dtypes)
+    _checks.flat(op, "exp_avg", exp_avg, (master.dtype,), like=master)
+    _checks.flat(op, "exp_avg_sq", exp_avg_sq, (master.dtype,), like=master)
+    _checks.flat(op, "grads", grads, _checks.ORACLE_OK, like=master)
+    if params is not None:
+        _checks.flat(op, "params", params, _checks.ORACLE_OK, like=master)
+    _checks.scalar(op, "step", step, master)
+    _checks.scalar(op, "grad_multiplier", grad_multiplier, master)
+    _checks.scalar(op, "found_inf", found_inf, master)
+    if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"memkern.{op}: betas must be in [0, 1), got ({beta1}, {beta2})")
+    if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
+        raise ValueError(
+            f"memkern.{op}: lr, eps and weight_decay must be >= 0, got lr={lr}, eps={eps}, "
+            f"weight_decay={weight_decay}"
+        )
+    return master.device
+
+
+def _fake(*args) -> None:
+    _check(*args)
+
+
+def reference(master, exp_avg, exp_avg_sq, grads, params, step, grad_multiplier, found_inf,
+              lr, beta1, beta2, eps, weight_decay) -> None:
+    """Plain torch, computed in ``master.dtype`` (float64 masters make it the test oracle)."""
+    compute = master.dtype
+    g = grads.to(compute)
+    if grad_multiplier is not None:
+        g = g * grad_multiplier.reshape(()).to(compute)
+    t = step.reshape(()).to(torch.float64) + 1
+    step_size = (lr / (1 - beta1**t)).to(compute)
+    bias_correction2_sqrt = torch.sqrt(1 - beta2**t).to(compute)
+
+    new_master = master * (1 - lr * weight_decay)
+    new_m = torch.lerp(exp_avg, g, 1 - beta1)
+    new_v = exp_avg_sq * beta2 + (1 - beta2) * g * g
+    denom = new_v.sqrt() / bias_correction2_sqrt + eps
+    new_master = new_master - step_size * new_m / denom
+
+    master.copy_(_checks.keep_where_found_inf(found_inf, master, new_master))
+    exp_avg.copy_(_checks.keep_where_found_inf(found_inf, exp_avg, new_m))
+    exp_avg_sq.copy_(_checks.keep_where_found_inf(found_inf, exp_avg_sq, new_v))
+    if params is not None:
+        params.copy_(_checks.keep_where_found_inf(found_inf, params, master.to(params.dtype)))
+    _checks.advance_step_(step, found_inf)
+
+
+adamw_step_ = FlatOp(
+    "adamw_step_",
+    SCHEMA,
+    check=_check,
+    fake=_fake,
+    reference=reference,
+    triton="memkern.kernels.adamw.adamw_step_",
+)

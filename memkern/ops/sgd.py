@@ -1,0 +1,93 @@
+"""``memkern::sgd_step_``: one fused, mixed-precision SGD step over flat buffers.
+
+Arguments (all 1-D contiguous buffers of the same length on one device)
+    master           float32 master weights, updated in place.
+    momentum_buffer  float32, updated in place; required when ``momentum != 0``, else None.
+    grads            float32/bfloat16/float16 gradients (read only).
+    params           optional float32/bfloat16/float16 model weights, overwritten with
+                     ``round(master)`` in the same pass.
+    step             one-element float32 step counter, advanced by one in place; the momentum
+                     buffer is initialised from the gradient when it is 0, as torch does.
+    grad_multiplier  optional one-element float32 gradient multiplier.
+    found_inf        optional one-element float32: when non-zero nothing at all is written.
+    lr, momentum, dampening, weight_decay, nesterov   as ``torch.optim.SGD``.
+
+The math is ``torch.optim.SGD``'s::
+
+    d = float32(grads) * grad_multiplier + weight_decay * master
+    if momentum != 0:
+        buf = d                                   if step == 0
+              momentum * buf + (1 - dampening) * d otherwise
+        d   = d + momentum * buf if nesterov else buf
+    master = master - lr * d;  params = round(master);  step = step + 1
+"""
+from __future__ import annotations
+
+import torch
+
+from memkern.ops import _checks
+from memkern.ops._registry import FlatOp
+
+SCHEMA = (
+    "(Tensor(a!) master, Tensor(b!)? momentum_buffer, Tensor grads, Tensor(c!)? params, "
+    "Tensor(d!) step, Tensor? grad_multiplier, Tensor? found_inf, float lr, float momentum, "
+    "float dampening, float weight_decay, bool nesterov) -> ()"
+)
+
+
+def _check(master, momentum_buffer, grads, params, step, grad_multiplier, found_inf,
+           lr, momentum, dampening, weight_decay, nesterov) -> torch.device:
+    op = "sgd_step_"
+    _checks.flat(op, "master", master, (torch.float32, torch.float64))
+    if momentum != 0.0:
+        if momentum_buffer is None:
+            raise ValueError(f"memkern.{op}: momentum={momentum} needs a momentum_buffer")
+        _checks.flat(op, "momentum_buffer", momentum_buffer, (master.dtype,), like=master)
+    _checks.flat(op, "grads", grads, _checks.ORACLE_OK, like=master)
+    if params is not None:
+        _checks.flat(op, "params", params, _checks.ORACLE_OK, like=master)
+    _checks.scalar(op, "step", step, master)
+    _checks.scalar(op, "grad_multiplier", grad_multiplier, master)
+    _checks.scalar(op, "found_inf", found_inf, master)
+    if lr < 0.0 or momentum < 0.0 or weight_decay < 0.0:
+        raise ValueError(
+            f"memkern.{op}: lr, momentum and weight_decay must be >= 0, got lr={lr}, "
+            f"momentum={momentum}, weight_decay={weight_decay}"
+        )
+    if nesterov and (momentum <= 0.0 or dampening != 0.0):
+        raise ValueError(f"memkern.{op}: nesterov needs momentum > 0 and dampening == 0")
+    return master.device
+
+
+def _fake(*args) -> None:
+    _check(*args)
+
+
+def reference(master, momentum_buffer, grads, params, step, grad_multiplier, found_inf,
+              lr, momentum, dampening, weight_decay, nesterov) -> None:
+    """Plain torch, computed in ``master.dtype`` (float64 masters make it the test oracle)."""
+    compute = master.dtype
+    d = grads.to(compute)
+    if grad_multiplier is not None:
+        d = d * grad_multiplier.reshape(()).to(compute)
+    if weight_decay != 0.0:
+        d = d + weight_decay * master
+    if momentum != 0.0:
+        first = step.reshape(()) == 0
+        new_buf = torch.where(first, d, momentum * momentum_buffer + (1 - dampening) * d)
+        d = d + momentum * new_buf if nesterov else new_buf
+        momentum_buffer.copy_(_checks.keep_where_found_inf(found_inf, momentum_buffer, new_buf))
+    master.copy_(_checks.keep_where_found_inf(found_inf, master, master - lr * d))
+    if params is not None:
+        params.copy_(_checks.keep_where_found_inf(found_inf, params, master.to(params.dtype)))
+    _checks.advance_step_(step, found_inf)
+
+
+sgd_step_ = FlatOp(
+    "sgd_step_",
+    SCHEMA,
+    check=_check,
+    fake=_fake,
+    reference=reference,
+    triton="memkern.kernels.sgd.sgd_step_",
+)

@@ -1,0 +1,38 @@
+"""Shared test set-up.
+
+Without a GPU, Triton kernels run on the CPU under its interpreter; the variable must be set
+before triton is first imported, hence here, at collection time.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import memkern  # noqa: E402  (after TRITON_INTERPRET)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed():
+    """Fresh random data every run, but the seed is printed so a failure can be replayed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"torch seed: {seed}")
+    yield
+
+
+def cpu_backends() -> list[str]:
+    """Backends that can run ops on CPU tensors in this process."""
+    cpu = torch.device("cpu")
+    return [b for b in memkern.backends.NAMES if memkern.backends.runs_on(b, cpu)]
