@@ -1,8 +1,15 @@
 """memkern: memory-efficient training for PyTorch. The public API (contract v1) is re-exported here."""
 from memkern import ops
 from memkern._extension import compiled
-from memkern.backends import backends
+from memkern.backend import backends
 
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "backends", "compiled", "ops"]
+
+# Training front end (memkern.optim imports memkern.amp; both need memkern.ops above).
+from memkern import amp, optim  # noqa: E402
+from memkern.amp import LossScaler  # noqa: E402
+from memkern.optim import GradBuffer  # noqa: E402
+
+__all__ += ["GradBuffer", "LossScaler", "amp", "optim"]

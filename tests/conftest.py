@@ -35,4 +35,4 @@ def _fresh_seed():
 def cpu_backends() -> list[str]:
     """Backends that can run ops on CPU tensors in this process."""
     cpu = torch.device("cpu")
-    return [b for b in memkern.backends.NAMES if memkern.backends.runs_on(b, cpu)]
+    return [b for b in memkern.backend.NAMES if memkern.backend.runs_on(b, cpu)]

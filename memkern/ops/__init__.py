@@ -1,9 +1,9 @@
 """Every memkern kernel as a ``torch.library`` op in the ``memkern`` namespace.
 
 One Python entry per op checks its arguments and runs the backend chosen by
-:mod:`memkern.backends`; ``torch.ops.memkern.<name>`` is the registered op itself.
+:mod:`memkern.backend`; ``torch.ops.memkern.<name>`` is the registered op itself.
 """
-from memkern.backends import force
+from memkern.backend import force
 from memkern.ops.adamw import adamw_step_
 from memkern.ops.l2_norm import l2_norm
 from memkern.ops.sgd import sgd_step_

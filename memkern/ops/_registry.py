@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from memkern import backends
+from memkern import backend
 from memkern._extension import compiled
 
 LIBRARY = torch.library.Library("memkern", "DEF")
@@ -57,15 +57,15 @@ class FlatOp:
         return getattr(importlib.import_module(module), attr)(*args)
 
     def _triton_or_reference(self, *args: Any) -> Any:
-        if backends.runs_on("triton", torch.device("cuda")):
+        if backend.runs_on("triton", torch.device("cuda")):
             return self.triton(*args)
         return self.reference(*args)
 
     def __call__(self, *args: Any) -> Any:
         device = self.check(*args)
-        backend = backends.select(device)
-        if backend == "triton":
+        chosen = backend.select(device)
+        if chosen == "triton":
             return self.triton(*args)
-        if backend == "reference":
+        if chosen == "reference":
             return self.reference(*args)
         return self.op(*args)

@@ -1,0 +1,90 @@
+"""Timing and reporting shared by the benchmark scripts.
+
+Times are medians of several repetitions after warm-up, measured in the same process as the
+torch baseline they are compared with; on CUDA each repetition is bracketed by synchronises.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def median_seconds(fn: Callable[[], object], *, warmup: int = 2, reps: int = 7,
+                   device: torch.device | None = None) -> float:
+    """Median wall time of ``fn()`` over ``reps`` runs after ``warmup`` runs."""
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 29) -> float:
+    """Measured bytes/s of a large copy on ``device`` (read + write counted).
+
+    The best of three ways torch copies memory: ``copy_`` alone is not always the fastest
+    (on CPU it can be slower than an out-of-place multiply by one), and a kernel should be
+    compared with what the memory system can actually do.
+    """
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ways = (lambda: dst.copy_(src), lambda: torch.mul(src, 1.0, out=dst), lambda: src.mul_(1.0))
+    return 2 * nbytes / min(median_seconds(way, device=device) for way in ways)
+
+
+def machine() -> dict[str, object]:
+    """What ran the benchmark: CPU/GPU model, thread count, library versions."""
+    info: dict[str, object] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": _cpu_model(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown"
+
+
+def command_line() -> str:
+    return " ".join(["python"] + [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+
+
+def save(path: str, results: dict[str, object]) -> None:
+    """Writes results with the machine and the command that produced them."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    payload = {"command": command_line(), "machine": machine(), **results}
+    with open(path, "w") as fh:
+        json.dump(payload, fh, indent=2)
+        fh.write("\n")
+    print(f"wrote {path}")

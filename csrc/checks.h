@@ -1,0 +1,61 @@
+// Argument checks shared by the CPU and CUDA kernels of the flat-buffer ops. Each message
+// names the argument, says what was wrong and what to do; the Python entries check the same
+// first, so these guard direct calls of torch.ops.memkern.*.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+
+namespace memkern {
+
+// A contiguous 1-D buffer with as many elements as `like`, on its device.
+inline void check_flat(const char* op, const char* name, const at::Tensor& t,
+                       const at::Tensor& like) {
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "memkern.", op, ": ", name,
+              " must be a contiguous 1-D flat buffer, got shape ", t.sizes(), " (contiguous=",
+              t.is_contiguous() ? "True" : "False", "); pass a flat view, e.g. t.view(-1)");
+  TORCH_CHECK(t.device() == like.device(), "memkern.", op, ": ", name, " is on ", t.device(),
+              " but the other buffers are on ", like.device(), "; move them to one device");
+  TORCH_CHECK(t.numel() == like.numel(), "memkern.", op, ": ", name, " has ", t.numel(),
+              " elements but the buffers it goes with have ", like.numel(),
+              "; all flat buffers of one call must be the same length");
+}
+
+// Gradients and model parameters: float32, bfloat16 or float16.
+inline void check_float_kind(const char* op, const char* name, const at::Tensor& t) {
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "memkern.",
+              op, ": ", name, " has dtype ", dtype,
+              "; the compiled kernels take float32, bfloat16 or float16 (float64 runs only on "
+              "the reference backend, MEMKERN_BACKEND=reference)");
+}
+
+// Master weights and optimizer state: a flat float32 buffer like `like`.
+inline void check_float32_state(const char* op, const char* name, const at::Tensor& t,
+                                const at::Tensor& like) {
+  check_flat(op, name, t, like);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "memkern.", op, ": ", name, " has dtype ",
+              t.scalar_type(), "; the compiled kernels keep master weights and optimizer state "
+              "in float32 only (float64 state runs only on the reference backend, "
+              "MEMKERN_BACKEND=reference)");
+}
+
+// A one-element float32 tensor on the buffers' device, read by the kernels.
+inline void check_scalar(const char* op, const char* name, const at::Tensor& t,
+                         const at::Tensor& like) {
+  TORCH_CHECK(t.numel() == 1 && t.scalar_type() == at::kFloat, "memkern.", op, ": ", name,
+              " must be a one-element float32 tensor on ", like.device(), ", got ",
+              t.scalar_type(), " of shape ", t.sizes());
+  TORCH_CHECK(t.device() == like.device(), "memkern.", op, ": ", name, " is on ", t.device(),
+              ", the buffers on ", like.device(), "; keep it on the buffers' device (reading "
+              "it from elsewhere would force a host sync)");
+}
+
+inline void check_scalar(const char* op, const char* name, const std::optional<at::Tensor>& t,
+                         const at::Tensor& like) {
+  if (t.has_value()) check_scalar(op, name, *t, like);
+}
+
+}  // namespace memkern

@@ -1,0 +1,99 @@
+// memkern::adamw_step_ on CPU: the AdamW math of the CPU backend lives in adamw_block below.
+// Contract: memkern/ops/adamw.py.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "../checks.h"
+#include "flat_math.h"
+
+namespace memkern::cpu {
+namespace {
+
+// Per-step constants, computed once in double from the step counter as torch does.
+struct AdamWCoefficients {
+  float grad_multiplier;
+  float decay;  // 1 - lr * weight_decay
+  float one_minus_beta1;
+  float beta2;
+  float one_minus_beta2;
+  float step_size;  // lr / (1 - beta1^t)
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
+  float eps;
+};
+
+// torch.optim.AdamW's update of n elements, in float32; params gets round(master).
+template <typename grad_t, typename param_t>
+MEMKERN_VECTOR_CLONES void adamw_block(float* __restrict master, float* __restrict exp_avg,
+                                       float* __restrict exp_avg_sq,
+                                       const grad_t* __restrict grads,
+                                       param_t* __restrict params, AdamWCoefficients c,
+                                       int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = to_float(grads[i]) * c.grad_multiplier;
+    const float m = exp_avg[i] + c.one_minus_beta1 * (g - exp_avg[i]);
+    const float v = exp_avg_sq[i] * c.beta2 + c.one_minus_beta2 * g * g;
+    const float denom = std::sqrt(v) / c.bias_correction2_sqrt + c.eps;
+    const float w = master[i] * c.decay - c.step_size * m / denom;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    master[i] = w;
+    store_param(params, i, w);
+  }
+}
+
+void adamw_step_cpu(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
+                    const at::Tensor& grads, const std::optional<at::Tensor>& params,
+                    at::Tensor& step, const std::optional<at::Tensor>& grad_multiplier,
+                    const std::optional<at::Tensor>& found_inf, double lr, double beta1,
+                    double beta2, double eps, double weight_decay) {
+  constexpr const char* op = "adamw_step_";
+  check_float32_state(op, "master", master, master);
+  check_float32_state(op, "exp_avg", exp_avg, master);
+  check_float32_state(op, "exp_avg_sq", exp_avg_sq, master);
+  check_flat(op, "grads", grads, master);
+  check_float_kind(op, "grads", grads);
+  if (params.has_value()) {
+    check_flat(op, "params", *params, master);
+    check_float_kind(op, "params", *params);
+  }
+  check_scalar(op, "step", step, master);
+  check_scalar(op, "grad_multiplier", grad_multiplier, master);
+  check_scalar(op, "found_inf", found_inf, master);
+  if (found_inf_set(found_inf)) return;  // a skipped step writes nothing, not even the step
+
+  const double t = static_cast<double>(read_scalar(step)) + 1.0;
+  const AdamWCoefficients c{
+      grad_multiplier.has_value() ? read_scalar(*grad_multiplier) : 1.0f,
+      static_cast<float>(1.0 - lr * weight_decay),
+      static_cast<float>(1.0 - beta1),
+      static_cast<float>(beta2),
+      static_cast<float>(1.0 - beta2),
+      static_cast<float>(lr / (1.0 - std::pow(beta1, t))),
+      static_cast<float>(std::sqrt(1.0 - std::pow(beta2, t))),
+      static_cast<float>(eps)};
+
+  std::optional<at::ScalarType> param_dtype;
+  if (params.has_value()) param_dtype = params->scalar_type();
+  dispatch_grad_and_param(grads.scalar_type(), param_dtype, [&](auto grad_tag, auto param_tag) {
+    using grad_t = decltype(grad_tag);
+    using param_t = decltype(param_tag);
+    float* m = master.data_ptr<float>();
+    float* avg = exp_avg.data_ptr<float>();
+    float* avg_sq = exp_avg_sq.data_ptr<float>();
+    const auto* g = static_cast<const grad_t*>(grads.const_data_ptr());
+    auto* p = data_or_null<param_t>(params);
+    parallel_blocks(master.numel(), [&](int64_t begin, int64_t end) {
+      adamw_block(m + begin, avg + begin, avg_sq + begin, g + begin,
+                  p == nullptr ? nullptr : p + begin, c, end - begin);
+    });
+  });
+  *step.data_ptr<float>() = static_cast<float>(t);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(memkern, CPU, m) { m.impl("adamw_step_", &adamw_step_cpu); }
+
+}  // namespace memkern::cpu

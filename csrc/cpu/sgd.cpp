@@ -1,0 +1,95 @@
+// memkern::sgd_step_ on CPU: the SGD math of the CPU backend lives in sgd_block below.
+// Contract: memkern/ops/sgd.py.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "flat_math.h"
+
+namespace memkern::cpu {
+namespace {
+
+struct SgdCoefficients {
+  float grad_multiplier;
+  float lr;
+  float momentum;
+  float one_minus_dampening;
+  float weight_decay;
+  bool use_momentum;
+  bool first_step;  // torch initialises the momentum buffer with d on the first step
+  bool nesterov;
+};
+
+// torch.optim.SGD's update of n elements, in float32; params gets round(master).
+template <typename grad_t, typename param_t>
+MEMKERN_VECTOR_CLONES void sgd_block(float* __restrict master, float* __restrict momentum_buffer,
+                                     const grad_t* __restrict grads, param_t* __restrict params,
+                                     SgdCoefficients c, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float d = to_float(grads[i]) * c.grad_multiplier + c.weight_decay * master[i];
+    if (c.use_momentum) {
+      const float buf = c.first_step ? d
+                                     : c.momentum * momentum_buffer[i] + c.one_minus_dampening * d;
+      momentum_buffer[i] = buf;
+      d = c.nesterov ? d + c.momentum * buf : buf;
+    }
+    const float w = master[i] - c.lr * d;
+    master[i] = w;
+    store_param(params, i, w);
+  }
+}
+
+void sgd_step_cpu(at::Tensor& master, const std::optional<at::Tensor>& momentum_buffer,
+                  const at::Tensor& grads, const std::optional<at::Tensor>& params,
+                  at::Tensor& step, const std::optional<at::Tensor>& grad_multiplier,
+                  const std::optional<at::Tensor>& found_inf, double lr, double momentum,
+                  double dampening, double weight_decay, bool nesterov) {
+  constexpr const char* op = "sgd_step_";
+  check_float32_state(op, "master", master, master);
+  const bool use_momentum = momentum != 0.0;
+  TORCH_CHECK(!use_momentum || momentum_buffer.has_value(), "memkern.", op,
+              ": momentum=", momentum, " needs a momentum_buffer");
+  if (use_momentum) check_float32_state(op, "momentum_buffer", *momentum_buffer, master);
+  check_flat(op, "grads", grads, master);
+  check_float_kind(op, "grads", grads);
+  if (params.has_value()) {
+    check_flat(op, "params", *params, master);
+    check_float_kind(op, "params", *params);
+  }
+  check_scalar(op, "step", step, master);
+  check_scalar(op, "grad_multiplier", grad_multiplier, master);
+  check_scalar(op, "found_inf", found_inf, master);
+  if (found_inf_set(found_inf)) return;  // a skipped step writes nothing, not even the step
+
+  const float step_before = read_scalar(step);
+  const SgdCoefficients c{grad_multiplier.has_value() ? read_scalar(*grad_multiplier) : 1.0f,
+                          static_cast<float>(lr),
+                          static_cast<float>(momentum),
+                          static_cast<float>(1.0 - dampening),
+                          static_cast<float>(weight_decay),
+                          use_momentum,
+                          step_before == 0.0f,
+                          nesterov};
+
+  std::optional<at::ScalarType> param_dtype;
+  if (params.has_value()) param_dtype = params->scalar_type();
+  dispatch_grad_and_param(grads.scalar_type(), param_dtype, [&](auto grad_tag, auto param_tag) {
+    using grad_t = decltype(grad_tag);
+    using param_t = decltype(param_tag);
+    float* w = master.data_ptr<float>();
+    float* buf = use_momentum ? momentum_buffer->data_ptr<float>() : nullptr;
+    const auto* g = static_cast<const grad_t*>(grads.const_data_ptr());
+    auto* p = data_or_null<param_t>(params);
+    parallel_blocks(master.numel(), [&](int64_t begin, int64_t end) {
+      sgd_block(w + begin, buf == nullptr ? nullptr : buf + begin, g + begin,
+                p == nullptr ? nullptr : p + begin, c, end - begin);
+    });
+  });
+  *step.data_ptr<float>() = step_before + 1.0f;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(memkern, CPU, m) { m.impl("sgd_step_", &sgd_step_cpu); }
+
+}  // namespace memkern::cpu

@@ -1,0 +1,214 @@
+// Launchers declared in flat_ops.h: pick the dtype instantiation, the vectorised or scalar
+// path and the grid, then launch on the caller's stream. No host synchronisation.
+#include "flat_ops.h"
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/adamw.cuh"
+#include "kernels/common.cuh"
+#include "kernels/l2_norm.cuh"
+#include "kernels/sgd.cuh"
+#include "kernels/unscale.cuh"
+
+namespace memkern::flat_ops {
+namespace {
+
+using device::kThreadsPerBlock;
+using device::kVecWidth;
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls fn(TypeTag<T>{}) with the element type that `dtype` names.
+template <typename Fn>
+cudaError_t with_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::f32:
+      return fn(TypeTag<float>{});
+    case DType::bf16:
+      return fn(TypeTag<__nv_bfloat16>{});
+    case DType::f16:
+      return fn(TypeTag<__half>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Calls fn(TypeTag<G>{}, TypeTag<P>{}) with the element types of grads and params.
+template <typename Fn>
+cudaError_t with_dtypes(DType grads_dtype, DType params_dtype, Fn&& fn) {
+  return with_dtype(grads_dtype, [&](auto grads_tag) {
+    return with_dtype(params_dtype, [&](auto params_tag) { return fn(grads_tag, params_tag); });
+  });
+}
+
+// Whether `buffer` (a T array) allows kVecWidth-element vector accesses; null passes.
+template <typename T>
+bool vector_aligned(const void* buffer) {
+  return reinterpret_cast<std::uintptr_t>(buffer) % (sizeof(T) * kVecWidth) == 0;
+}
+
+int64_t blocks_for(int64_t n) {
+  constexpr int64_t kElementsPerBlock = int64_t{kThreadsPerBlock} * kVecWidth;
+  return std::max<int64_t>((n + kElementsPerBlock - 1) / kElementsPerBlock, 1);
+}
+
+// Grid of an elementwise kernel: enough blocks for one kVecWidth chunk per thread, capped at
+// the blocks of `kernel` the current device holds resident at once; the grid-stride loops
+// cover the rest, so a block's fixed costs (the AdamW bias corrections) are paid once per
+// resident block and no partial second wave is left at the end.
+template <typename Kernel>
+cudaError_t elementwise_grid(Kernel kernel, int64_t n, int* grid) {
+  int device = 0;
+  int sm_count = 0;
+  int blocks_per_sm = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+  }
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel,
+                                                        kThreadsPerBlock, 0);
+  }
+  if (err != cudaSuccess) {
+    return err;
+  }
+  const int64_t resident_blocks = std::max<int64_t>(int64_t{sm_count} * blocks_per_sm, 1);
+  *grid = static_cast<int>(std::min(blocks_for(n), resident_blocks));
+  return cudaSuccess;
+}
+
+cudaError_t launch_advance_step(float* step, const float* found_inf, cudaStream_t stream) {
+  device::advance_step_kernel<<<1, 1, 0, stream>>>(step, found_inf);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t unscale(void* grads, DType grads_dtype, int64_t n, float* found_inf,
+                    const float* inv_scale, cudaStream_t stream) {
+  if (n == 0) {
+    return cudaSuccess;
+  }
+  return with_dtype(grads_dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const auto kernel = device::unscale_kernel<T>;
+    int grid = 0;
+    if (const cudaError_t err = elementwise_grid(kernel, n, &grid); err != cudaSuccess) {
+      return err;
+    }
+    kernel<<<grid, kThreadsPerBlock, 0, stream>>>(static_cast<T*>(grads), n,
+                                                  vector_aligned<T>(grads), found_inf, inv_scale);
+    return cudaGetLastError();
+  });
+}
+
+int64_t l2_norm_partial_count(int64_t n) {
+  return std::min<int64_t>(blocks_for(n), device::kL2NormMaxPartials);
+}
+
+cudaError_t l2_norm(const void* grads, DType grads_dtype, int64_t n, float* partials,
+                    float* norm, cudaStream_t stream) {
+  // At least one partial block even for n == 0: it writes a zero sum, so the norm is 0.
+  const int partial_count = static_cast<int>(l2_norm_partial_count(n));
+  return with_dtype(grads_dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    device::l2_norm_partials_kernel<T><<<partial_count, kThreadsPerBlock, 0, stream>>>(
+        static_cast<const T*>(grads), n, vector_aligned<T>(grads), partials);
+    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+      return err;
+    }
+    device::l2_norm_finalize_kernel<<<1, kThreadsPerBlock, 0, stream>>>(partials,
+                                                                         partial_count, norm);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t adamw_step(float* master, float* exp_avg, float* exp_avg_sq, const void* grads,
+                       DType grads_dtype, void* params, DType params_dtype, int64_t n,
+                       float* step, const float* grad_multiplier, const float* found_inf,
+                       double lr, double beta1, double beta2, double eps, double weight_decay,
+                       cudaStream_t stream) {
+  if (n > 0) {
+    device::AdamWConstants constants{};
+    constants.lr = lr;
+    constants.beta1 = beta1;
+    constants.beta2 = beta2;
+    constants.weight_decay_factor = static_cast<float>(1.0 - lr * weight_decay);
+    constants.exp_avg_weight = static_cast<float>(1.0 - beta1);
+    constants.beta2_f32 = static_cast<float>(beta2);
+    constants.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+    constants.eps = static_cast<float>(eps);
+    // Without params any instantiation serves; reusing the grads dtype adds none.
+    const DType written_dtype = params != nullptr ? params_dtype : grads_dtype;
+    const auto launch = [&](auto grads_tag, auto params_tag) {
+      using G = typename decltype(grads_tag)::type;
+      using P = typename decltype(params_tag)::type;
+      const auto kernel = device::adamw_step_kernel<G, P>;
+      int grid = 0;
+      if (const cudaError_t err = elementwise_grid(kernel, n, &grid); err != cudaSuccess) {
+        return err;
+      }
+      const bool vectorised = vector_aligned<float>(master) && vector_aligned<float>(exp_avg) &&
+                              vector_aligned<float>(exp_avg_sq) && vector_aligned<G>(grads) &&
+                              vector_aligned<P>(params);
+      kernel<<<grid, kThreadsPerBlock, 0, stream>>>(
+          master, exp_avg, exp_avg_sq, static_cast<const G*>(grads), static_cast<P*>(params), n,
+          vectorised, step, grad_multiplier, found_inf, constants);
+      return cudaGetLastError();
+    };
+    if (const cudaError_t err = with_dtypes(grads_dtype, written_dtype, launch);
+        err != cudaSuccess) {
+      return err;
+    }
+  }
+  return launch_advance_step(step, found_inf, stream);
+}
+
+cudaError_t sgd_step(float* master, float* momentum_buffer, const void* grads,
+                     DType grads_dtype, void* params, DType params_dtype, int64_t n,
+                     float* step, const float* grad_multiplier, const float* found_inf,
+                     double lr, double momentum, double dampening, double weight_decay,
+                     bool nesterov, cudaStream_t stream) {
+  if (n > 0) {
+    if (momentum != 0.0 && momentum_buffer == nullptr) {
+      return cudaErrorInvalidValue;
+    }
+    device::SGDConstants constants{};
+    constants.lr = static_cast<float>(lr);
+    constants.momentum = static_cast<float>(momentum);
+    constants.one_minus_dampening = static_cast<float>(1.0 - dampening);
+    constants.weight_decay = static_cast<float>(weight_decay);
+    constants.use_momentum = momentum != 0.0;
+    constants.use_weight_decay = weight_decay != 0.0;
+    constants.nesterov = nesterov;
+    // Without params any instantiation serves; reusing the grads dtype adds none.
+    const DType written_dtype = params != nullptr ? params_dtype : grads_dtype;
+    const auto launch = [&](auto grads_tag, auto params_tag) {
+      using G = typename decltype(grads_tag)::type;
+      using P = typename decltype(params_tag)::type;
+      const auto kernel = device::sgd_step_kernel<G, P>;
+      int grid = 0;
+      if (const cudaError_t err = elementwise_grid(kernel, n, &grid); err != cudaSuccess) {
+        return err;
+      }
+      // A null momentum_buffer (momentum == 0) counts as aligned: it is never accessed.
+      const bool vectorised = vector_aligned<float>(master) &&
+                              vector_aligned<float>(momentum_buffer) &&
+                              vector_aligned<G>(grads) && vector_aligned<P>(params);
+      kernel<<<grid, kThreadsPerBlock, 0, stream>>>(
+          master, momentum_buffer, static_cast<const G*>(grads), static_cast<P*>(params), n,
+          vectorised, step, grad_multiplier, found_inf, constants);
+      return cudaGetLastError();
+    };
+    if (const cudaError_t err = with_dtypes(grads_dtype, written_dtype, launch);
+        err != cudaSuccess) {
+      return err;
+    }
+  }
+  return launch_advance_step(step, found_inf, stream);
+}
+
+}  // namespace memkern::flat_ops

@@ -1,0 +1,86 @@
+// memkern::adamw_step_ — one fused AdamW step over flat buffers, with float32 master weights
+// and optional low-precision params written back in the same pass. Contract and reference:
+// memkern/ops/adamw.py. The step counter is advanced afterwards by advance_step_kernel.
+//
+// Each operation is rounded to float32 where the reference's separate torch ops round:
+// products that feed an addition use __fmul_rn, which nvcc never contracts into an FMA.
+#pragma once
+
+#include "common.cuh"
+
+namespace memkern::device {
+
+// Hyper-parameters, rounded to float32 on the host where the reference rounds a Python
+// float to the float32 tensor's dtype. lr and the betas stay double: the bias corrections
+// depend on the step counter, which only the device knows, and the reference computes them
+// in float64.
+struct AdamWConstants {
+  double lr;
+  double beta1;
+  double beta2;
+  float weight_decay_factor;  // 1 - lr * weight_decay
+  float exp_avg_weight;       // 1 - beta1, the lerp weight
+  float beta2_f32;
+  float one_minus_beta2;
+  float eps;
+};
+
+// torch.lerp(start, end, weight) as torch computes it for float32: one FMA from whichever end
+// is nearer, which keeps it exact at weight 0 and 1.
+__device__ __forceinline__ float lerp(float start, float end, float weight) {
+  return fabsf(weight) < 0.5f ? __fmaf_rn(weight, end - start, start)
+                              : __fmaf_rn(weight - 1.0f, end - start, end);
+}
+
+// `params` may be null (the master is the model weight); G and P are the dtypes of grads and
+// params. Launched with kThreadsPerBlock threads.
+template <typename G, typename P>
+__global__ void adamw_step_kernel(float* master, float* exp_avg, float* exp_avg_sq,
+                                  const G* grads, P* params, int64_t n, bool vectorised,
+                                  const float* step, const float* grad_multiplier,
+                                  const float* found_inf, AdamWConstants c) {
+  // Uniform across the grid, so whole blocks leave before the barrier below.
+  if (step_skipped(found_inf)) {
+    return;
+  }
+  // Computed once per block: float64 pow per thread would cost real time on GPUs with slow
+  // float64.
+  __shared__ float step_size;              // lr / (1 - beta1^t)
+  __shared__ float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
+  if (threadIdx.x == 0) {
+    const double t = static_cast<double>(*step) + 1.0;
+    step_size = static_cast<float>(c.lr / (1.0 - pow(c.beta1, t)));
+    bias_correction2_sqrt = static_cast<float>(sqrt(1.0 - pow(c.beta2, t)));
+  }
+  __syncthreads();
+  const float multiplier = grad_multiplier != nullptr ? *grad_multiplier : 1.0f;
+
+  for_each_chunk(n, vectorised, [&](int64_t i, auto width) {
+    constexpr int W = decltype(width)::value;
+    Vec<float, W> w = load<W>(master, i);
+    Vec<float, W> m = load<W>(exp_avg, i);
+    Vec<float, W> v = load<W>(exp_avg_sq, i);
+    const Vec<G, W> g_in = load<W>(grads, i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const float g = __fmul_rn(to_float(g_in.v[k]), multiplier);
+      m.v[k] = lerp(m.v[k], g, c.exp_avg_weight);
+      v.v[k] = __fmul_rn(v.v[k], c.beta2_f32) + __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g);
+      const float denom = sqrtf(v.v[k]) / bias_correction2_sqrt + c.eps;
+      w.v[k] = __fmul_rn(w.v[k], c.weight_decay_factor) - __fmul_rn(step_size, m.v[k]) / denom;
+    }
+    store<W>(master, i, w);
+    store<W>(exp_avg, i, m);
+    store<W>(exp_avg_sq, i, v);
+    if (params != nullptr) {
+      Vec<P, W> p;
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        p.v[k] = from_float<P>(w.v[k]);
+      }
+      store<W>(params, i, p);
+    }
+  });
+}
+
+}  // namespace memkern::device

@@ -1,0 +1,93 @@
+// Building blocks shared by the flat-buffer kernels: dtype <-> float conversion, aligned
+// vector loads, the grid-stride loop with a scalar tail, and the optimizer step counter.
+//
+// Torch-free on purpose: CI compiles this with plain nvcc and no torch. The kernel headers are
+// included by one translation unit, flat_ops.cu, which instantiates and launches them.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace memkern::device {
+
+constexpr int kThreadsPerBlock = 256;
+// Elements per thread per iteration on the vectorised path: 16-byte loads for float32,
+// 8-byte loads for bfloat16/float16.
+constexpr int kVecWidth = 4;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+// Round-to-nearest-even, as torch's .to(dtype): the _rn intrinsics.
+template <typename T>
+__device__ __forceinline__ T from_float(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16_rn(x);
+  } else {
+    static_assert(std::is_same_v<T, __half>, "memkern kernels support float, bfloat16, float16");
+    return __float2half_rn(x);
+  }
+}
+
+// `Width` consecutive elements, aligned so that one load/store instruction moves them all.
+template <typename T, int Width>
+struct alignas(sizeof(T) * Width) Vec {
+  T v[Width];
+};
+
+template <int Width, typename T>
+__device__ __forceinline__ Vec<T, Width> load(const T* base, int64_t i) {
+  return *reinterpret_cast<const Vec<T, Width>*>(base + i);
+}
+
+template <int Width, typename T>
+__device__ __forceinline__ void store(T* base, int64_t i, const Vec<T, Width>& x) {
+  *reinterpret_cast<Vec<T, Width>*>(base + i) = x;
+}
+
+template <int Width>
+using WidthTag = std::integral_constant<int, Width>;
+
+// Calls chunk(i, WidthTag<W>{}) over [0, n) with a grid-stride loop: chunk processes the W
+// elements starting at i. With `vectorised` (every buffer the kernel touches is aligned to
+// kVecWidth elements; the launcher checks) the body runs W = kVecWidth and the n % kVecWidth
+// tail runs W = 1; otherwise everything runs W = 1.
+template <typename Chunk>
+__device__ __forceinline__ void for_each_chunk(int64_t n, bool vectorised, Chunk&& chunk) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t tail_start = 0;
+  if (vectorised) {
+    const int64_t vec_count = n / kVecWidth;
+    for (int64_t c = first; c < vec_count; c += stride) {
+      chunk(c * kVecWidth, WidthTag<kVecWidth>{});
+    }
+    tail_start = vec_count * kVecWidth;
+  }
+  for (int64_t i = tail_start + first; i < n; i += stride) {
+    chunk(i, WidthTag<1>{});
+  }
+}
+
+// True when the step must be skipped: found_inf is given and non-zero (NaN counts as set, as
+// `found_inf != 0` does in the reference).
+__device__ __forceinline__ bool step_skipped(const float* found_inf) {
+  return found_inf != nullptr && *found_inf != 0.0f;
+}
+
+// Advances the optimizer step counter. A separate launch on the same stream, so that every
+// block of the update kernel has read the old value before it changes.
+__global__ void advance_step_kernel(float* step, const float* found_inf) {
+  if (!step_skipped(found_inf)) {
+    *step += 1.0f;
+  }
+}
+
+}  // namespace memkern::device

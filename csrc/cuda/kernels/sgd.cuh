@@ -1,0 +1,79 @@
+// memkern::sgd_step_ — one fused SGD step (momentum, dampening, weight decay, Nesterov) over
+// flat buffers, with float32 master weights and optional low-precision params written back in
+// the same pass. Contract and reference: memkern/ops/sgd.py. The step counter is advanced
+// afterwards by advance_step_kernel.
+//
+// Each operation is rounded to float32 where the reference's separate torch ops round:
+// products that feed an addition use __fmul_rn, which nvcc never contracts into an FMA.
+#pragma once
+
+#include "common.cuh"
+
+namespace memkern::device {
+
+// Hyper-parameters rounded to float32 on the host, as the reference rounds a Python float
+// against a float32 tensor. The use_* flags are decided on the unrounded values, and a term
+// that is off is skipped entirely, as in the reference (adding 0 * inf would turn an inf
+// master into NaN).
+struct SGDConstants {
+  float lr;
+  float momentum;
+  float one_minus_dampening;
+  float weight_decay;
+  bool use_momentum;
+  bool use_weight_decay;
+  bool nesterov;
+};
+
+// `momentum_buffer` is used only with c.use_momentum; `params` may be null. G and P are the
+// dtypes of grads and params.
+template <typename G, typename P>
+__global__ void sgd_step_kernel(float* master, float* momentum_buffer, const G* grads,
+                                P* params, int64_t n, bool vectorised, const float* step,
+                                const float* grad_multiplier, const float* found_inf,
+                                SGDConstants c) {
+  if (step_skipped(found_inf)) {
+    return;
+  }
+  const float multiplier = grad_multiplier != nullptr ? *grad_multiplier : 1.0f;
+  // torch initialises the momentum buffer from the first step's update.
+  const bool first_step = *step == 0.0f;
+
+  for_each_chunk(n, vectorised, [&](int64_t i, auto width) {
+    constexpr int W = decltype(width)::value;
+    Vec<float, W> w = load<W>(master, i);
+    const Vec<G, W> g_in = load<W>(grads, i);
+    Vec<float, W> buf{};
+    if (c.use_momentum) {
+      buf = load<W>(momentum_buffer, i);
+    }
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      float d = __fmul_rn(to_float(g_in.v[k]), multiplier);
+      if (c.use_weight_decay) {
+        d = d + __fmul_rn(c.weight_decay, w.v[k]);
+      }
+      if (c.use_momentum) {
+        buf.v[k] = first_step ? d
+                              : __fmul_rn(c.momentum, buf.v[k]) +
+                                    __fmul_rn(c.one_minus_dampening, d);
+        d = c.nesterov ? d + __fmul_rn(c.momentum, buf.v[k]) : buf.v[k];
+      }
+      w.v[k] = w.v[k] - __fmul_rn(c.lr, d);
+    }
+    store<W>(master, i, w);
+    if (c.use_momentum) {
+      store<W>(momentum_buffer, i, buf);
+    }
+    if (params != nullptr) {
+      Vec<P, W> p;
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        p.v[k] = from_float<P>(w.v[k]);
+      }
+      store<W>(params, i, p);
+    }
+  });
+}
+
+}  // namespace memkern::device

@@ -1,0 +1,21 @@
+// The Python module memkern._C: importing it registers the C++ (and CUDA) kernels with the
+// dispatcher (their TORCH_LIBRARY_IMPL blocks in csrc/cpu and csrc/cuda); the op schemas are
+// defined in memkern/ops. The module itself only reports how it was built.
+#include <pybind11/pybind11.h>
+
+#ifndef MEMKERN_CUDA_ARCHS
+#define MEMKERN_CUDA_ARCHS ""
+#endif
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "memkern compiled kernels (registered as torch.library ops in the memkern namespace)";
+  m.def("has_cuda", [] {
+#ifdef MEMKERN_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  }, "Whether the CUDA kernels were compiled in.");
+  m.def("cuda_archs", [] { return std::string(MEMKERN_CUDA_ARCHS); },
+        "The CUDA architectures the kernels were compiled for ('' without CUDA).");
+}

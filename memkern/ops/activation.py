@@ -1,0 +1,101 @@
+"""``memkern::act_forward`` / ``memkern::act_backward``: the MLP activations, and their gradient
+computed from the saved pre-activation (what lets an MLP save the pre-activation only).
+
+Arguments
+    x      the pre-activation, contiguous float32/bfloat16/float16 (float64: reference only).
+    grad   gradient of the activation's output, same shape and dtype as ``x``.
+    kind   ``"gelu"`` (erf), ``"gelu_tanh"`` (tanh approximation, GPT-2's ``gelu_new``),
+           ``"relu"`` or ``"silu"``.
+
+``act_forward(x, kind)`` equals ``F.gelu(x)`` / ``F.gelu(x, approximate="tanh")`` /
+``F.relu(x)`` / ``F.silu(x)``; ``act_backward(grad, x, kind)`` is the gradient w.r.t. ``x``.
+16-bit inputs are computed in float32 and rounded once. NaN propagates as in torch (ReLU's
+gradient at NaN is 0, like ``threshold_backward``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from memkern.ops import _nn_registry as R
+
+KINDS = ("gelu", "gelu_tanh", "relu", "silu")
+
+
+def check_kind(op: str, kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"memkern.ops.{op}: kind={kind!r} is not an activation; use one of {KINDS}")
+
+
+def _check_forward(x: torch.Tensor, kind: str) -> torch.device:
+    R.tensor("act_forward", "x", x)
+    check_kind("act_forward", kind)
+    return x.device
+
+
+def _check_backward(grad: torch.Tensor, x: torch.Tensor, kind: str) -> torch.device:
+    R.tensor("act_backward", "grad", grad)
+    R.tensor("act_backward", "x", x)
+    R.same_shape("act_backward", "grad", grad, x, "x")
+    R.same_dtype("act_backward", "grad", grad, x, "x")
+    R.same_device("act_backward", "grad", grad, x, "x")
+    check_kind("act_backward", kind)
+    return x.device
+
+
+def _fake_forward(x: torch.Tensor, kind: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _fake_backward(grad: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def forward_reference(x: torch.Tensor, kind: str) -> torch.Tensor:
+    xc = x.to(R.compute_dtype(x.dtype))
+    if kind == "gelu":
+        y = F.gelu(xc)
+    elif kind == "gelu_tanh":
+        y = F.gelu(xc, approximate="tanh")
+    elif kind == "relu":
+        y = torch.relu(xc)
+    elif kind == "silu":
+        y = F.silu(xc)
+    else:
+        check_kind("act_forward", kind)
+    return y.to(x.dtype)
+
+
+def backward_reference(grad: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
+    cd = R.compute_dtype(x.dtype)
+    g, xc = grad.to(cd), x.to(cd)
+    if kind == "gelu":
+        dx = torch.ops.aten.gelu_backward(g, xc)
+    elif kind == "gelu_tanh":
+        dx = torch.ops.aten.gelu_backward(g, xc, approximate="tanh")
+    elif kind == "relu":
+        dx = torch.ops.aten.threshold_backward(g, xc, 0)
+    elif kind == "silu":
+        dx = torch.ops.aten.silu_backward(g, xc)
+    else:
+        check_kind("act_backward", kind)
+    return dx.to(x.dtype)
+
+
+act_forward = R.NNOp(
+    "act_forward",
+    "(Tensor x, str kind) -> Tensor",
+    check=_check_forward,
+    fake=_fake_forward,
+    reference=forward_reference,
+    triton="memkern.kernels.activation.act_forward",
+)
+
+act_backward = R.NNOp(
+    "act_backward",
+    "(Tensor grad, Tensor x, str kind) -> Tensor",
+    check=_check_backward,
+    fake=_fake_backward,
+    reference=backward_reference,
+    triton="memkern.kernels.activation.act_backward",
+)
