@@ -15,7 +15,9 @@ namespace {
 struct AdamWCoefficients {
   float grad_multiplier;
   float decay;  // 1 - lr * weight_decay
-  float one_minus_beta1;
+  float one_minus_beta1;  // lerp weight
+  float beta1;
+  bool lerp_from_end;  // torch.lerp's second form, used when the weight is >= 0.5
   float beta2;
   float one_minus_beta2;
   float step_size;  // lr / (1 - beta1^t)
@@ -32,7 +34,9 @@ MEMKERN_VECTOR_CLONES void adamw_block(float* __restrict master, float* __restri
                                        int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float g = to_float(grads[i]) * c.grad_multiplier;
-    const float m = exp_avg[i] + c.one_minus_beta1 * (g - exp_avg[i]);
+    // torch.lerp(exp_avg, g, 1 - beta1), both of its forms (they differ for inf gradients).
+    const float m = c.lerp_from_end ? g - (g - exp_avg[i]) * c.beta1
+                                    : exp_avg[i] + c.one_minus_beta1 * (g - exp_avg[i]);
     const float v = exp_avg_sq[i] * c.beta2 + c.one_minus_beta2 * g * g;
     const float denom = std::sqrt(v) / c.bias_correction2_sqrt + c.eps;
     const float w = master[i] * c.decay - c.step_size * m / denom;
@@ -68,6 +72,8 @@ void adamw_step_cpu(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg
       grad_multiplier.has_value() ? read_scalar(*grad_multiplier) : 1.0f,
       static_cast<float>(1.0 - lr * weight_decay),
       static_cast<float>(1.0 - beta1),
+      static_cast<float>(beta1),
+      1.0 - beta1 >= 0.5,
       static_cast<float>(beta2),
       static_cast<float>(1.0 - beta2),
       static_cast<float>(lr / (1.0 - std::pow(beta1, t))),

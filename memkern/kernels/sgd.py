@@ -1,0 +1,91 @@
+"""Triton kernel of ``memkern::sgd_step_``: one fused SGD step over flat buffers (see
+memkern/ops/sgd.py for the contract; the math is ``torch.optim.SGD``'s, in its order).
+
+``step`` (for the first-step rule of the momentum buffer), ``grad_multiplier`` and
+``found_inf`` are read on the device; a set ``found_inf`` masks off every load and store. A
+second one-program kernel advances ``step`` after the main kernel has read it.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from memkern.kernels import _common
+from memkern.kernels._common import load_splat, round_to
+
+
+@triton.jit
+def _sgd_kernel(
+    master_ptr, momentum_buffer_ptr, grads_ptr, params_ptr,
+    step_ptr, grad_multiplier_ptr, found_inf_ptr, n,
+    lr, momentum, one_minus_dampening, weight_decay,
+    HAS_MOMENTUM: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, NESTEROV: tl.constexpr,
+    HAS_PARAMS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if HAS_FOUND_INF:
+        mask = mask & (load_splat(found_inf_ptr, BLOCK) == 0)
+    lr = tl.cast(lr, tl.float32)
+
+    d = tl.load(grads_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MULTIPLIER:
+        d = d * tl.load(grad_multiplier_ptr)
+    master = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    if HAS_WEIGHT_DECAY:
+        d = d + tl.cast(weight_decay, tl.float32) * master
+    if HAS_MOMENTUM:
+        momentum = tl.cast(momentum, tl.float32)
+        first = load_splat(step_ptr, BLOCK) == 0
+        buf = tl.load(momentum_buffer_ptr + offs, mask=mask, other=0.0)
+        buf = tl.where(first, d, momentum * buf + tl.cast(one_minus_dampening, tl.float32) * d)
+        tl.store(momentum_buffer_ptr + offs, buf, mask=mask)
+        if NESTEROV:
+            d = d + momentum * buf
+        else:
+            d = buf
+    master = master - lr * d
+
+    tl.store(master_ptr + offs, master, mask=mask)
+    if HAS_PARAMS:
+        tl.store(params_ptr + offs, round_to(master, params_ptr.dtype.element_ty), mask=mask)
+
+
+def sgd_step_(master, momentum_buffer, grads, params, step, grad_multiplier, found_inf,
+              lr, momentum, dampening, weight_decay, nesterov) -> None:
+    op = "sgd_step_"
+    n = master.numel()
+    _common.check_buffer(op, "master", master, _common.STATE_DTYPES)
+    has_momentum = momentum != 0.0
+    if has_momentum:
+        if momentum_buffer is None:
+            raise ValueError(f"memkern.{op} (triton): momentum={momentum} needs a momentum_buffer")
+        _common.check_buffer(op, "momentum_buffer", momentum_buffer, _common.STATE_DTYPES, n)
+    _common.check_buffer(op, "grads", grads, _common.GRAD_DTYPES, n)
+    if params is not None:
+        _common.check_buffer(op, "params", params, _common.GRAD_DTYPES, n)
+    for name, t in (("step", step), ("grad_multiplier", grad_multiplier), ("found_inf", found_inf)):
+        _common.check_scalar(op, name, t, master.device)
+
+    with _common.device_guard(master):
+        if n > 0:
+            _sgd_kernel[_common.grid(n)](
+                master, momentum_buffer if has_momentum else master, grads,
+                params if params is not None else master,
+                step,
+                grad_multiplier if grad_multiplier is not None else step,
+                found_inf if found_inf is not None else step,
+                n,
+                _common.f32(lr), _common.f32(momentum), _common.f32(1.0 - dampening),
+                _common.f32(weight_decay),
+                HAS_MOMENTUM=has_momentum,
+                HAS_WEIGHT_DECAY=weight_decay != 0.0,
+                NESTEROV=bool(nesterov),
+                HAS_PARAMS=params is not None,
+                HAS_MULTIPLIER=grad_multiplier is not None,
+                HAS_FOUND_INF=found_inf is not None,
+                BLOCK=_common.BLOCK,
+                num_warps=_common.NUM_WARPS,
+            )
+        _common.advance_step_(step, found_inf)

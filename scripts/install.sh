@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Installs memkern from this checkout into the active Python environment.
+#
+#   bash scripts/install.sh          memkern and what it needs to run
+#   bash scripts/install.sh --test   also the test dependencies (pytest, triton, ...)
+#
+# torch: an installed torch 2.11-2.15 is kept as it is (a GPU user's CUDA build is never
+# replaced). Without one, torch==2.13.0 is installed: a pinned version, because an open range
+# would pull the newest release, which on Linux is a multi-GB CUDA build even on CPU-only
+# machines (where the 2.13.0 CPU wheel is at hand, pip takes that).
+# memkern is then built with --no-build-isolation against that torch, in place (editable), so
+# the compiled extension lands next to the sources and the tests run against this checkout.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python}
+
+with_tests=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) with_tests=1 ;;
+    *) echo "install.sh: unknown argument '$arg' (use --test or nothing)" >&2; exit 2 ;;
+  esac
+done
+
+if torch_version=$("$python" -c 'import torch; print(torch.__version__)' 2>/dev/null); then
+  if ! "$python" - "$torch_version" <<'PY'
+import re, sys
+major, minor = map(int, re.match(r"(\d+)\.(\d+)", sys.argv[1]).groups())
+sys.exit(0 if (2, 11) <= (major, minor) < (2, 16) else 1)
+PY
+  then
+    echo "install.sh: torch $torch_version is installed; memkern supports torch 2.11 to 2.15." >&2
+    echo "            Install one of those (e.g. pip install torch==2.13.0) and run again." >&2
+    exit 1
+  fi
+  echo "install.sh: keeping the installed torch $torch_version"
+else
+  "$python" -m pip install "torch==2.13.0"
+fi
+
+"$python" -m pip install "setuptools>=64" wheel ninja numpy matplotlib
+if [ "$with_tests" = 1 ]; then
+  "$python" -m pip install "pytest>=8" expecttest "triton>=3.3"
+fi
+"$python" -m pip install --no-build-isolation -e .
+"$python" -c 'import memkern; print("memkern", memkern.__version__, "backends:", memkern.backends())'

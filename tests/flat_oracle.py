@@ -1,0 +1,193 @@
+"""Helpers for the flat-buffer op tests: backends, sizes, random inputs, float64 oracles and
+comparisons that say which element failed and by how much.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from memkern.backend import runs_on
+
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SIZES = (1, 7, 1023, 65537)
+"""Odd sizes, none a multiple of a block; the Triton interpreter runs all of them in seconds."""
+BIG = 2**20 + 5
+"""One size past 2**20 for the compiled backends (cpu, cuda)."""
+RTOL = 1e-6
+"""float32 state against the float64 oracle (float32 rounds at 6e-8: a 16x margin)."""
+
+
+def cpu_backends() -> list[str]:
+    """Backends that run ops on CPU tensors here (reference, triton interpreted, cpu if built)."""
+    import conftest
+
+    return conftest.cpu_backends()
+
+
+def sizes_for(backend: str) -> tuple[int, ...]:
+    return SIZES + ((BIG,) if backend in ("cpu", "cuda") else ())
+
+
+def cases(*, with_sizes: bool = True, cuda_backends: tuple[str, ...] = ("cuda", "triton")):
+    """pytest params ``(backend, device[, n])``: every CPU backend, plus CUDA runs (marked)."""
+    out = []
+    for device, backends, marks in (
+        ("cpu", cpu_backends(), ()),
+        ("cuda", cuda_backends, (pytest.mark.cuda,)),
+    ):
+        for backend in backends:
+            if with_sizes:
+                out += [pytest.param(backend, device, n, marks=marks, id=f"{backend}-{device}-n{n}")
+                        for n in sizes_for(backend)]
+            else:
+                out.append(pytest.param(backend, device, marks=marks, id=f"{backend}-{device}"))
+    return out
+
+
+def need(backend: str, device: str) -> torch.device:
+    """The device, or a skip when ``backend`` cannot run there in this process."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not runs_on(backend, dev):
+        pytest.skip(f"backend {backend!r} cannot run on {device} here")
+    return dev
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``t`` as integers (NaN == NaN, -0 != +0)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    a, e = bits(actual.cpu()), bits(expected.cpu())
+    if not torch.equal(a, e):
+        i = int((a != e).nonzero()[0])
+        n_bad = int((a != e).sum())
+        raise AssertionError(
+            f"{what}: {n_bad}/{a.numel()} elements differ bitwise; first at [{i}]: "
+            f"{actual.cpu()[i].item()!r} vs expected {expected.cpu()[i].item()!r}"
+        )
+
+
+def assert_close64(actual: torch.Tensor, oracle: torch.Tensor, what: str, rtol: float = RTOL,
+                    magnitude: float | torch.Tensor | None = None) -> None:
+    """``|a - b| <= rtol * (|b| + magnitude)`` elementwise against a float64 oracle.
+
+    ``magnitude`` stands for the size of the terms an element was computed from (a tensor:
+    per element, see :func:`adamw_magnitudes`; default: the mean ``|b|`` over the finite
+    elements), so an element that came out near 0 by cancellation is held to the absolute
+    error its inputs allow, not to an impossible relative one. Equal infinities pass, and so
+    does NaN against NaN (and only against NaN).
+    """
+    a = actual.detach().cpu().to(torch.float64)
+    b = oracle.detach().cpu().to(torch.float64)
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    if b.numel() == 0:
+        return
+    finite = torch.isfinite(b)
+    if isinstance(magnitude, torch.Tensor):
+        scale = magnitude.detach().cpu().to(torch.float64)
+    elif magnitude is not None:
+        scale = torch.tensor(float(magnitude), dtype=torch.float64)
+    elif finite.any():
+        scale = b[finite].abs().mean()
+    else:
+        scale = torch.tensor(0.0, dtype=torch.float64)
+    tol = rtol * (b.abs() + scale)
+    ok = (a == b) | (a.isnan() & b.isnan()) | ((a - b).abs() <= tol)
+    if not bool(ok.all()):
+        bad = (~ok).nonzero().flatten()
+        err = torch.where(ok, torch.zeros_like(a), ((a - b).abs() / tol).nan_to_num(math.inf))
+        i = int(err.argmax())
+        raise AssertionError(
+            f"{what}: {bad.numel()}/{a.numel()} elements off (rtol={rtol}); worst [{i}]: "
+            f"{a[i].item()!r} vs oracle {b[i].item()!r} (|diff| = {abs(a[i] - b[i]).item():.3e}, "
+            f"allowed {tol[i].item():.3e})"
+        )
+
+
+def uniform(lo: float, hi: float) -> float:
+    """Drawn from torch's generator, so conftest's printed seed replays a failure."""
+    return lo + (hi - lo) * torch.rand((), dtype=torch.float64).item()
+
+
+def randint(lo: int, hi: int) -> int:
+    """An integer in ``[lo, hi]`` (inclusive), from torch's generator."""
+    return int(torch.randint(lo, hi + 1, ()).item())
+
+
+def choice(options):
+    return options[randint(0, len(options) - 1)]
+
+
+def poison(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A write-only output, filled with NaN so that an element the kernel skipped shows."""
+    return torch.full((n,), math.nan, dtype=dtype, device=device)
+
+
+def scalar(value: float, device) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.float32, device=device)
+
+
+def inject(t: torch.Tensor, position: str, value: float) -> int:
+    """Write ``value`` at the first/middle/last element of ``t``; returns the index."""
+    i = {"first": 0, "middle": t.numel() // 2, "last": t.numel() - 1}[position]
+    t[i] = value
+    return i
+
+
+def odd_multiplier() -> float:
+    """A float32 gradient multiplier that is not a power of two (so rounding is exercised)."""
+    return float(torch.tensor(2.0 ** -randint(4, 12) * uniform(0.55, 0.95)))
+
+
+def adamw_hyper() -> dict:
+    """Random AdamW hyperparameters: both torch.lerp branches, eps large enough to matter."""
+    return dict(
+        lr=10 ** uniform(-2.5, -0.5),
+        beta1=choice([uniform(0.6, 0.95), uniform(0.0, 0.45)]),
+        beta2=uniform(0.9, 0.9999),
+        eps=10 ** uniform(-8, -2),
+        weight_decay=choice([0.0, uniform(0.01, 0.5)]),
+    )
+
+
+def f64(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().cpu().to(torch.float64)
+
+
+def cpu_clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().cpu().clone()
+
+
+def adamw_magnitudes(master, exp_avg, exp_avg_sq, grads, step, grad_multiplier, hyper, new_exp_avg_sq):
+    """Per element, the size of the terms AdamW adds up (float64 inputs before the step).
+
+    ``exp_avg``: |m| + |g| (the lerp subtracts them); ``exp_avg_sq``: |v| + g**2;
+    ``master``: |master| + step_size * (|m| + |g|) / denom, with the oracle's denominator,
+    which carries an ``m`` that came out near 0 by cancellation into the update.
+    """
+    lr, beta1, beta2, eps, _ = hyper.values()
+    g = grads * (1.0 if grad_multiplier is None else grad_multiplier.item())
+    t = step.item() + 1
+    mag_m = exp_avg.abs() + g.abs()
+    mag_v = exp_avg_sq.abs() + g * g
+    denom = new_exp_avg_sq.sqrt() / math.sqrt(1 - beta2**t) + eps
+    mag_master = master.abs() + lr / (1 - beta1**t) * mag_m / denom
+    return mag_master, mag_m, mag_v
+
+
+def sgd_magnitudes(reference, master, momentum_buffer, grads, step, grad_multiplier, hyper):
+    """Per element, the size of the terms SGD adds up: the reference itself run on absolute
+    values with ``-lr``, which turns every subtraction into an addition (float64 inputs)."""
+    lr, momentum, dampening, weight_decay, nesterov = hyper
+    mag_master = master.abs()
+    mag_buf = None if momentum_buffer is None else momentum_buffer.abs()
+    reference(mag_master, mag_buf, grads.abs(), None, step.clone(),
+              None if grad_multiplier is None else grad_multiplier.abs(), None,
+              -lr, momentum, dampening, weight_decay, nesterov)
+    return mag_master, mag_buf
