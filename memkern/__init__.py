@@ -7,9 +7,10 @@ __version__ = "0.1.0"
 
 __all__ = ["__version__", "backends", "compiled", "ops"]
 
-# Training front end (memkern.optim imports memkern.amp; both need memkern.ops above).
+# Training front end: flat gradient buffer, loss scaling, fused and sharded optimizers.
 from memkern import amp, optim  # noqa: E402
 from memkern.amp import LossScaler  # noqa: E402
 from memkern.optim import GradBuffer  # noqa: E402
 
 __all__ += ["GradBuffer", "LossScaler", "amp", "optim"]
+

@@ -1,0 +1,331 @@
+"""The flat-state base of memkern's optimizers: parameters, gradients and optimizer state of a
+param group live in contiguous flat tensors, so one kernel call updates a whole group.
+
+Where things live (all on the parameters' device):
+
+============================  ===============================================================
+``grad_buffer``               a :class:`~memkern.GradBuffer` over all parameters, laid out
+                              param group by param group; ``p.grad`` are views into it.
+model weights                 moved into the same layout (``GradBuffer.flat_params``): every
+                              ``p`` is a view of one flat tensor per dtype.
+``Segment``                   the parameters of one param group and one dtype: a contiguous
+                              slice of the flat gradients and weights.
+``state[p]["master_param"]``  float32 master weights of bfloat16/float16 parameters (a view
+                              into the segment's flat float32 master). For float32 parameters
+                              the weights themselves are the master and there is no such key.
+``state[p][<algorithm key>]`` float32 views into the segment's flat state (``exp_avg``,
+                              ``exp_avg_sq`` for AdamW; ``momentum_buffer`` for SGD).
+``state[p]["step"]``          the segment's step counter: a one-element float32 device tensor
+                              shared by the segment's parameters.
+============================  ===============================================================
+
+Bytes per parameter with AdamW: 2 + 2 for bfloat16/float16 weights and gradients plus 12 for
+the float32 master, ``exp_avg`` and ``exp_avg_sq`` (16; DESIGN.md's 4 + 12/W for one
+process); float32 weights: 4 + 4 + 8.
+
+``state_dict()`` has ``torch.optim``'s format (per-parameter state, ``step`` as a CPU tensor),
+so a state dict moves between memkern and torch optimizers of the same algorithm.
+
+Differences from ``torch.optim`` that come with flat buffers: a parameter whose gradient is
+None (unused in the forward) is stepped with a zero gradient instead of being skipped
+(weight decay and momentum still apply); ``zero_grad`` zeroes instead of setting None; and
+parameter groups cannot be added after construction. For 16-bit parameters the float32
+master is the source of truth from the first step on: weights written into the model later
+(e.g. ``model.load_state_dict``) are overwritten by the next step unless the optimizer's
+state dict, which holds the masters, is loaded too.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from memkern.optim.grad_buffer import Bucket, GradBuffer, aligned
+
+
+@dataclasses.dataclass(eq=False)
+class Segment:
+    """The parameters of one param group and one dtype: ``[start, end)`` of a bucket.
+
+    ``grads`` and ``weights`` are the bucket's flat gradients and weights over that range;
+    ``state`` maps state names to flat float32 tensors of the same length and
+    ``param_states`` are the optimizer's per-parameter state dicts that hold views of them;
+    ``step`` is a one-element float32 device tensor. State and step exist from the
+    optimizer's first step or load on.
+    """
+
+    group: int
+    bucket: Bucket
+    start: int
+    end: int
+    params: list[torch.Tensor]
+    offsets: list[int]  # each parameter's offset inside the segment
+    state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    param_states: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    step: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.grads = self.bucket.grads[self.start:self.end]
+        self.weights = self.bucket.weights[self.start:self.end]
+        self.low_precision = self.weights.dtype != torch.float32
+
+    @property
+    def master(self) -> torch.Tensor:
+        """Float32 master weights: the model's weights themselves when they are float32."""
+        return self.state["master_param"] if self.low_precision else self.weights
+
+    @property
+    def model_weights(self) -> torch.Tensor | None:
+        """The kernels' ``params`` output: the 16-bit weights rewritten from the master in the
+        same pass, or None when the master is the model's float32 weights."""
+        return self.weights if self.low_precision else None
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views of a segment-length flat tensor."""
+        return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+
+    def add_state(self, key: str, flat: torch.Tensor) -> torch.Tensor:
+        """Stores ``flat`` as state ``key`` and its views in the per-parameter state dicts."""
+        self.state[key] = flat
+        for state, view in zip(self.param_states, self.views(flat)):
+            state[key] = view
+        return flat
+
+
+class Algorithm(Protocol):
+    """Hyper-parameters, state and kernel call of one update rule (see fused_adamw, fused_sgd)."""
+
+    defaults: Callable[..., dict[str, Any]]
+    """Validates the constructor's hyper-parameters and returns the param-group defaults."""
+
+    @staticmethod
+    def state_keys(group: dict[str, Any]) -> tuple[str, ...]:
+        """The zero-initialised flat float32 state a segment of ``group`` needs."""
+
+    @staticmethod
+    def update(seg: Segment, group: dict[str, Any], grad_multiplier: torch.Tensor | None,
+               found_inf: torch.Tensor | None) -> None:
+        """One kernel call updating ``seg``."""
+
+
+def _param_groups(params: Any) -> list[dict[str, Any]]:
+    """``params`` (tensors, (name, tensor) pairs or param-group dicts) as param-group dicts
+    whose "params" are lists, so that the parameters can be laid out before torch sees them."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("memkern: params must be an iterable of tensors or of param-group dicts, "
+                        "got a single tensor; wrap it in a list")
+    items = list(params)
+    if items and isinstance(items[0], dict):
+        groups = [dict(g) for g in items]
+    else:
+        groups = [{"params": items}]
+    for group in groups:
+        ps = group["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        if ps and isinstance(ps[0], tuple):  # model.named_parameters()
+            group["param_names"] = [name for name, _ in ps]
+            ps = [p for _, p in ps]
+        group["params"] = ps
+    return groups
+
+
+class FlatOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` whose update runs as one fused kernel per segment.
+
+    Subclasses name their :class:`Algorithm`. ``grad_dtype`` is the gradient buffer's dtype
+    (None: each parameter's own). Construction moves the parameters into flat storage and
+    makes their ``.grad`` views of ``grad_buffer`` (see the module docstring); the optimizer
+    state (float32 masters, moments, step counters) is created at the first step or load.
+    """
+
+    algorithm: ClassVar[Algorithm]
+    # torch.amp.GradScaler.step hands such an optimizer `grad_scale` and `found_inf` instead of
+    # unscaling and reading found_inf on the host; the kernel takes both.
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params: Any, defaults: dict[str, Any], *,
+                 grad_dtype: torch.dtype | None = None) -> None:
+        groups = _param_groups(params)
+        # Laid out group by group, so each (param group, dtype) is one contiguous segment.
+        self.grad_buffer = GradBuffer([p for g in groups for p in g["params"]], dtype=grad_dtype)
+        super().__init__(groups, defaults)
+        self.grad_buffer.flat_params()
+        group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        self._segments: list[Segment] = []
+        for bucket in self.grad_buffer.buckets:
+            placed = list(zip(bucket.params, bucket.offsets))
+            for gi, run in itertools.groupby(placed, key=lambda po: group_of[id(po[0])]):
+                run = list(run)
+                start, end = run[0][1], run[-1][1] + aligned(run[-1][0].numel())
+                self._segments.append(Segment(gi, bucket, start, end, [p for p, _ in run],
+                                              [o - start for _, o in run]))
+        self._state_ready = False
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_segments", None) is not None:
+            raise NotImplementedError(
+                f"memkern.{type(self).__name__}.add_param_group: the flat layout is fixed at "
+                "construction; pass every param group to the constructor"
+            )
+        super().add_param_group(param_group)
+
+    # -------------------------------------------------------------------------------- state
+    def _init_state(self) -> None:
+        """(Re)creates all optimizer state: masters from the current weights, zero moments."""
+        self.state = defaultdict(dict)
+        for seg in self._segments:
+            group = self.param_groups[seg.group]
+            seg.param_states = [self.state[p] for p in seg.params]
+            seg.state = {}
+            seg.step = torch.zeros((), dtype=torch.float32, device=seg.grads.device)
+            for state in seg.param_states:
+                state["step"] = seg.step
+            if seg.low_precision:
+                seg.add_state("master_param", seg.weights.float())
+            for key in self.algorithm.state_keys(group):
+                seg.add_state(key, torch.zeros_like(seg.grads, dtype=torch.float32))
+        self._state_ready = True
+
+    # --------------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, *,
+             grad_multiplier: torch.Tensor | None = None,
+             found_inf: torch.Tensor | None = None) -> Any:
+        """One update of every parameter: one kernel call per segment.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (as in torch.optim).
+            grad_multiplier: optional one-element float32 device tensor every gradient is
+                multiplied by inside the kernel (e.g. ``LossScaler.inv_scale(device)``).
+            found_inf: optional one-element float32 device tensor; non-zero skips the step
+                bit-identically (e.g. what ``LossScaler.unscale_`` returned).
+        Under ``torch.amp.GradScaler.step(optimizer)`` both come from the scaler, with no host
+        sync and no separate unscale pass.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
+        if grad_scale is not None:
+            inv_scale = grad_scale.double().reciprocal().float()
+            grad_multiplier = inv_scale if grad_multiplier is None else grad_multiplier * inv_scale
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        self.grad_buffer.claim_grads()
+        self._apply_update(grad_multiplier, found_inf)
+        return loss
+
+    def _apply_update(self, grad_multiplier: torch.Tensor | None,
+                      found_inf: torch.Tensor | None) -> None:
+        """The update phase: one kernel call per segment, gradients already in the buffer."""
+        if not self._state_ready:
+            self._init_state()
+        for seg in self._segments:
+            self.algorithm.update(seg, self.param_groups[seg.group], grad_multiplier, found_inf)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes the flat gradient buffer (one fill per dtype).
+
+        ``set_to_none`` is accepted for compatibility and ignored: the gradients stay views of
+        the buffer (a None ``.grad`` would make the next backward allocate outside it).
+        """
+        self.grad_buffer.zero_()
+
+    # -------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim`` format. Tensors are views of the live flat state (``torch.save`` them
+        or copy), except ``step``, a fresh per-parameter CPU tensor as torch keeps it."""
+        state_dict = super().state_dict()
+        state_dict["state"] = {
+            index: {k: (v.detach().to("cpu", copy=True) if k == "step" else v)
+                    for k, v in param_state.items()}
+            for index, param_state in state_dict["state"].items()
+        }
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict of this class or of the torch optimizer of the same algorithm.
+
+        Values are copied into the flat state (cast to float32). A bfloat16/float16 parameter
+        without a saved ``master_param`` gets its master from its current weights, so load the
+        model's weights first. One step counter serves each segment: differing saved steps
+        within one param group and dtype are replaced by their maximum, with a warning.
+        """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        name = f"memkern.{type(self).__name__}.load_state_dict"
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        saved_sizes = [len(g["params"]) for g in saved_groups]
+        sizes = [len(g["params"]) for g in self.param_groups]
+        if saved_sizes != sizes:
+            raise ValueError(
+                f"{name}: state_dict has param groups of sizes {saved_sizes}, this optimizer "
+                f"{sizes}; it was saved for another model or another param-group split"
+            )
+        id_map = {
+            saved: p
+            for sg, g in zip(saved_groups, self.param_groups)
+            for saved, p in zip(sg["params"], g["params"])
+        }
+        for sg, g in zip(saved_groups, self.param_groups):
+            sg["params"] = g["params"]
+            if "param_names" in g and "param_names" not in sg:
+                sg["param_names"] = g["param_names"]
+        self.param_groups = saved_groups
+        self._init_state()  # with the loaded hyper-parameters (e.g. SGD momentum on or off)
+
+        seg_of = {id(p): seg for seg in self._segments for p in seg.params}
+        steps: dict[int, list[float]] = defaultdict(list)
+        saved_state = state_dict["state"]
+        for saved_id, p in id_map.items():
+            seg, state = seg_of[id(p)], self.state[p]
+            saved = saved_state.get(saved_id, {})
+            for key, value in saved.items():
+                if key == "step":
+                    continue
+                if value is None:  # torch.optim.SGD's momentum_buffer before its first step
+                    continue
+                if key == "master_param" and not seg.low_precision:
+                    target = p.data  # a float32 model's weights are its master
+                elif key in state and isinstance(value, torch.Tensor):
+                    target = state[key]
+                else:
+                    raise ValueError(
+                        f"{name}: saved state {key!r} of parameter {saved_id} is not used by "
+                        f"{type(self).__name__} (saved by another algorithm or option, e.g. "
+                        "amsgrad?)"
+                    )
+                if value.shape != target.shape:
+                    raise ValueError(
+                        f"{name}: saved state {key!r} of parameter {saved_id} has shape "
+                        f"{tuple(value.shape)}, the parameter {tuple(p.shape)}"
+                    )
+                target.copy_(value)
+            if "step" in saved:
+                steps[id(seg)].append(float(saved["step"]))
+            else:  # torch.optim.SGD keeps no step: a momentum buffer means it has stepped
+                steps[id(seg)].append(float(any(isinstance(v, torch.Tensor)
+                                                for v in saved.values())))
+        for seg in self._segments:
+            values = steps[id(seg)]
+            if len(set(values)) > 1:
+                warnings.warn(
+                    f"{name}: parameters of param group {seg.group} were saved at different step "
+                    f"counts {sorted(set(values))}; memkern keeps one counter per param group and "
+                    f"dtype and uses the largest ({max(values):g})",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            seg.step.fill_(max(values))
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)

@@ -1,0 +1,65 @@
+"""``FusedAdamW``: ``torch.optim.AdamW``'s math, one ``memkern.ops.adamw_step_`` call per param
+group and dtype over flat buffers (see :mod:`memkern.optim.flat_state` for what lives where)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memkern import ops
+from memkern.optim.flat_state import FlatOptimizer, Segment
+
+
+class AdamW:
+    """The AdamW update rule over flat segments (hyper-parameters, state, kernel call)."""
+
+    @staticmethod
+    def defaults(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> dict[str, Any]:
+        if not lr >= 0.0:
+            raise ValueError(f"memkern AdamW: lr must be >= 0, got {lr}")
+        if not eps >= 0.0:
+            raise ValueError(f"memkern AdamW: eps must be >= 0, got {eps}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"memkern AdamW: betas must be two numbers in [0, 1), got {betas}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"memkern AdamW: weight_decay must be >= 0, got {weight_decay}")
+        return {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+
+    @staticmethod
+    def state_keys(group: dict[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    @staticmethod
+    def update(seg: Segment, group: dict[str, Any], grad_multiplier: torch.Tensor | None,
+               found_inf: torch.Tensor | None) -> None:
+        beta1, beta2 = group["betas"]
+        ops.adamw_step_(seg.master, seg.state["exp_avg"], seg.state["exp_avg_sq"], seg.grads,
+                        seg.model_weights, seg.step, grad_multiplier, found_inf,
+                        float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                        float(group["weight_decay"]))
+
+
+class FusedAdamW(FlatOptimizer):
+    """``torch.optim.AdamW`` (decoupled weight decay) as fused flat-buffer kernels.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs or param-group dicts (each group may set
+            its own ``lr``, ``betas``, ``eps``, ``weight_decay``). Float32, bfloat16 or float16
+            parameters on one device; bfloat16/float16 ones get float32 master weights in
+            ``state[p]["master_param"]``, and the kernel writes the rounded master back into
+            the parameter in the same pass.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        grad_dtype: dtype of the flat gradient buffer (None: each parameter's own dtype).
+
+    State per parameter: ``step``, ``exp_avg``, ``exp_avg_sq`` (float32), plus
+    ``master_param`` for 16-bit parameters.
+    """
+
+    algorithm = AdamW
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *,
+                 grad_dtype: torch.dtype | None = None) -> None:
+        super().__init__(params, AdamW.defaults(lr, betas, eps, weight_decay),
+                         grad_dtype=grad_dtype)

@@ -1,0 +1,181 @@
+"""LossScaler: torch.amp.GradScaler's trajectory, hysteresis, min_scale, the floor warning,
+unscaling a GradBuffer in one kernel per flat buffer, and checkpoints."""
+import warnings
+
+import pytest
+import torch
+
+import memkern as mk
+from memkern import ops
+
+
+def grad_scaler_trajectory(overflows, **settings):
+    """The scale after each update of a real torch.amp.GradScaler driven by an optimizer whose
+    gradient overflows where ``overflows`` says so."""
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", **settings)
+    scales, trackers = [], []
+    for overflow in overflows:
+        opt.zero_grad()
+        loss = (w * (float("inf") if overflow else 1.0)).sum()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        trackers.append(scaler._get_growth_tracker())
+    return scales, trackers
+
+
+def loss_scaler_trajectory(overflows, scaler):
+    w = torch.nn.Parameter(torch.ones(3))
+    scales, trackers = [], []
+    for overflow in overflows:
+        w.grad = None
+        loss = (w * (float("inf") if overflow else 1.0)).sum()
+        scaler.scale(loss).backward()
+        found_inf = scaler.unscale_([w.grad])
+        scaler.update(found_inf)
+        scales.append(scaler.get_scale())
+        trackers.append(scaler.state_dict()["_growth_tracker"])
+    return scales, trackers
+
+
+@pytest.mark.parametrize("settings", [
+    dict(init_scale=2.0**10, growth_interval=3),
+    dict(init_scale=1000.0, growth_factor=1.7, backoff_factor=0.3, growth_interval=2),
+])
+def test_trajectory_equals_grad_scaler(settings):
+    # Scripted: a burst at the start (calibration), growth phases, isolated and paired overflows.
+    overflows = [1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0]
+    overflows += torch.rand(40).lt(0.3).tolist()
+    want = grad_scaler_trajectory(overflows, **settings)
+    got = loss_scaler_trajectory(overflows, mk.LossScaler(**settings, min_scale=1e-30))
+    assert got == want  # bit-identical scales and growth trackers
+
+
+def run_updates(scaler, overflows):
+    scales = []
+    for overflow in overflows:
+        scaler.update(torch.tensor(float(overflow)))
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_hysteresis_tolerates_overflows_until_the_allowance_is_spent():
+    scaler = mk.LossScaler(init_scale=64.0, growth_interval=3, hysteresis=3)
+    scaler.scale(torch.ones(()))
+    # Two overflows use up the allowance, the third backs off; with the allowance spent every
+    # further overflow backs off, until growth refills it.
+    assert run_updates(scaler, [1, 1, 1, 1]) == [64, 64, 32, 16]
+    assert run_updates(scaler, [0, 0, 0]) == [16, 16, 32]
+    assert run_updates(scaler, [1, 0, 1, 1]) == [32, 32, 32, 16]
+
+
+def test_scale_stops_at_min_scale_and_warns_with_the_count():
+    scaler = mk.LossScaler(init_scale=4.0, min_scale=1.0)
+    scaler.scale(torch.ones(()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scales = run_updates(scaler, [1] * 8)
+    assert scales == [2, 1, 1, 1, 1, 1, 1, 1]
+    # The first two overflows could still back off; from the third the scale is stuck. The
+    # count is of consecutive skipped steps, warned again each time it doubles.
+    counts = [str(w.message).split(" in ")[1].split(" consecutive")[0] for w in caught]
+    assert counts == ["3", "6"], [str(w.message) for w in caught]
+    assert "min_scale=1" in str(caught[0].message)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_updates(scaler, [0, 1])  # a clean step ends the run; the next overflow warns again
+    assert len(caught) == 1 and " in 1 consecutive" in str(caught[0].message)
+
+
+def test_overflow_at_min_scale_can_raise():
+    scaler = mk.LossScaler(init_scale=2.0, min_scale=2.0, on_min_scale_overflow="raise")
+    scaler.scale(torch.ones(()))
+    run_updates(scaler, [0])
+    with pytest.raises(RuntimeError, match="1 consecutive steps"):
+        run_updates(scaler, [1])
+
+
+def test_static_scale_never_moves_and_still_warns():
+    scaler = mk.LossScaler(init_scale=8.0, min_scale=8.0, growth_interval=1, dynamic=False)
+    scaler.scale(torch.ones(()))
+    with pytest.warns(RuntimeWarning, match=r"static \(8\)"):
+        assert run_updates(scaler, [0, 0, 1, 0]) == [8, 8, 8, 8]
+
+
+def test_unscale_grad_buffer_one_kernel_per_flat_buffer(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+    model[1].to(torch.bfloat16)
+    buf = mk.GradBuffer(model.parameters())
+    for b in buf.buckets:
+        b.grads.normal_()
+    before = [p.grad.clone() for p in model.parameters()]
+    calls = []
+    real = ops.unscale_
+    monkeypatch.setattr(ops, "unscale_", lambda *a: calls.append(a[0]) or real(*a))
+
+    scaler = mk.LossScaler(init_scale=2.0**7)
+    found_inf = scaler.unscale_(buf)
+    assert [c.data_ptr() for c in calls] == [b.grads.data_ptr() for b in buf.buckets]
+    assert found_inf.shape == () and found_inf.dtype == torch.float32 and found_inf.item() == 0
+    for p, old in zip(model.parameters(), before):
+        assert torch.equal(p.grad, (old.float() / 2.0**7).to(old.dtype))
+
+    model[1].bias.grad[1] = float("nan")
+    assert scaler.unscale_(buf).item() == 1.0
+
+
+def test_unscale_tensor_list_matches_torch():
+    grads = [torch.randn(7) * 100, torch.randn(3, 5).to(torch.float16), torch.randn(1)]
+    grads[1][2, 3] = float("inf")
+    want = [g.clone() for g in grads]
+    want_found = torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_(want[:1] + want[2:], want_found,
+                                                     torch.tensor(0.25))
+    torch._amp_foreach_non_finite_check_and_unscale_(want[1:2], want_found, torch.tensor(0.25))
+    found = mk.LossScaler(init_scale=4.0).unscale_(grads)
+    assert found.item() == want_found.item() == 1.0
+    for g, w in zip(grads, want):
+        assert torch.equal(g, w)
+
+
+def test_state_dict_round_trip_and_grad_scaler_state():
+    overflows = [0, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0]
+    a = mk.LossScaler(init_scale=2.0**8, growth_interval=2, hysteresis=2)
+    a.scale(torch.ones(()))
+    run_updates(a, overflows)
+    b = mk.LossScaler()
+    b.load_state_dict(a.state_dict())
+    assert b.state_dict() == a.state_dict()
+    assert run_updates(b, overflows) == run_updates(a, overflows)
+
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=32.0, growth_interval=5)
+    c = mk.LossScaler()
+    c.load_state_dict(torch_scaler.state_dict())
+    assert c.get_scale() == 32.0 and c.growth_interval == 5 and c.min_scale == 1.0
+
+
+def test_disabled_scaler_is_a_no_op():
+    scaler = mk.LossScaler(enabled=False)
+    loss = torch.tensor(3.0)
+    assert scaler.scale(loss) is loss
+    g = torch.tensor([1.0, float("inf")])
+    assert scaler.unscale_([g]).item() == 0.0 and g[0] == 1.0
+    scaler.update(torch.tensor(1.0))
+    assert scaler.get_scale() == 1.0 and scaler.state_dict() == {}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(init_scale=0.0), "init_scale"),
+    (dict(growth_factor=1.0), "growth_factor"),
+    (dict(backoff_factor=1.0), "backoff_factor"),
+    (dict(growth_interval=0), "growth_interval"),
+    (dict(min_scale=2.0**20), "min_scale"),
+    (dict(hysteresis=0), "hysteresis"),
+    (dict(on_min_scale_overflow="ignore"), "on_min_scale_overflow"),
+])
+def test_bad_settings_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mk.LossScaler(**kwargs)
