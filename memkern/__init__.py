@@ -14,3 +14,8 @@ from memkern.optim import GradBuffer  # noqa: E402
 
 __all__ += ["GradBuffer", "LossScaler", "amp", "optim"]
 
+# Layers (memkern.nn), recompute policies, patching, memory accounting.
+from memkern import nn, profile  # noqa: E402
+from memkern.nn import checkpoint, patch  # noqa: E402
+
+__all__ += ["checkpoint", "nn", "patch", "profile"]

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import torch
 
-LOW_OR_FULL = (torch.float32, torch.bfloat16, torch.float16)
+from typing import Any
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # float64 is accepted so that the reference implementation can serve as a float64 oracle.
-ORACLE_OK = LOW_OR_FULL + (torch.float64,)
+ORACLE_DTYPES = FLOAT_DTYPES + (torch.float64,)
 
 
 def flat(
@@ -67,3 +69,47 @@ def advance_step_(step: torch.Tensor, found_inf: torch.Tensor | None) -> None:
         step.add_(1)
     else:
         step.add_((found_inf.reshape(()) == 0).to(step.dtype))
+
+
+def tensor(op: str, name: str, t: Any, dtypes: tuple[torch.dtype, ...] = ORACLE_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"memkern.ops.{op}: {name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(
+            f"memkern.ops.{op}: {name} has dtype {t.dtype}; expected one of "
+            f"{', '.join(str(d) for d in dtypes)} (cast it with .to(...))"
+        )
+    if not t.is_contiguous():
+        raise ValueError(
+            f"memkern.ops.{op}: {name} must be contiguous (shape {tuple(t.shape)}, strides "
+            f"{t.stride()}); pass {name}.contiguous()"
+        )
+
+
+def same_device(op: str, name: str, t: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
+    if t.device != like.device:
+        raise ValueError(
+            f"memkern.ops.{op}: {name} is on {t.device} but {like_name} is on {like.device}; "
+            "move them to one device"
+        )
+
+
+def same_shape(op: str, name: str, t: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
+    if t.shape != like.shape:
+        raise ValueError(
+            f"memkern.ops.{op}: {name} has shape {tuple(t.shape)} but {like_name} has "
+            f"{tuple(like.shape)}; they must match"
+        )
+
+
+def same_dtype(op: str, name: str, t: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
+    if t.dtype != like.dtype:
+        raise TypeError(
+            f"memkern.ops.{op}: {name} has dtype {t.dtype} but {like_name} has {like.dtype}; "
+            "they must match"
+        )
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the math runs in: float32 for 16-bit inputs, the input's own otherwise."""
+    return torch.promote_types(dtype, torch.float32)

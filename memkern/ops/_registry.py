@@ -1,7 +1,7 @@
 """The ``memkern`` torch.library namespace and the one dispatch rule every op follows.
 
 Each op file defines its schema, argument checks, fake (meta) implementation and reference
-implementation, and registers them with :func:`define_op`. The schema lives only here in
+implementation, and registers them as an :class:`Op`. The schema lives only here in
 Python, so the op exists whether or not the C++ extension was built; ``csrc/`` registers
 kernels for the ``CPU`` and ``CUDA`` dispatch keys against it. Where a compiled kernel is
 missing, the reference (CPU) or the Triton kernel (CUDA) is registered in its place, so
@@ -21,12 +21,17 @@ from memkern._extension import compiled
 LIBRARY = torch.library.Library("memkern", "DEF")
 
 
-class FlatOp:
+class Op:
     """The Python entry of one op: checks its arguments, then runs the selected backend.
 
+    ``compiled_kernels``: whether ``csrc/`` registers CPU/CUDA kernels for it (the flat-buffer
+    ops); otherwise the reference serves ``CPU`` and the Triton kernel ``CUDA``. ``triton`` is
+    the dotted path of the Triton implementation (None: there is none, the reference runs).
+
     ``backend="cpu"``/``"cuda"`` go through ``torch.ops.memkern.<name>`` (the dispatcher
-    picks the compiled kernel by device); ``"triton"`` and ``"reference"`` call those
-    implementations directly, so forcing a backend works even where a compiled kernel exists.
+    picks the kernel by device); ``"triton"`` and ``"reference"`` call those implementations
+    directly, so forcing a backend works even where a compiled kernel exists. Under
+    ``torch.compile`` the registered op is called, one opaque node described by its fake.
     """
 
     def __init__(
@@ -37,7 +42,8 @@ class FlatOp:
         check: Callable[..., torch.device],
         fake: Callable[..., Any],
         reference: Callable[..., Any],
-        triton: str,
+        triton: str | None,
+        compiled_kernels: bool,
     ) -> None:
         self.name = name
         self.check = check
@@ -46,22 +52,30 @@ class FlatOp:
         LIBRARY.define(name + schema)
         self.op = getattr(torch.ops.memkern, name).default
         torch.library.register_fake(f"memkern::{name}", fake, lib=LIBRARY)
-        if not compiled.has_cpu:
+        if not (compiled_kernels and compiled.has_cpu):
             LIBRARY.impl(name, reference, "CPU")
-        if not compiled.has_cuda:
+        if not (compiled_kernels and compiled.has_cuda):
             LIBRARY.impl(name, self._triton_or_reference, "CUDA")
 
+    @property
+    def has_triton(self) -> bool:
+        return self._triton_path is not None
+
     def triton(self, *args: Any) -> Any:
-        """The Triton implementation (imports triton on first use)."""
+        """The Triton implementation (imports triton on first use); the reference if none."""
+        if self._triton_path is None:
+            return self.reference(*args)
         module, _, attr = self._triton_path.rpartition(".")
         return getattr(importlib.import_module(module), attr)(*args)
 
     def _triton_or_reference(self, *args: Any) -> Any:
-        if backend.runs_on("triton", torch.device("cuda")):
+        if self.has_triton and backend.runs_on("triton", torch.device("cuda")):
             return self.triton(*args)
         return self.reference(*args)
 
     def __call__(self, *args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self.op(*args)
         device = self.check(*args)
         chosen = backend.select(device)
         if chosen == "triton":

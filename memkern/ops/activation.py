@@ -10,14 +10,17 @@ Arguments
 ``act_forward(x, kind)`` equals ``F.gelu(x)`` / ``F.gelu(x, approximate="tanh")`` /
 ``F.relu(x)`` / ``F.silu(x)``; ``act_backward(grad, x, kind)`` is the gradient w.r.t. ``x``.
 16-bit inputs are computed in float32 and rounded once. NaN propagates as in torch (ReLU's
-gradient at NaN is 0, like ``threshold_backward``).
+gradient at NaN is 0, like ``threshold_backward``). One documented difference at infinities:
+the erf-GELU of ``+inf`` is ``+inf`` in the Triton kernel (as in torch's CUDA kernel), while
+torch's CPU kernel, used by the reference, returns NaN.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from memkern.ops import _nn_registry as R
+from memkern.ops import _checks
+from memkern.ops._registry import Op
 
 KINDS = ("gelu", "gelu_tanh", "relu", "silu")
 
@@ -28,17 +31,17 @@ def check_kind(op: str, kind: str) -> None:
 
 
 def _check_forward(x: torch.Tensor, kind: str) -> torch.device:
-    R.tensor("act_forward", "x", x)
+    _checks.tensor("act_forward", "x", x)
     check_kind("act_forward", kind)
     return x.device
 
 
 def _check_backward(grad: torch.Tensor, x: torch.Tensor, kind: str) -> torch.device:
-    R.tensor("act_backward", "grad", grad)
-    R.tensor("act_backward", "x", x)
-    R.same_shape("act_backward", "grad", grad, x, "x")
-    R.same_dtype("act_backward", "grad", grad, x, "x")
-    R.same_device("act_backward", "grad", grad, x, "x")
+    _checks.tensor("act_backward", "grad", grad)
+    _checks.tensor("act_backward", "x", x)
+    _checks.same_shape("act_backward", "grad", grad, x, "x")
+    _checks.same_dtype("act_backward", "grad", grad, x, "x")
+    _checks.same_device("act_backward", "grad", grad, x, "x")
     check_kind("act_backward", kind)
     return x.device
 
@@ -52,7 +55,7 @@ def _fake_backward(grad: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tens
 
 
 def forward_reference(x: torch.Tensor, kind: str) -> torch.Tensor:
-    xc = x.to(R.compute_dtype(x.dtype))
+    xc = x.to(_checks.compute_dtype(x.dtype))
     if kind == "gelu":
         y = F.gelu(xc)
     elif kind == "gelu_tanh":
@@ -67,7 +70,7 @@ def forward_reference(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def backward_reference(grad: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
-    cd = R.compute_dtype(x.dtype)
+    cd = _checks.compute_dtype(x.dtype)
     g, xc = grad.to(cd), x.to(cd)
     if kind == "gelu":
         dx = torch.ops.aten.gelu_backward(g, xc)
@@ -82,20 +85,22 @@ def backward_reference(grad: torch.Tensor, x: torch.Tensor, kind: str) -> torch.
     return dx.to(x.dtype)
 
 
-act_forward = R.NNOp(
+act_forward = Op(
     "act_forward",
     "(Tensor x, str kind) -> Tensor",
     check=_check_forward,
     fake=_fake_forward,
     reference=forward_reference,
     triton="memkern.kernels.activation.act_forward",
+    compiled_kernels=False,
 )
 
-act_backward = R.NNOp(
+act_backward = Op(
     "act_backward",
     "(Tensor grad, Tensor x, str kind) -> Tensor",
     check=_check_backward,
     fake=_fake_backward,
     reference=backward_reference,
     triton="memkern.kernels.activation.act_backward",
+    compiled_kernels=False,
 )

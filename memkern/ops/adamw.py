@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from memkern.ops import _checks
-from memkern.ops._registry import FlatOp
+from memkern.ops._registry import Op
 
 SCHEMA = (
     "(Tensor(a!) master, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor grads, "
@@ -47,9 +47,9 @@ def _check(master, exp_avg, exp_avg_sq, grads, params, step, grad_multiplier, fo
     _checks.flat(op, "master", master, state_dtypes)
     _checks.flat(op, "exp_avg", exp_avg, (master.dtype,), like=master)
     _checks.flat(op, "exp_avg_sq", exp_avg_sq, (master.dtype,), like=master)
-    _checks.flat(op, "grads", grads, _checks.ORACLE_OK, like=master)
+    _checks.flat(op, "grads", grads, _checks.ORACLE_DTYPES, like=master)
     if params is not None:
-        _checks.flat(op, "params", params, _checks.ORACLE_OK, like=master)
+        _checks.flat(op, "params", params, _checks.ORACLE_DTYPES, like=master)
     _checks.scalar(op, "step", step, master)
     _checks.scalar(op, "grad_multiplier", grad_multiplier, master)
     _checks.scalar(op, "found_inf", found_inf, master)
@@ -92,11 +92,12 @@ def reference(master, exp_avg, exp_avg_sq, grads, params, step, grad_multiplier,
     _checks.advance_step_(step, found_inf)
 
 
-adamw_step_ = FlatOp(
+adamw_step_ = Op(
     "adamw_step_",
     SCHEMA,
     check=_check,
     fake=_fake,
     reference=reference,
     triton="memkern.kernels.adamw.adamw_step_",
+    compiled_kernels=True,
 )

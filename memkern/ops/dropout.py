@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from memkern.ops import _nn_registry as R
+from memkern.ops import _checks
+from memkern.ops._registry import Op
 
 M32 = 0xFFFFFFFF
 PHILOX_ROUNDS = 10
@@ -42,13 +43,13 @@ def scale(p: float) -> float:
 
 
 def _check(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.device:
-    R.tensor("dropout", "x", x)
+    _checks.tensor("dropout", "x", x)
     if not isinstance(seed, torch.Tensor) or seed.dtype != torch.int64 or seed.numel() != 1:
         raise ValueError(
             "memkern.ops.dropout: seed must be an int64 tensor with one element, got "
             + (f"{seed.dtype} of shape {tuple(seed.shape)}" if isinstance(seed, torch.Tensor) else repr(seed))
         )
-    R.same_device("dropout", "seed", seed, x, "x")
+    _checks.same_device("dropout", "seed", seed, x, "x")
     if not (0.0 <= p <= 1.0):
         raise ValueError(f"memkern.ops.dropout: p={p} must be a probability in [0, 1]")
     return x.device
@@ -107,16 +108,17 @@ def keep_mask(seed: torch.Tensor, numel: int, p: float) -> torch.Tensor:
 
 def reference(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
     keep = keep_mask(seed, x.numel(), p).view(x.shape)
-    cd = R.compute_dtype(x.dtype)
+    cd = _checks.compute_dtype(x.dtype)
     kept = (x.to(cd) * scale(p)).to(x.dtype)
     return torch.where(keep, kept, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-dropout = R.NNOp(
+dropout = Op(
     "dropout",
     "(Tensor x, Tensor seed, float p) -> Tensor",
     check=_check,
     fake=_fake,
     reference=reference,
     triton="memkern.kernels.dropout.dropout",
+    compiled_kernels=False,
 )

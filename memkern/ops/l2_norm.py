@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 
 from memkern.ops import _checks
-from memkern.ops._registry import FlatOp
+from memkern.ops._registry import Op
 
 SCHEMA = "(Tensor grads) -> Tensor"
 
 
 def _check(grads: torch.Tensor) -> torch.device:
-    _checks.flat("l2_norm", "grads", grads, _checks.ORACLE_OK)
+    _checks.flat("l2_norm", "grads", grads, _checks.ORACLE_DTYPES)
     return grads.device
 
 
@@ -35,11 +35,12 @@ def reference(grads: torch.Tensor) -> torch.Tensor:
     return grads.to(compute).square().sum().sqrt()
 
 
-l2_norm = FlatOp(
+l2_norm = Op(
     "l2_norm",
     SCHEMA,
     check=_check,
     fake=_fake,
     reference=reference,
     triton="memkern.kernels.l2_norm.l2_norm",
+    compiled_kernels=True,
 )

@@ -3,8 +3,10 @@ cross-entropy of ``x @ weight.T + bias`` computed in chunks of tokens, so that n
 ``[tokens, classes]`` tensor ever exists — only one ``[chunk, classes]`` block at a time.
 
 Each chunk: ``z = x_c @ W.T (+ b)`` (one GEMM into a reused block), the fused row op
-:mod:`memkern.ops.cross_entropy` (loss rows, then the gradient written over ``z``), then
-``dx_c = z @ W`` and ``dW += z.T @ x_c`` (``db += z.sum(0)``).
+:mod:`memkern.ops.cross_entropy` (loss rows, then the gradient written over ``z``; on the CPU
+in sub-blocks of :data:`ROW_OP_BYTES` that stay in the last-level cache), then
+``dx_c = z @ W`` and ``dW += z.T @ x_c`` (``db += z.sum(0)``): three GEMMs in all, as the
+unfused computation, and one ``[chunk, V]`` block (plus the row op's scratch) alive at a time.
 
 Arguments (both ops)
     x               contiguous ``[N, H]`` float32/bfloat16/float16 (float64: reference).
@@ -30,8 +32,13 @@ from __future__ import annotations
 
 import torch
 
-from memkern.ops import _nn_registry as R
+from memkern.ops import _checks
+from memkern.ops._registry import Op
 from memkern.ops.cross_entropy import cross_entropy_rows_
+
+ROW_OP_BYTES = 8 << 20
+"""On the CPU, logits bytes per call of the row op (its float32 scratch is as large again),
+so that both stay in the last-level cache. On the GPU the row op takes the whole chunk."""
 
 _ARGS = (
     "Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index, float label_smoothing, "
@@ -40,19 +47,19 @@ _ARGS = (
 
 
 def _check(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, *flags, op="linear_cross_entropy_forward"):
-    R.tensor(op, "x", x)
-    R.tensor(op, "weight", weight)
+    _checks.tensor(op, "x", x)
+    _checks.tensor(op, "weight", weight)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"memkern.ops.{op}: x must be [N, H] and weight [V, H] with the same H, got "
             f"{tuple(x.shape)} and {tuple(weight.shape)}"
         )
-    R.same_dtype(op, "weight", weight, x, "x")
-    R.same_device(op, "weight", weight, x, "x")
+    _checks.same_dtype(op, "weight", weight, x, "x")
+    _checks.same_device(op, "weight", weight, x, "x")
     if bias is not None:
-        R.tensor(op, "bias", bias)
-        R.same_dtype(op, "bias", bias, x, "x")
-        R.same_device(op, "bias", bias, x, "x")
+        _checks.tensor(op, "bias", bias)
+        _checks.same_dtype(op, "bias", bias, x, "x")
+        _checks.same_device(op, "bias", bias, x, "x")
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"memkern.ops.{op}: bias has shape {tuple(bias.shape)}; expected ({weight.shape[0]},)")
     if not isinstance(target, torch.Tensor) or target.dtype != torch.int64 or tuple(target.shape) != (x.shape[0],):
@@ -60,7 +67,7 @@ def _check(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, *
             f"memkern.ops.{op}: target must be int64 of shape ({x.shape[0]},), got "
             + (f"{target.dtype} of shape {tuple(target.shape)}" if isinstance(target, torch.Tensor) else repr(target))
         )
-    R.same_device(op, "target", target, x, "x")
+    _checks.same_device(op, "target", target, x, "x")
     if chunk_size < 1:
         raise ValueError(f"memkern.ops.{op}: chunk_size={chunk_size} must be >= 1")
     if not (0.0 <= label_smoothing <= 1.0):
@@ -71,18 +78,18 @@ def _check(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, *
 def _check_backward(grad_loss, x, weight, bias, target, *rest):
     op = "linear_cross_entropy_backward"
     device = _check(x, weight, bias, target, *rest, op=op)
-    cd = R.compute_dtype(x.dtype)
+    cd = _checks.compute_dtype(x.dtype)
     if not isinstance(grad_loss, torch.Tensor) or grad_loss.dtype != cd or tuple(grad_loss.shape) != (x.shape[0],):
         raise ValueError(
             f"memkern.ops.{op}: grad_loss must be a {cd} tensor of shape ({x.shape[0]},), got "
             + (f"{grad_loss.dtype} of shape {tuple(grad_loss.shape)}" if isinstance(grad_loss, torch.Tensor) else repr(grad_loss))
         )
-    R.same_device(op, "grad_loss", grad_loss, x, "x")
+    _checks.same_device(op, "grad_loss", grad_loss, x, "x")
     return device
 
 
 def _grads_like(x, weight, bias, grad_input, grad_weight, grad_bias):
-    cd = R.compute_dtype(x.dtype)
+    cd = _checks.compute_dtype(x.dtype)
     dx = torch.empty_like(x) if grad_input else x.new_empty((0,))
     dw = weight.new_empty(weight.shape, dtype=cd) if grad_weight else weight.new_empty((0,), dtype=cd)
     db = (weight.new_empty((weight.shape[0],), dtype=cd) if (grad_bias and bias is not None)
@@ -91,7 +98,7 @@ def _grads_like(x, weight, bias, grad_input, grad_weight, grad_bias):
 
 
 def _fake_forward(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb):
-    loss = x.new_empty((x.shape[0],), dtype=R.compute_dtype(x.dtype))
+    loss = x.new_empty((x.shape[0],), dtype=_checks.compute_dtype(x.dtype))
     return (loss, *_grads_like(x, weight, bias, gi, gw, gb))
 
 
@@ -128,7 +135,7 @@ def chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
     """The chunk loop shared by both ops (``grad_loss`` given: the recompute backward)."""
     N = x.shape[0]
     V = weight.shape[0]
-    cd = R.compute_dtype(x.dtype)
+    cd = _checks.compute_dtype(x.dtype)
     grad_bias = grad_bias and bias is not None
     compute_grad = grad_input or grad_weight or grad_bias
     loss = x.new_empty((N,), dtype=cd)
@@ -139,6 +146,7 @@ def chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
         dw.zero_()
     chunk = max(1, min(chunk_size, N))
     block = x.new_empty((chunk, V))
+    sub = chunk if x.is_cuda else max(1, min(chunk, ROW_OP_BYTES // (4 * max(V, 1))))
     wt = weight.t()
     for start in range(0, N, chunk):
         stop = min(N, start + chunk)
@@ -148,9 +156,13 @@ def chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
             torch.addmm(bias, xc, wt, out=z)
         else:
             torch.mm(xc, wt, out=z)
-        scale = None if grad_loss is None else grad_loss[start:stop]
-        loss[start:stop] = cross_entropy_rows_(z, target[start:stop], scale, ignore_index,
-                                               label_smoothing, compute_grad)
+        # the row op on sub-blocks that stay in the last-level cache (with its float32 scratch)
+        for s0 in range(start, stop, sub):
+            s1 = min(stop, s0 + sub)
+            loss[s0:s1] = cross_entropy_rows_(
+                z[s0 - start:s1 - start], target[s0:s1],
+                None if grad_loss is None else grad_loss[s0:s1], ignore_index, label_smoothing,
+                compute_grad)
         if grad_input:
             torch.mm(z, weight, out=dx[start:stop])
         if grad_weight:
@@ -170,20 +182,22 @@ def backward_impl(grad_loss, x, weight, bias, target, ignore_index, label_smooth
     return dx, dw, db
 
 
-linear_cross_entropy_forward = R.NNOp(
+linear_cross_entropy_forward = Op(
     "linear_cross_entropy_forward",
     f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)",
     check=_check,
     fake=_fake_forward,
     reference=forward_impl,
     triton=None,
+    compiled_kernels=False,
 )
 
-linear_cross_entropy_backward = R.NNOp(
+linear_cross_entropy_backward = Op(
     "linear_cross_entropy_backward",
     f"(Tensor grad_loss, {_ARGS}) -> (Tensor, Tensor, Tensor)",
     check=_check_backward,
     fake=_fake_backward,
     reference=backward_impl,
     triton=None,
+    compiled_kernels=False,
 )

@@ -20,19 +20,20 @@ from __future__ import annotations
 
 import torch
 
-from memkern.ops import _nn_registry as R
+from memkern.ops import _checks
+from memkern.ops._registry import Op
 
 
 def _stat_dtype(x: torch.Tensor) -> torch.dtype:
-    return R.compute_dtype(x.dtype)
+    return _checks.compute_dtype(x.dtype)
 
 
 def _check_params(op: str, x: torch.Tensor, weight, bias) -> None:
     for name, t in (("weight", weight), ("bias", bias)):
         if t is None:
             continue
-        R.tensor(op, name, t)
-        R.same_device(op, name, t, x, "x")
+        _checks.tensor(op, name, t)
+        _checks.same_device(op, name, t, x, "x")
         if t.dim() != 1 or t.shape[0] != x.shape[1]:
             raise ValueError(
                 f"memkern.ops.{op}: {name} has shape {tuple(t.shape)}; expected ({x.shape[1]},) "
@@ -43,7 +44,7 @@ def _check_params(op: str, x: torch.Tensor, weight, bias) -> None:
 
 
 def _check_x(op: str, x: torch.Tensor) -> None:
-    R.tensor(op, "x", x)
+    _checks.tensor(op, "x", x)
     if x.dim() != 2:
         raise ValueError(
             f"memkern.ops.{op}: x must be 2-D [rows, D], got shape {tuple(x.shape)}; "
@@ -63,9 +64,9 @@ def _check_forward(x, weight, bias, eps, rms) -> torch.device:
 
 def _check_backward(dy, x, weight, mean, rstd, rms) -> torch.device:
     _check_x("norm_backward", x)
-    R.tensor("norm_backward", "dy", dy)
-    R.same_shape("norm_backward", "dy", dy, x, "x")
-    R.same_device("norm_backward", "dy", dy, x, "x")
+    _checks.tensor("norm_backward", "dy", dy)
+    _checks.same_shape("norm_backward", "dy", dy, x, "x")
+    _checks.same_device("norm_backward", "dy", dy, x, "x")
     _check_params("norm_backward", x, weight, None)
     sd = _stat_dtype(x)
     rows = x.shape[0]
@@ -76,7 +77,7 @@ def _check_backward(dy, x, weight, mean, rstd, rms) -> torch.device:
                 f"norm_forward, got "
                 + (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t))
             )
-        R.same_device("norm_backward", name, t, x, "x")
+        _checks.same_device("norm_backward", name, t, x, "x")
     return x.device
 
 
@@ -117,32 +118,32 @@ def backward_reference(dy, x, weight, mean, rstd, rms):
             g, xc, [x.shape[1]], mean[:, None], rstd[:, None], w, w, [True, w is not None, w is not None]
         )
         if w is None:
-            empty = x.new_empty((0,), dtype=cd)
-            return dx.to(x.dtype), empty, empty
+            return dx.to(x.dtype), x.new_empty((0,), dtype=cd), x.new_empty((0,), dtype=cd)
         return dx.to(x.dtype), dw, db
     xhat = xc * rstd[:, None]
     gw = g * w if w is not None else g
     dx = (gw - xhat * (gw * xhat).mean(-1, keepdim=True)) * rstd[:, None]
     if w is None:
-        empty = x.new_empty((0,), dtype=cd)
-        return dx.to(x.dtype), empty, empty
+        return dx.to(x.dtype), x.new_empty((0,), dtype=cd), x.new_empty((0,), dtype=cd)
     return dx.to(x.dtype), (g * xhat).sum(0), g.sum(0)
 
 
-norm_forward = R.NNOp(
+norm_forward = Op(
     "norm_forward",
     "(Tensor x, Tensor? weight, Tensor? bias, float eps, bool rms) -> (Tensor, Tensor, Tensor)",
     check=_check_forward,
     fake=_fake_forward,
     reference=forward_reference,
     triton="memkern.kernels.norm.norm_forward",
+    compiled_kernels=False,
 )
 
-norm_backward = R.NNOp(
+norm_backward = Op(
     "norm_backward",
     "(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, bool rms) -> (Tensor, Tensor, Tensor)",
     check=_check_backward,
     fake=_fake_backward,
     reference=backward_reference,
     triton="memkern.kernels.norm.norm_backward",
+    compiled_kernels=False,
 )

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from memkern.ops import _checks
-from memkern.ops._registry import FlatOp
+from memkern.ops._registry import Op
 
 SCHEMA = (
     "(Tensor(a!) master, Tensor(b!)? momentum_buffer, Tensor grads, Tensor(c!)? params, "
@@ -43,9 +43,9 @@ def _check(master, momentum_buffer, grads, params, step, grad_multiplier, found_
         if momentum_buffer is None:
             raise ValueError(f"memkern.{op}: momentum={momentum} needs a momentum_buffer")
         _checks.flat(op, "momentum_buffer", momentum_buffer, (master.dtype,), like=master)
-    _checks.flat(op, "grads", grads, _checks.ORACLE_OK, like=master)
+    _checks.flat(op, "grads", grads, _checks.ORACLE_DTYPES, like=master)
     if params is not None:
-        _checks.flat(op, "params", params, _checks.ORACLE_OK, like=master)
+        _checks.flat(op, "params", params, _checks.ORACLE_DTYPES, like=master)
     _checks.scalar(op, "step", step, master)
     _checks.scalar(op, "grad_multiplier", grad_multiplier, master)
     _checks.scalar(op, "found_inf", found_inf, master)
@@ -83,11 +83,12 @@ def reference(master, momentum_buffer, grads, params, step, grad_multiplier, fou
     _checks.advance_step_(step, found_inf)
 
 
-sgd_step_ = FlatOp(
+sgd_step_ = Op(
     "sgd_step_",
     SCHEMA,
     check=_check,
     fake=_fake,
     reference=reference,
     triton="memkern.kernels.sgd.sgd_step_",
+    compiled_kernels=True,
 )

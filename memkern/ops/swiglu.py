@@ -19,15 +19,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memkern.ops import _nn_registry as R
+from memkern.ops import _checks
+from memkern.ops._registry import Op
 
 
 def _check_pair(op: str, gate: torch.Tensor, up: torch.Tensor) -> None:
-    R.tensor(op, "gate", gate)
-    R.tensor(op, "up", up)
-    R.same_shape(op, "up", up, gate, "gate")
-    R.same_dtype(op, "up", up, gate, "gate")
-    R.same_device(op, "up", up, gate, "gate")
+    _checks.tensor(op, "gate", gate)
+    _checks.tensor(op, "up", up)
+    _checks.same_shape(op, "up", up, gate, "gate")
+    _checks.same_dtype(op, "up", up, gate, "gate")
+    _checks.same_device(op, "up", up, gate, "gate")
 
 
 def _check_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.device:
@@ -37,10 +38,10 @@ def _check_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.device:
 
 def _check_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.device:
     _check_pair("swiglu_backward", gate, up)
-    R.tensor("swiglu_backward", "grad", grad)
-    R.same_shape("swiglu_backward", "grad", grad, gate, "gate")
-    R.same_dtype("swiglu_backward", "grad", grad, gate, "gate")
-    R.same_device("swiglu_backward", "grad", grad, gate, "gate")
+    _checks.tensor("swiglu_backward", "grad", grad)
+    _checks.same_shape("swiglu_backward", "grad", grad, gate, "gate")
+    _checks.same_dtype("swiglu_backward", "grad", grad, gate, "gate")
+    _checks.same_device("swiglu_backward", "grad", grad, gate, "gate")
     return gate.device
 
 
@@ -53,12 +54,12 @@ def _fake_backward(grad, gate, up):
 
 
 def forward_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    cd = R.compute_dtype(gate.dtype)
+    cd = _checks.compute_dtype(gate.dtype)
     return (F.silu(gate.to(cd)) * up.to(cd)).to(gate.dtype)
 
 
 def backward_reference(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
-    cd = R.compute_dtype(gate.dtype)
+    cd = _checks.compute_dtype(gate.dtype)
     g, a, b = grad.to(cd), gate.to(cd), up.to(cd)
     s = torch.sigmoid(a)
     grad_up = g * a * s
@@ -66,20 +67,22 @@ def backward_reference(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor)
     return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
 
 
-swiglu_forward = R.NNOp(
+swiglu_forward = Op(
     "swiglu_forward",
     "(Tensor gate, Tensor up) -> Tensor",
     check=_check_forward,
     fake=_fake_forward,
     reference=forward_reference,
     triton="memkern.kernels.swiglu.swiglu_forward",
+    compiled_kernels=False,
 )
 
-swiglu_backward = R.NNOp(
+swiglu_backward = Op(
     "swiglu_backward",
     "(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)",
     check=_check_backward,
     fake=_fake_backward,
     reference=backward_reference,
     triton="memkern.kernels.swiglu.swiglu_backward",
+    compiled_kernels=False,
 )

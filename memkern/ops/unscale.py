@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 
 from memkern.ops import _checks
-from memkern.ops._registry import FlatOp
+from memkern.ops._registry import Op
 
 SCHEMA = "(Tensor(a!) grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()"
 
 
 def _check(grads: torch.Tensor, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> torch.device:
-    _checks.flat("unscale_", "grads", grads, _checks.ORACLE_OK)
+    _checks.flat("unscale_", "grads", grads, _checks.ORACLE_DTYPES)
     _checks.scalar("unscale_", "found_inf", found_inf, grads)
     _checks.scalar("unscale_", "inv_scale", inv_scale, grads)
     return grads.device
@@ -38,11 +38,12 @@ def reference(grads: torch.Tensor, found_inf: torch.Tensor, inv_scale: torch.Ten
     grads.copy_(grads.to(compute) * inv_scale.reshape(()).to(compute))
 
 
-unscale_ = FlatOp(
+unscale_ = Op(
     "unscale_",
     SCHEMA,
     check=_check,
     fake=_fake,
     reference=reference,
     triton="memkern.kernels.unscale.unscale_",
+    compiled_kernels=True,
 )

@@ -1,0 +1,133 @@
+"""Memory and speed of the memkern.nn layers against torch (DESIGN.md §5).
+
+Saved-for-backward bytes (memkern.profile.saved_bytes) of the MLP, a GPT-2 block and the
+norms/dropout against their torch.nn counterparts; the linear cross-entropy's peak allocation
+and time against the unfused ``F.cross_entropy(x @ W.T, t)``, torch's own
+``F.linear_cross_entropy`` (default path, and its chunked path with
+``LinearCrossEntropyOptions()``), all measured in this process (times: median of ``--reps``
+after one warm-up run, interleaved; wall and process CPU time — on a shared machine the
+CPU time is the stable measure of the work done).
+
+    python benchmarks/bench_modules.py [--device cpu|cuda] [--reps 3] [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import memkern as mk  # noqa: E402
+from memkern.profile import allocation_stats, saved_bytes  # noqa: E402
+
+
+class Block(nn.Module):
+    """GPT-2 block: pre-LN causal SDPA attention and pre-LN MLP, residual dropouts."""
+
+    def __init__(self, d, heads, p, memkern, recompute="activation"):
+        super().__init__()
+        lin = mk.nn.Linear if memkern else nn.Linear
+        ln = mk.nn.LayerNorm if memkern else nn.LayerNorm
+        drop = mk.nn.Dropout if memkern else nn.Dropout
+        self.heads = heads
+        self.ln_1, self.c_attn, self.c_proj, self.drop = ln(d), lin(d, 3 * d), lin(d, d), drop(p)
+        self.ln_2 = ln(d)
+        self.mlp = (mk.nn.MLP(d, 4 * d, activation="gelu_tanh", dropout=p, recompute=recompute) if memkern
+                    else nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"),
+                                       nn.Linear(4 * d, d), nn.Dropout(p)))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.drop(self.c_proj(a))
+        return x + self.mlp(self.ln_2(x))
+
+
+def saved_ratios(device, dtype):
+    out = {}
+    x = torch.randn(4, 256, 512, device=device, dtype=dtype, requires_grad=True)
+    base = saved_bytes(nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512)).to(device, dtype), x)
+    for rc in ("none", "activation", "full"):
+        out[f"mlp_{rc}"] = saved_bytes(mk.nn.MLP(512, 2048, recompute=rc).to(device, dtype), x) / base
+    base = saved_bytes(Block(512, 8, 0.1, False).to(device, dtype), x)
+    for rc in ("activation", "full"):
+        out[f"gpt2_block_{rc}"] = saved_bytes(Block(512, 8, 0.1, True, rc).to(device, dtype), x) / base
+    out["layer_norm_bytes_per_input_byte"] = saved_bytes(mk.nn.LayerNorm(512).to(device, dtype), x) / (
+        x.numel() * x.element_size())
+    out["dropout_bytes"] = saved_bytes(mk.nn.Dropout(0.1), x)
+    out["torch_dropout_bytes"] = saved_bytes(nn.Dropout(0.1), x)
+    return out
+
+
+def lce(device, reps, N=4096, V=32000, H=512):
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(N, H, device=device, generator=gen).requires_grad_()
+    w = (torch.randn(V, H, device=device, generator=gen) * 0.02).requires_grad_()
+    t = torch.randint(0, V, (N,), device=device, generator=gen)
+    variants = {
+        "unfused F.cross_entropy(x @ W.T, t)": lambda: F.cross_entropy(x @ w.t(), t),
+        "torch F.linear_cross_entropy (options=None)": lambda: F.linear_cross_entropy(x, w, t),
+        "torch F.linear_cross_entropy (chunked options)": lambda: F.linear_cross_entropy(
+            x, w, t, options=torch.nn.LinearCrossEntropyOptions()),
+        "memkern linear_cross_entropy": lambda: mk.nn.functional.linear_cross_entropy(x, w, t),
+    }
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    peaks, times, cpu = {}, {k: [] for k in variants}, {k: [] for k in variants}
+    for name, fn in variants.items():
+        x.grad = w.grad = None
+        peaks[name] = allocation_stats(lambda fn=fn: fn().backward(), device=device).peak
+    for rep in range(reps + 1):  # the first round is the warm-up
+        for name, fn in variants.items():
+            x.grad = w.grad = None
+            sync()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            fn().backward()
+            sync()
+            if rep:
+                times[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - cpu_start)
+    ours = "memkern linear_cross_entropy"
+    med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    return {
+        "shape": {"N": N, "V": V, "H": H, "dtype": "float32"},
+        "peak_bytes": peaks,
+        "median_seconds": med,
+        "all_seconds": times,
+        "memkern_peak_over": {k: peaks[ours] / v for k, v in peaks.items() if k != ours},
+        "median_cpu_seconds": med_cpu,
+        "all_cpu_seconds": cpu,
+        "memkern_time_over": {k: med[ours] / v for k, v in med.items() if k != ours},
+        "memkern_cpu_time_over": {k: med_cpu[ours] / v for k, v in med_cpu.items() if k != ours},
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--save", metavar="PATH", default=None, help="also write the results as JSON")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    results = {"device": str(device),
+               "saved_bytes_ratio_float32": saved_ratios(device, torch.float32),
+               "saved_bytes_ratio_bfloat16": saved_ratios(device, torch.bfloat16),
+               "linear_cross_entropy": lce(device, args.reps)}
+    for k, v in results.items():
+        print(k, v)
+    out = args.save or os.path.join(os.path.dirname(__file__), "results", f"{device.type}-modules.json")
+    common.save(out, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""memkern.nn: drop-in layers that save less for backward and recompute what is cheap.
+
+Each module has the constructor, parameters and ``state_dict`` keys of its torch counterpart
+and documents what it saves for backward; the autograd Functions deciding it are in
+:mod:`memkern.nn.functional`. :func:`checkpoint` applies a recompute policy to any module and
+:func:`patch` swaps a model's torch layers for these in place.
+"""
+from memkern.nn import functional
+from memkern.nn.checkpoint import checkpoint
+from memkern.nn.dropout import Dropout
+from memkern.nn.linear import Conv1D, Linear
+from memkern.nn.loss import LinearCrossEntropy
+from memkern.nn.mlp import MLP, SwiGLU
+from memkern.nn.norm import LayerNorm, RMSNorm
+from memkern.nn.patch import PatchReport, patch, patch_report
+
+__all__ = ["Conv1D", "Dropout", "LayerNorm", "Linear", "LinearCrossEntropy", "MLP",
+           "PatchReport", "RMSNorm", "SwiGLU", "checkpoint", "functional", "patch",
+           "patch_report"]

@@ -1,0 +1,33 @@
+"""Small helpers shared by the autograd Functions: the compute dtype under autocast, flattening."""
+from __future__ import annotations
+
+import torch
+
+
+def compute_dtype(x: torch.Tensor, *params: torch.Tensor | None) -> torch.dtype:
+    """The dtype a GEMM layer computes in: autocast's when it is on for ``x``'s device, else
+    ``x``'s own (which its parameters must then share, as for ``nn.Linear``)."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type) and x.is_floating_point():
+        return torch.get_autocast_dtype(device_type)
+    for p in params:
+        if p is not None and p.dtype != x.dtype:
+            raise RuntimeError(
+                f"memkern: input has dtype {x.dtype} but a parameter has {p.dtype}; cast the "
+                "module (module.to(dtype)) or the input, or run under torch.autocast"
+            )
+    return x.dtype
+
+
+def cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 2-D ``[rows, features]`` tensor (a view when possible)."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def no_autocast(device_type: str):
+    """The Functions cast explicitly; autocast must not recast inside them."""
+    return torch.autocast(device_type, enabled=False)

@@ -1,0 +1,91 @@
+"""Saving activations for backward — and not saving the ones that are cheap to recompute.
+
+A memkern norm marks its output as *recomputable*: it records how to rebuild it from tensors
+that are saved anyway (its input, its weight and bias). When another memkern Function saves
+that output — the Linear or MLP right after the norm saves its input for the weight gradient —
+it saves the recipe's tensors instead, which share storage with what the norm already saved,
+and rebuilds the normalised output in backward. So no normalised output is ever kept between
+forward and backward, by the norm or by its consumer.
+
+The recipe holds only weak references (it never keeps a tensor alive) and the tensors' version
+counters; if anything was freed or modified in place since, the consumer saves the output
+itself, as it would without this mechanism. Under ``torch.compile`` nothing is marked and
+everything is saved plainly (tensors traced by the compiler carry no Python attributes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+_ATTR = "_memkern_recipe"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    fn: Callable[..., torch.Tensor]
+    refs: tuple
+    versions: tuple
+
+    def tensors(self) -> list[torch.Tensor | None] | None:
+        out = []
+        for ref, version in zip(self.refs, self.versions):
+            if ref is None:
+                out.append(None)
+                continue
+            t = ref()
+            if t is None or t._version != version:
+                return None
+            out.append(t)
+        return out
+
+
+def mark_recomputable(out: torch.Tensor, fn: Callable[..., torch.Tensor],
+                      tensors: Sequence[torch.Tensor | None]) -> None:
+    """Record that ``out == fn(*tensors)`` (bit for bit) for the consumers of ``out``."""
+    if torch.compiler.is_compiling() or not isinstance(out, torch.Tensor):
+        return
+    refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+    versions = tuple(None if t is None else t._version for t in tensors)
+    setattr(out, _ATTR, _Recipe(fn, refs, versions))
+
+
+class Saver:
+    """Collects what one Function saves; ``add`` returns the slot to read back in backward."""
+
+    def __init__(self) -> None:
+        self._tensors: list[torch.Tensor | None] = []
+        self._layout: list[tuple] = []
+
+    def add(self, t: torch.Tensor | None, *, recompute: bool = True) -> int:
+        recipe = None
+        if recompute and t is not None and not torch.compiler.is_compiling():
+            recipe = getattr(t, _ATTR, None)
+        tensors = recipe.tensors() if recipe is not None else None
+        if tensors is not None and t._version == 0:
+            self._layout.append(("recipe", recipe.fn, len(self._tensors), len(tensors)))
+            self._tensors.extend(tensors)
+        else:
+            self._layout.append(("plain", len(self._tensors)))
+            self._tensors.append(t)
+        return len(self._layout) - 1
+
+    def save(self, ctx) -> None:
+        ctx.save_for_backward(*self._tensors)
+        ctx._memkern_layout = self._layout
+
+
+def load(ctx) -> list[torch.Tensor | None]:
+    """The tensors added to the :class:`Saver`, in order, rebuilding the recomputable ones."""
+    saved = ctx.saved_tensors
+    out = []
+    for entry in ctx._memkern_layout:
+        if entry[0] == "plain":
+            out.append(saved[entry[1]])
+        else:
+            _, fn, start, count = entry
+            with torch.no_grad():
+                out.append(fn(*saved[start:start + count]))
+    return out

@@ -1,0 +1,51 @@
+"""Dropout that saves no mask: only an int64 seed, from which backward regenerates the mask.
+
+What is saved for backward: one int64 seed (8 bytes). The mask of element ``i`` is a pure
+function of ``(seed, i)`` (:mod:`memkern.ops.dropout`), and the backward applies the very same
+op to the gradient, so forward and backward masks are equal by construction. The seed is drawn
+from torch's generator of the input's device (``torch.manual_seed`` makes runs repeatable;
+``torch.utils.checkpoint`` replays it when recomputing).
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from memkern import ops
+
+_SEED_HIGH = 1 << 62
+
+
+def draw_seed(device: torch.device) -> torch.Tensor:
+    return torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, device=device)
+
+
+class DropoutFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seed, p, inplace):
+        y = ops.dropout(x.contiguous(), seed, p)
+        ctx.save_for_backward(seed)
+        ctx.p = p
+        if inplace:
+            ctx.mark_dirty(x)
+            return x.copy_(y)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (seed,) = ctx.saved_tensors
+        return ops.dropout(grad.contiguous(), seed, ctx.p), None, None, None
+
+
+def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False,
+            *, seed: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.dropout`` that keeps no mask for backward. ``seed`` (int64, one element, on ``x``'s
+    device) fixes the mask; by default a fresh one is drawn."""
+    if not (0.0 <= p <= 1.0):
+        raise ValueError(f"memkern.nn.functional.dropout: p={p} must be a probability in [0, 1]")
+    if not training or p == 0.0:
+        return x
+    if seed is None:
+        seed = draw_seed(x.device)
+    return DropoutFunction.apply(x, seed, float(p), inplace)

@@ -1,0 +1,77 @@
+"""Linear layer whose weight gradient is accumulated straight into ``weight.grad``.
+
+What is saved for backward: the input (or, when the input is a memkern norm's output, the
+norm's input and parameters, to rebuild it — see :mod:`._saved`) and the weight itself (a
+parameter, not an activation; under autocast the low-precision copy is made again in
+backward instead of being kept). Nothing else.
+
+``transposed=True`` takes the weight stored ``[in, out]`` (GPT-2's ``Conv1D``), computing
+``x @ weight + bias``.
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from memkern.nn.functional import _common, _grad, _saved
+
+
+class LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, transposed):
+        dtype = _common.compute_dtype(x, weight, bias)
+        with _common.no_autocast(x.device.type):
+            xc = x.to(dtype)
+            w = weight.to(dtype)
+            x2 = _common.rows(xc)
+            wt = w if transposed else w.t()
+            out = torch.mm(x2, wt) if bias is None else torch.addmm(bias.to(dtype), x2, wt)
+        saver = _saved.Saver()
+        saver.add(xc if ctx.needs_input_grad[1] else None)
+        saver.add(weight, recompute=False)
+        saver.save(ctx)
+        ctx.dtype = dtype
+        ctx.transposed = transposed
+        ctx.x_shape = x.shape
+        ctx.x_dtype = x.dtype
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.target = _grad.grad_target(weight) if ctx.needs_input_grad[1] else None
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        xc, weight = _saved.load(ctx)
+        dtype = ctx.dtype
+        with _common.no_autocast(grad_out.device.type):
+            g = _common.rows(grad_out.to(dtype))
+            dx = dw = db = None
+            if ctx.needs_input_grad[0]:
+                w = weight.to(dtype)
+                dx = torch.mm(g, w.t() if ctx.transposed else w)
+                dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                x2 = _common.rows(xc)
+                if ctx.transposed:
+                    dw = _grad.weight_grad(ctx.target, x2.t(), g, weight.dtype)
+                else:
+                    dw = _grad.weight_grad(ctx.target, g.t(), x2, weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = g.sum(0).to(ctx.bias_dtype)
+        return dx, dw, db, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           transposed: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``x @ weight + bias`` with ``transposed=True``), saving
+    only the input for backward and accumulating the weight gradient into ``weight.grad``."""
+    in_features = weight.shape[0] if transposed else weight.shape[-1]
+    if x.shape[-1:] != (in_features,):
+        raise ValueError(
+            f"memkern.nn.functional.linear: input has {x.shape[-1] if x.dim() else 'no'} features "
+            f"(shape {tuple(x.shape)}) but the weight {tuple(weight.shape)} expects {in_features}"
+        )
+    if x.dim() == 1:
+        return LinearFunction.apply(x.unsqueeze(0), weight, bias, transposed).squeeze(0)
+    return LinearFunction.apply(x, weight, bias, transposed)

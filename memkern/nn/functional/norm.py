@@ -1,0 +1,92 @@
+"""LayerNorm and RMSNorm that save the input and per-row statistics only.
+
+What is saved for backward: the input ``x``, ``mean`` (LayerNorm) and ``rstd`` — float32, one
+per row — and the weight (a parameter). Never the normalised output: the output is marked
+recomputable (:mod:`._saved`), so a memkern Linear/MLP consuming it saves ``x`` and the
+parameters instead (storage the norm already holds) and rebuilds it in backward.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from memkern import ops
+from memkern.nn.functional import _saved
+
+
+def _flat(x: torch.Tensor, n_norm: int) -> torch.Tensor:
+    return x.reshape(-1, math.prod(x.shape[x.dim() - n_norm:]) if n_norm else 1)
+
+
+class NormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, n_norm, eps, rms):
+        x2 = _flat(x, n_norm).contiguous()
+        w = weight.reshape(-1) if weight is not None else None
+        b = bias.reshape(-1) if bias is not None else None
+        y, mean, rstd = ops.norm_forward(x2, w, b, eps, rms)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.n_norm, ctx.rms, ctx.has_bias = n_norm, rms, bias is not None
+        return y.view(x.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        x2 = _flat(x, ctx.n_norm).contiguous()
+        w = weight.reshape(-1) if weight is not None else None
+        dy2 = _flat(dy, ctx.n_norm).to(x.dtype).contiguous()
+        dx, dw, db = ops.norm_backward(dy2, x2, w, mean, rstd, ctx.rms)
+        dweight = dbias = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            dweight = dw.to(weight.dtype).view(weight.shape)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            dbias = db.to(weight.dtype).view(weight.shape)
+        return dx.view(x.shape), dweight, dbias, None, None, None
+
+
+def _recompute(n_norm: int, eps: float, rms: bool):
+    def rebuild(x, weight, bias):
+        y, _, _ = ops.norm_forward(
+            _flat(x, n_norm).contiguous(),
+            weight.reshape(-1) if weight is not None else None,
+            bias.reshape(-1) if bias is not None else None, eps, rms,
+        )
+        return y.view(x.shape)
+    return rebuild
+
+
+def _norm(x, normalized_shape, weight, bias, eps, rms, name):
+    shape = tuple(normalized_shape) if isinstance(normalized_shape, Sequence) else (normalized_shape,)
+    if tuple(x.shape[x.dim() - len(shape):]) != shape or x.dim() < len(shape):
+        raise ValueError(
+            f"memkern.nn.functional.{name}: input shape {tuple(x.shape)} does not end with "
+            f"normalized_shape {shape}"
+        )
+    for pname, p in (("weight", weight), ("bias", bias)):
+        if p is not None and tuple(p.shape) != shape:
+            raise ValueError(
+                f"memkern.nn.functional.{name}: {pname} has shape {tuple(p.shape)}, expected {shape}"
+            )
+    y = NormFunction.apply(x, weight, bias, len(shape), float(eps), rms)
+    if torch.is_grad_enabled() and y.requires_grad:
+        _saved.mark_recomputable(y, _recompute(len(shape), float(eps), rms), (x, weight, bias))
+    return y
+
+
+def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """``F.layer_norm`` saving ``x``, ``mean`` and ``rstd`` only."""
+    return _norm(x, normalized_shape, weight, bias, eps, False, "layer_norm")
+
+
+def rms_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
+             eps: float | None = None) -> torch.Tensor:
+    """``F.rms_norm`` saving ``x`` and ``rstd`` only (``eps=None``: ``torch.finfo(x.dtype).eps``,
+    as torch)."""
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    return _norm(x, normalized_shape, weight, None, eps, True, "rms_norm")

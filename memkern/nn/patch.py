@@ -1,0 +1,292 @@
+"""``memkern.patch(model)``: swap a model's layers for memkern ones, in place.
+
+What is swapped (each family can be turned off by its keyword):
+
+* ``linear``: ``nn.Linear`` -> :class:`memkern.nn.Linear`; GPT-2's ``Conv1D``
+  (``transformers.pytorch_utils.Conv1D``) -> a memkern ``Conv1D``.
+* ``norm``: ``nn.LayerNorm`` -> :class:`memkern.nn.LayerNorm`, ``nn.RMSNorm`` ->
+  :class:`memkern.nn.RMSNorm`, Llama-style ``*RMSNorm`` of ``transformers`` (the
+  ``LlamaRMSNorm`` formula: float32 statistics, ``weight * normalised.to(input dtype)``).
+* ``dropout``: ``nn.Dropout`` -> :class:`memkern.nn.Dropout`.
+* ``mlp``: MLP blocks run as one memkern MLP Function with ``recompute``:
+  GPT-2 style ``fc -> GELU -> proj (-> dropout)`` (``transformers``' ``GPT2MLP``, and
+  ``nn.Sequential(Linear, GELU/ReLU/SiLU, Linear[, Dropout])``) and Llama style
+  ``down(silu(gate(x)) * up(x))`` (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``).
+
+How: each module's class is replaced by a memkern subclass of it (``module.__class__ = ...``),
+so the module object, its parameters (identity, values, names, dtype, device,
+``requires_grad``), buffers, hooks, ``state_dict`` keys and ``isinstance`` checks are all
+unchanged; only ``forward`` differs. Only exact classes are swapped (a subclass of
+``nn.Linear`` may have its own forward). Patching twice changes nothing.
+
+``patch`` returns the model; :func:`patch_report` (or ``verbose=True``) tells what was swapped
+and what was recognised but left alone, and why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import torch
+from torch import nn
+
+from memkern.nn import dropout as _dropout_mod
+from memkern.nn import linear as _linear_mod
+from memkern.nn import norm as _norm_mod
+from memkern.nn.functional.linear import linear as _linear
+from memkern.nn.functional.mlp import RECOMPUTE, mlp as _mlp
+from memkern.nn.functional.norm import rms_norm as _rms_norm
+from memkern.nn.functional.swiglu import swiglu as _swiglu
+
+_MARK = "_memkern_patched"
+
+
+@dataclasses.dataclass
+class PatchReport:
+    swapped: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    """(module name, old class, new class) for each module swapped."""
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(module name, reason) for recognised modules left as they were."""
+
+    def __str__(self) -> str:
+        lines = [f"memkern.patch: swapped {len(self.swapped)} module(s)"]
+        lines += [f"  {n or '<model>'}: {old} -> {new}" for n, old, new in self.swapped]
+        if self.skipped:
+            lines.append(f"left alone {len(self.skipped)}:")
+            lines += [f"  {n or '<model>'}: {why}" for n, why in self.skipped]
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# forwards of the patched classes
+
+
+def _conv1d_forward(self, x):
+    return _linear(x, self.weight, self.bias, transposed=True)
+
+
+def _hf_rms_norm_forward(self, hidden_states):
+    w = self.weight
+    y = _rms_norm(hidden_states, (w.shape[-1],), w, self.variance_epsilon)
+    return y.to(torch.promote_types(hidden_states.dtype, w.dtype))
+
+
+def _gpt2_mlp_forward(self, hidden_states):
+    cfg = self._memkern_mlp
+    fc, proj = getattr(self, cfg["fc"]), getattr(self, cfg["proj"])
+    y = _mlp(hidden_states, fc.weight, fc.bias, proj.weight, proj.bias,
+             activation=cfg["activation"], recompute=cfg["recompute"], transposed=cfg["transposed"])
+    drop = cfg.get("dropout")
+    return getattr(self, drop)(y) if drop is not None else y
+
+
+def _llama_mlp_forward(self, x):
+    cfg = self._memkern_mlp
+    return _swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                   self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias,
+                   recompute=cfg["recompute"])
+
+
+class SequentialMLP(nn.Sequential):
+    """A patched ``nn.Sequential(Linear, activation, Linear[, Dropout])``: indexing, names and
+    ``state_dict`` are those of the Sequential; forward is one memkern MLP Function."""
+
+    forward = _gpt2_mlp_forward
+
+
+_FORWARDS = {
+    "conv1d": _conv1d_forward,
+    "rms_norm": _hf_rms_norm_forward,
+    "gpt2_mlp": _gpt2_mlp_forward,
+    "llama_mlp": _llama_mlp_forward,
+}
+
+# transformers classes recognised by name: class name -> kind of patched forward
+_HF_CLASSES = {
+    "Conv1D": "conv1d",
+    "LlamaRMSNorm": "rms_norm", "MistralRMSNorm": "rms_norm", "Qwen2RMSNorm": "rms_norm",
+    "GPT2MLP": "gpt2_mlp",
+    "LlamaMLP": "llama_mlp", "MistralMLP": "llama_mlp", "Qwen2MLP": "llama_mlp",
+}
+
+# ----------------------------------------------------------------------------------------------
+# memkern subclasses of third-party classes, created on demand and picklable: the name encodes
+# the base class, and this module's __getattr__ rebuilds the class from it in a new process.
+
+_PREFIX = "Memkern__"
+_classes: dict[type, type] = {}
+
+
+def _encode(base: type) -> str:
+    return _PREFIX + f"{base.__module__}.{base.__qualname__}".replace("_", "_U").replace(".", "_D")
+
+
+def _decode(name: str) -> tuple[str, str]:
+    path = name[len(_PREFIX):].replace("_D", ".").replace("_U", "_")
+    module, _, qualname = path.rpartition(".")
+    return module, qualname
+
+
+def _patched_class(base: type, kind: str) -> type:
+    if base not in _classes:
+        name = _encode(base)
+        cls = type(name, (base,), {"forward": _FORWARDS[kind], _MARK: True, "__module__": __name__,
+                                   "__qualname__": name})
+        _classes[base] = cls
+        globals()[name] = cls
+    return _classes[base]
+
+
+def __getattr__(name: str):  # PEP 562: unpickling a patched model in a fresh process
+    if name.startswith(_PREFIX):
+        module, qualname = _decode(name)
+        base = importlib.import_module(module)
+        for part in qualname.split("."):
+            base = getattr(base, part)
+        return _patched_class(base, _HF_CLASSES[base.__name__])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# recognition
+
+
+def _from_transformers(m: nn.Module) -> bool:
+    return type(m).__module__.startswith("transformers.")
+
+
+def _hf_kind(m: nn.Module) -> str | None:
+    return _HF_CLASSES.get(type(m).__name__) if _from_transformers(m) else None
+
+
+def _activation_kind(act: nn.Module) -> str | None:
+    t = type(act)
+    if t is nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
+    if t is nn.ReLU:
+        return "relu"
+    if t is nn.SiLU:
+        return "silu"
+    if _from_transformers(act):
+        return {"NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh",
+                "PytorchGELUTanh": "gelu_tanh", "FastGELUActivation": "gelu_tanh",
+                "GELUActivation": "gelu", "SiLUActivation": "silu"}.get(t.__name__)
+    return None
+
+
+def _is_patched(m: nn.Module) -> bool:
+    return getattr(type(m), _MARK, False) or type(m).__module__.startswith("memkern.")
+
+
+def _linear_like(m: nn.Module) -> tuple[bool, bool] | None:
+    """(is a linear layer, stores its weight [in, out]) for nn.Linear / Conv1D (patched or not)."""
+    if isinstance(m, nn.Linear) and type(m) in (nn.Linear, _linear_mod.Linear):
+        return True, False
+    if type(m) is _linear_mod.Conv1D or (type(m).__name__ == "Conv1D" and _from_transformers(m)) or (
+            _is_patched(m) and type(m).__mro__[1].__name__ == "Conv1D"):
+        return True, True
+    return None
+
+
+def _describe(cls: type) -> str:
+    if cls.__name__.startswith(_PREFIX):
+        base = cls.__mro__[1]
+        return f"memkern subclass of {base.__module__}.{base.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _swap(m: nn.Module, new_cls: type, name: str, report: PatchReport) -> None:
+    old = _describe(type(m))
+    m.__class__ = new_cls
+    report.swapped.append((name, old, _describe(new_cls)))
+
+
+def _mlp_config(m: nn.Module, recompute: str):
+    """The memkern MLP configuration for a GPT-2-style block, or a reason it is not one."""
+    if isinstance(m, nn.Sequential):
+        mods = list(m)
+        names = list(m._modules.keys())
+        if len(mods) not in (3, 4):
+            return None
+        fc, act, proj = mods[:3]
+        drop = mods[3] if len(mods) == 4 else None
+        if drop is not None and not isinstance(drop, nn.Dropout):
+            return None
+        n_fc, n_act, n_proj = names[:3]
+        n_drop = names[3] if drop is not None else None
+    else:
+        fc, act, proj = getattr(m, "c_fc", None), getattr(m, "act", None), getattr(m, "c_proj", None)
+        drop = getattr(m, "dropout", None)
+        n_fc, n_act, n_proj, n_drop = "c_fc", "act", "c_proj", "dropout"
+    lf, lp = _linear_like(fc) if fc is not None else None, _linear_like(proj) if proj is not None else None
+    if lf is None or lp is None:
+        return None if isinstance(m, nn.Sequential) else "its layers are not Linear/Conv1D"
+    if lf[1] != lp[1]:
+        return "mixed Linear and Conv1D layers"
+    kind = _activation_kind(act) if act is not None else None
+    if kind is None:
+        return None if isinstance(m, nn.Sequential) else f"activation {type(act).__name__} is not supported"
+    return {"fc": n_fc, "act": n_act, "proj": n_proj, "dropout": n_drop, "activation": kind,
+            "recompute": recompute, "transposed": lf[1]}
+
+
+def patch(model: nn.Module, *, linear: bool = True, norm: bool = True, mlp: bool = True,
+          dropout: bool = True, recompute: str = "activation", verbose: bool = False) -> nn.Module:
+    """Swap ``model``'s layers for memkern ones in place (see the module docstring); returns
+    ``model``. ``recompute`` is the policy of the swapped MLP blocks ("none" | "activation" |
+    "full")."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"memkern.patch: model must be an nn.Module, got {type(model).__name__}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"memkern.patch: recompute={recompute!r} is not one of {RECOMPUTE}")
+    report = PatchReport()
+    for name, m in list(model.named_modules()):
+        if _is_patched(m) or type(m) is SequentialMLP:
+            continue
+        t = type(m)
+        hf = _hf_kind(m)
+        if linear and t is nn.Linear:
+            _swap(m, _linear_mod.Linear, name, report)
+        elif linear and hf == "conv1d":
+            _swap(m, _patched_class(t, "conv1d"), name, report)
+        elif norm and t is nn.LayerNorm:
+            _swap(m, _norm_mod.LayerNorm, name, report)
+        elif norm and t is nn.RMSNorm:
+            _swap(m, _norm_mod.RMSNorm, name, report)
+        elif norm and hf == "rms_norm":
+            w = getattr(m, "weight", None)
+            if isinstance(w, nn.Parameter) and w.dim() == 1 and hasattr(m, "variance_epsilon"):
+                _swap(m, _patched_class(t, "rms_norm"), name, report)
+            else:
+                report.skipped.append((name, f"{t.__name__} does not have the LlamaRMSNorm layout"))
+        elif dropout and t is nn.Dropout:
+            _swap(m, _dropout_mod.Dropout, name, report)
+        elif mlp and (t is nn.Sequential or hf == "gpt2_mlp"):
+            cfg = _mlp_config(m, recompute)
+            if isinstance(cfg, dict):
+                m._memkern_mlp = cfg
+                _swap(m, SequentialMLP if t is nn.Sequential else _patched_class(t, "gpt2_mlp"),
+                      name, report)
+            elif cfg is not None:
+                report.skipped.append((name, f"{t.__name__}: {cfg}"))
+        elif mlp and hf == "llama_mlp":
+            act = getattr(m, "act_fn", None)
+            ok = all(type(getattr(m, n, None)) in (nn.Linear, _linear_mod.Linear)
+                     for n in ("gate_proj", "up_proj", "down_proj"))
+            if ok and act is not None and _activation_kind(act) == "silu":
+                m._memkern_mlp = {"recompute": recompute}
+                _swap(m, _patched_class(t, "llama_mlp"), name, report)
+            else:
+                report.skipped.append((name, f"{t.__name__}: not a silu gate/up/down MLP"))
+    previous = model.__dict__.get("_memkern_patch_report")
+    if previous is not None:  # the report accumulates the swaps of every call
+        report.swapped = previous.swapped + report.swapped
+    model.__dict__["_memkern_patch_report"] = report
+    if verbose:
+        print(report)
+    return model
+
+
+def patch_report(model: nn.Module) -> PatchReport:
+    """What :func:`patch` did to ``model`` (empty if it was never patched)."""
+    return model.__dict__.get("_memkern_patch_report") or PatchReport()

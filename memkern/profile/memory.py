@@ -1,0 +1,124 @@
+"""Where the bytes of a training set-up go: model/optimizer breakdown and per-step measurement.
+
+:func:`memory_breakdown` walks the storages behind a model's parameters, their gradients and
+an optimizer's state, counting each storage once (flat buffers whose views are ``p.grad`` or
+``state[p]["master_param"]`` count whole, padding included). :func:`measure` runs a function
+and reports its peak allocation, the bytes it saved for backward, and its wall time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from memkern.profile.allocations import allocation_stats
+from memkern.profile.saved import SavedTensorsRecorder
+
+MASTER_KEYS = ("master_param",)
+"""Optimizer-state keys that hold float32 master weights (memkern's fused optimizers)."""
+
+
+@dataclasses.dataclass
+class MemoryBreakdown:
+    """Bytes held on this rank, each storage counted once."""
+
+    params: int
+    grads: int
+    master_weights: int
+    """Explicit float32 master copies kept by the optimizer (``state[p]["master_param"]``)."""
+    optimizer_state: int
+    num_params: int
+    params_as_master: int = 0
+    """Bytes of float32 parameters that have no master copy: the optimizer updates them in
+    place, so they are the full-precision weights (a subset of ``params``)."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master_weights + self.optimizer_state
+
+    @property
+    def optimizer_side_per_param(self) -> float:
+        """Bytes per parameter held for the optimizer: gradients, the float32 weights it
+        updates (master copies, or float32 parameters updated in place) and its state."""
+        side = self.grads + self.master_weights + self.params_as_master + self.optimizer_state
+        return side / max(self.num_params, 1)
+
+    def as_dict(self) -> dict[str, float]:
+        return {**dataclasses.asdict(self), "total": self.total,
+                "optimizer_side_per_param": self.optimizer_side_per_param}
+
+
+class _StorageCounter:
+    def __init__(self) -> None:
+        self.seen: set[tuple[torch.device, int]] = set()
+
+    def add(self, tensors: Iterable[torch.Tensor]) -> int:
+        total = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = (t.device, storage.data_ptr())
+            if storage.nbytes() == 0 or key in self.seen:
+                continue
+            self.seen.add(key)
+            total += storage.nbytes()
+        return total
+
+
+def _state_tensors(optimizer: Any) -> Iterable[tuple[str, torch.Tensor]]:
+    for state in getattr(optimizer, "state", {}).values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                yield key, value
+
+
+def memory_breakdown(model: nn.Module, optimizer: Any = None) -> MemoryBreakdown:
+    """Bytes of parameters, gradients, master weights and optimizer state on this rank.
+
+    ``optimizer`` is any ``torch.optim.Optimizer`` (memkern's included) or None. Tensors that
+    share a storage are counted once, in the first category that reaches them.
+    """
+    params = [p for p in model.parameters()]
+    counter = _StorageCounter()
+    param_bytes = counter.add(params)
+    grad_bytes = counter.add(p.grad for p in params if p.grad is not None)
+    state = list(_state_tensors(optimizer)) if optimizer is not None else []
+    master_bytes = counter.add(t for k, t in state if k in MASTER_KEYS)
+    state_bytes = counter.add(t for k, t in state if k not in MASTER_KEYS)
+    has_master = {id(p) for p, s in getattr(optimizer, "state", {}).items()
+                  if any(k in s for k in MASTER_KEYS)}
+    params_as_master = _StorageCounter().add(
+        p for p in params if p.dtype == torch.float32 and id(p) not in has_master)
+    return MemoryBreakdown(param_bytes, grad_bytes, master_bytes, state_bytes,
+                           sum(p.numel() for p in params), params_as_master)
+
+
+@dataclasses.dataclass
+class Measurement:
+    peak_bytes: int
+    """Peak bytes allocated above the level at the start (CUDA allocator statistics on a
+    GPU; the profiler's allocation trace on the CPU)."""
+    saved_bytes: int
+    """Bytes saved for backward by the autograd graphs built while running."""
+    seconds: float
+    result: Any
+
+
+def measure(fn: Callable[[], Any], device: torch.device | str = "cpu") -> Measurement:
+    """Runs ``fn()`` once and measures its peak allocation, saved bytes and wall time."""
+    device = torch.device(device)
+
+    def timed() -> tuple[Any, float, int]:
+        with SavedTensorsRecorder() as recorder:
+            start = time.perf_counter()
+            result = fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return result, time.perf_counter() - start, recorder.bytes
+
+    stats = allocation_stats(timed, device=device)
+    result, seconds, saved = stats.result
+    return Measurement(stats.peak, saved, seconds, result)

@@ -1,0 +1,180 @@
+"""memkern.nn.LinearCrossEntropy / memkern.nn.functional.linear_cross_entropy against the
+unfused ``F.cross_entropy(F.linear(x, W, b), t)``: every reduction with its gradients,
+ignore_index, label_smoothing, bias, num_items (int and tensor), odd sizes and chunkings.
+The memory and speed claims at N=4096, V=32000, H=512 are in test_nn_memory.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memkern as mk
+from memkern.nn.functional import linear_cross_entropy as lce
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _data(n, h, v, dtype=torch.float64, bias=True, ignore=(), ignore_index=-100):
+    x = torch.randn(n, h, dtype=dtype, requires_grad=True)
+    w = (torch.randn(v, h, dtype=dtype) / h ** 0.5).requires_grad_()
+    b = torch.randn(v, dtype=dtype, requires_grad=True) if bias else None
+    t = torch.randint(0, v, (n,))
+    for i in ignore:
+        t[i] = ignore_index
+    return x, w, b, t
+
+
+def _grads(loss, inputs, g):
+    return torch.autograd.grad(loss, [i for i in inputs if i is not None], g)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.15])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_matches_unfused_float64(reduction, smoothing, bias, chunk):
+    x, w, b, t = _data(23, 13, 37, bias=bias, ignore=(0, 11, 22))
+    ref = F.cross_entropy(F.linear(x, w, b), t, reduction=reduction, label_smoothing=smoothing)
+    got = lce(x, w, t, b, reduction=reduction, label_smoothing=smoothing, chunk_size=chunk)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert rel_err(got, ref) < 1e-13
+    g = torch.randn_like(ref)
+    for a, r in zip(_grads(got, (x, w, b), g), _grads(ref, (x, w, b), g)):
+        assert rel_err(a, r) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_low_precision_matches_unfused(dtype, reduction):
+    x, w, b, t = _data(1023, 19, 131, dtype=dtype, bias=True, ignore=(5,))
+    ref = F.cross_entropy(F.linear(x, w, b).float(), t, reduction=reduction)
+    got = lce(x, w, t, b, reduction=reduction)
+    assert got.dtype == dtype
+    assert rel_err(got, ref) < TOL[dtype]
+    g = torch.randn_like(ref)
+    # float32 reference gradients (the unfused graph in float32 from the same 16-bit inputs)
+    x32, w32, b32 = (v.detach().float().requires_grad_() for v in (x, w, b))
+    ref32 = F.cross_entropy(F.linear(x32, w32, b32), t, reduction=reduction)
+    for a, r in zip(_grads(got, (x, w, b), g.to(got.dtype)), _grads(ref32, (x32, w32, b32), g)):
+        assert a.dtype == dtype
+        assert rel_err(a, r) < TOL[dtype], rel_err(a, r)
+
+
+def test_module_matches_linear_plus_cross_entropy_on_3d_input():
+    m = mk.nn.LinearCrossEntropy(13, 37, bias=True, ignore_index=3, label_smoothing=0.1)
+    x = torch.randn(2, 7, 13, requires_grad=True)
+    t = torch.randint(0, 37, (2, 7))
+    t[1, 2] = 3
+    ref = F.cross_entropy(F.linear(x, m.weight, m.bias).flatten(0, 1), t.flatten(), ignore_index=3,
+                          label_smoothing=0.1)
+    got = m(x, t)
+    assert rel_err(got, ref) < 1e-6
+    a = torch.autograd.grad(got, (x, m.weight, m.bias))
+    r = torch.autograd.grad(ref, (x, m.weight, m.bias))
+    assert all(rel_err(u, v) < 1e-5 for u, v in zip(a, r))
+    none = mk.nn.LinearCrossEntropy(13, 37, reduction="none")
+    assert none(x, t).shape == (2, 7)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["int", "tensor"])
+def test_num_items_divides_the_sum(as_tensor):
+    x, w, b, t = _data(17, 11, 29, ignore=(4,))
+    n = torch.tensor(40) if as_tensor else 40
+    got = lce(x, w, t, b, reduction="sum", num_items=n)
+    ref = F.cross_entropy(F.linear(x, w, b), t, reduction="sum") / 40
+    assert rel_err(got, ref) < 1e-14
+    g = torch.tensor(1.7, dtype=torch.float64)
+    for a, r in zip(_grads(got, (x, w, b), g), _grads(ref, (x, w, b), g)):
+        assert rel_err(a, r) < 1e-13
+    # with "mean" the count given replaces the number of non-ignored tokens
+    got_mean = lce(x, w, t, b, num_items=n)
+    assert rel_err(got_mean, ref) < 1e-14
+
+
+def test_all_ignored_gives_nan_loss_and_zero_grads_like_torch():
+    x, w, b, t = _data(5, 7, 11, ignore=range(5))
+    got = lce(x, w, t, b)
+    ref = F.cross_entropy(F.linear(x, w, b), t)
+    assert torch.isnan(got) and torch.isnan(ref)
+    a = _grads(got, (x, w, b), torch.tensor(1.0, dtype=torch.float64))
+    r = _grads(ref, (x, w, b), torch.tensor(1.0, dtype=torch.float64))
+    for u, v in zip(a, r):
+        assert torch.equal(u, v) and float(u.abs().max()) == 0
+
+
+def test_frozen_weight_and_input_only_paths():
+    x, w, b, t = _data(9, 7, 13)
+    w.requires_grad_(False)
+    (gx,) = torch.autograd.grad(lce(x, w, t), x)
+    (rx,) = torch.autograd.grad(F.cross_entropy(F.linear(x, w), t), x)
+    assert rel_err(gx, rx) < 1e-13
+    x2 = x.detach()
+    w.requires_grad_(True)
+    (gw,) = torch.autograd.grad(lce(x2, w, t, reduction="sum"), w)
+    (rw,) = torch.autograd.grad(F.cross_entropy(F.linear(x2, w), t, reduction="sum"), w)
+    assert rel_err(gw, rw) < 1e-13
+    with torch.no_grad():
+        assert rel_err(lce(x, w, t), F.cross_entropy(F.linear(x, w), t)) < 1e-14
+
+
+def test_second_backward_through_the_same_graph_raises():
+    x, w, b, t = _data(9, 7, 13)
+    loss = lce(x, w, t, b)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+    loss = lce(x, w, t, b, reduction="none")  # recomputes: a second backward is fine
+    loss.sum().backward(retain_graph=True)
+    loss.sum().backward()
+
+
+def test_gradient_goes_into_existing_grad():
+    x, w, b, t = _data(9, 7, 13)
+    w.grad = torch.ones_like(w)
+    lce(x, w, t, b).backward()
+    w2 = w.detach().clone().requires_grad_()
+    F.cross_entropy(F.linear(x, w2, b), t).backward()
+    assert rel_err(w.grad - 1, w2.grad) < 1e-13
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(reduction="avg"), "reduction='avg'"),
+    (dict(reduction="none", num_items=3), "num_items"),
+    (dict(label_smoothing=1.5), "label_smoothing"),
+])
+def test_argument_errors(kwargs, match):
+    x, w, b, t = _data(3, 4, 5)
+    with pytest.raises(ValueError, match=match):
+        lce(x, w, t, b, **kwargs)
+
+
+def test_shape_and_dtype_errors():
+    x, w, b, t = _data(3, 4, 5)
+    with pytest.raises(ValueError, match="target has shape"):
+        lce(x, w, t[:2])
+    with pytest.raises(TypeError, match="int64"):
+        lce(x, w, t.int())
+    with pytest.raises(ValueError, match=r"target\[1\] = 9"):
+        lce(x, w, torch.tensor([0, 9, 1]))
+
+
+@pytest.mark.cuda
+def test_cuda_matches_unfused_with_tensor_num_items():
+    dev = torch.device("cuda")
+    x = torch.randn(4099, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(32003, 64, device=dev) / 8).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 32003, (4099,), device=dev)
+    n = torch.tensor(5000, device=dev)
+    got = lce(x, w, t, reduction="sum", num_items=n)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = F.cross_entropy(F.linear(x32, w32), t, reduction="sum") / 5000
+    assert rel_err(got, ref) < 1e-2
+    for a, r in zip(torch.autograd.grad(got, (x, w)), torch.autograd.grad(ref, (x32, w32))):
+        assert rel_err(a, r) < 3e-2

@@ -1,0 +1,446 @@
+"""memkern.nn modules against their torch counterparts: outputs and input/parameter gradients,
+on odd shapes and fresh random data, in float32 (within 1e-5 relative) and bfloat16/float16
+(within the documented tolerances below), plus each module's own contract (Linear accumulates
+into an existing ``.grad`` without a transient dW; Dropout's backward mask is its forward mask).
+
+Relative error = max |memkern - torch| / max |torch|, per tensor.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import memkern as mk
+
+# Documented tolerances (relative to the largest magnitude of the tensor): float32 exact to
+# 1e-5; 16-bit results may differ from torch's by the rounding of intermediates that memkern
+# keeps in float32 (or torch does) — a few units of the format's last place.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+DTYPES = [pytest.param(d, id=str(d).removeprefix("torch."))
+          for d in (torch.float32, torch.bfloat16, torch.float16)]
+SHAPES = [pytest.param((7, 13), id="7x13"), pytest.param((1, 1023), id="1x1023"),
+          pytest.param((2, 3, 37), id="2x3x37")]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def assert_same(mod_mk: nn.Module, mod_torch: nn.Module, *inputs: torch.Tensor, tol: float,
+                grad_out: torch.Tensor | None = None) -> None:
+    """Outputs and gradients (inputs that require grad, then parameters in order) agree."""
+    y_mk = mod_mk(*inputs)
+    y_t = mod_torch(*inputs)
+    assert y_mk.dtype == y_t.dtype and y_mk.shape == y_t.shape
+    assert rel_err(y_mk, y_t) <= tol, f"output: {rel_err(y_mk, y_t)}"
+    g = torch.randn_like(y_t) if grad_out is None else grad_out
+    xs = [t for t in inputs if t.requires_grad]
+    p_mk, p_t = list(mod_mk.parameters()), list(mod_torch.parameters())
+    r_mk = torch.autograd.grad(y_mk, xs + p_mk, g)
+    r_t = torch.autograd.grad(y_t, xs + p_t, g)
+    for i, (a, b) in enumerate(zip(r_mk, r_t)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert rel_err(a, b) <= tol, f"gradient {i}: {rel_err(a, b)}"
+
+
+def _input(shape, dtype, scale=1.0):
+    return (torch.randn(shape) * scale).to(dtype).requires_grad_()
+
+
+# ----------------------------------------------------------------------------------------------
+# Linear
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_matches_torch(shape, dtype, bias):
+    ref = nn.Linear(shape[-1], 11, bias=bias).to(dtype)
+    m = mk.nn.Linear(shape[-1], 11, bias=bias).to(dtype)
+    m.load_state_dict(ref.state_dict())
+    assert_same(m, ref, _input(shape, dtype), tol=TOL[dtype])
+
+
+def test_linear_unbatched_input_and_state_dict_keys():
+    ref, m = nn.Linear(9, 5), mk.nn.Linear(9, 5)
+    assert list(m.state_dict()) == list(ref.state_dict())
+    m.load_state_dict(ref.state_dict())
+    assert_same(m, ref, _input((9,), torch.float32), tol=1e-6)
+
+
+def test_conv1d_matches_transposed_linear():
+    m = mk.nn.Conv1D(11, 13)
+    with torch.no_grad():
+        m.bias.normal_()
+    ref = nn.Linear(13, 11)
+    with torch.no_grad():
+        ref.weight.copy_(m.weight.t())
+        ref.bias.copy_(m.bias)
+    x = _input((7, 13), torch.float32)
+    y, yr = m(x), ref(x)
+    g = torch.randn_like(y)
+    gx, gw, gb = torch.autograd.grad(y, (x, m.weight, m.bias), g)
+    rx, rw, rb = torch.autograd.grad(yr, (x, ref.weight, ref.bias), g)
+    assert rel_err(y, yr) < 1e-6 and rel_err(gx, rx) < 1e-6
+    assert rel_err(gw, rw.t()) < 1e-6 and rel_err(gb, rb) < 1e-6
+
+
+class _NewStorages(TorchDispatchMode):
+    """Records every op output whose storage is at least ``nbytes`` and is not an input's."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__()
+        self.nbytes = nbytes
+        self.big: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() >= self.nbytes
+                    and t.untyped_storage().data_ptr() not in seen):
+                self.big.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: mk.nn.Linear(301, 203), id="Linear"),
+    pytest.param(lambda: mk.nn.Conv1D(203, 301), id="Conv1D"),
+    pytest.param(lambda: mk.nn.MLP(301, 203, recompute="activation"), id="MLP"),
+    pytest.param(lambda: mk.nn.SwiGLU(301, 203, recompute="full"), id="SwiGLU"),
+])
+def test_weight_grad_accumulates_into_grad_buffer(make):
+    """With the front end's GradBuffer, weight-gradient GEMMs add into p.grad (beta = 1): no
+    op creates a weight-sized tensor during backward, p.grad stays the buffer's view, the
+    post-accumulate hooks fire once per backward, and the values are torch's."""
+    m = make()
+    ref = copy.deepcopy(m)
+    buffer = mk.GradBuffer(list(m.parameters()))
+    views = {id(p): p.grad for p in m.parameters()}
+    assert all(v is not None for v in views.values())
+    fired: list[int] = []
+    for p in m.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(id(p)))
+    smallest_weight = min(p.numel() * p.element_size() for p in m.parameters() if p.dim() == 2)
+    for step in range(2):  # a second micro-batch accumulates on top of the first
+        x = torch.randn(17, 301, requires_grad=True)
+        y, yr = m(x), ref(x)
+        g = torch.randn_like(y)
+        spy = _NewStorages(smallest_weight)
+        with spy:
+            y.backward(g)
+        yr.backward(g)
+        assert spy.big == [], f"weight-sized tensors created in backward: {spy.big}"
+        assert len(fired) == (step + 1) * len(views)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert p.grad is views[id(p)], "p.grad must remain the GradBuffer's view"
+        assert rel_err(p.grad, q.grad) < 1e-5
+    buffer.zero_()
+    assert all(float(p.grad.abs().max()) == 0 for p in m.parameters())
+
+
+def test_linear_without_existing_grad_behaves_as_torch():
+    """No .grad yet: the gradient is computed and handed to autograd as nn.Linear's is."""
+    m, ref = mk.nn.Linear(13, 7), nn.Linear(13, 7)
+    m.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 13)
+    m(x).sum().backward()
+    ref(x).sum().backward()
+    assert rel_err(m.weight.grad, ref.weight.grad) < 1e-6
+    m(x).sum().backward()  # now .grad exists: accumulated in place
+    ref(x).sum().backward()
+    assert rel_err(m.weight.grad, ref.weight.grad) < 1e-6
+
+
+def test_linear_leaves_grad_alone_for_autograd_grad_and_inputs_subset():
+    m = mk.nn.Linear(13, 7)
+    m.weight.grad = torch.randn(7, 13)
+    before = m.weight.grad.clone()
+    x = torch.randn(5, 13, requires_grad=True)
+    g = torch.randn(5, 7)
+    (gw,) = torch.autograd.grad(m(x), [m.weight], g)
+    assert torch.equal(m.weight.grad, before), "autograd.grad must not write .grad"
+    assert rel_err(gw, g.t() @ x.detach()) < 1e-6
+    m(x).backward(g, inputs=[x])
+    assert torch.equal(m.weight.grad, before), "backward(inputs=[x]) must not touch weight.grad"
+    assert rel_err(x.grad, g @ m.weight.detach()) < 1e-6
+
+
+def test_linear_tensor_hooks_see_the_real_gradient():
+    m = mk.nn.Linear(13, 7)
+    m.weight.grad = torch.zeros(7, 13)
+    seen = []
+    m.weight.register_hook(lambda grad: seen.append(grad.clone()) or grad * 2)
+    x, g = torch.randn(5, 13), torch.randn(5, 7)
+    m(x).backward(g)
+    assert rel_err(seen[0], g.t() @ x) < 1e-6
+    assert rel_err(m.weight.grad, 2 * g.t() @ x) < 1e-6
+
+
+def test_linear_under_autocast_matches_torch():
+    ref, m = nn.Linear(13, 11), mk.nn.Linear(13, 11)
+    m.load_state_dict(ref.state_dict())
+    x = torch.randn(7, 13, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, yr = m(x), ref(x)
+    assert y.dtype == yr.dtype == torch.bfloat16
+    g = torch.randn_like(yr)
+    a = torch.autograd.grad(y, (x, m.weight, m.bias), g)
+    b = torch.autograd.grad(yr, (x, ref.weight, ref.bias), g)
+    assert rel_err(y, yr) <= TOL[torch.bfloat16]
+    for u, v in zip(a, b):
+        assert u.dtype == v.dtype and rel_err(u, v) <= TOL[torch.bfloat16]
+
+
+# ----------------------------------------------------------------------------------------------
+# norms
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("affine", ["affine", "no_bias", "plain"])
+def test_layer_norm_matches_torch(shape, dtype, affine):
+    kw = dict(elementwise_affine=affine != "plain", bias=affine == "affine")
+    ref = nn.LayerNorm(shape[-1], **kw).to(dtype)
+    m = mk.nn.LayerNorm(shape[-1], **kw).to(dtype)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_()
+    m.load_state_dict(ref.state_dict())
+    assert_same(m, ref, _input(shape, dtype, 2.0), tol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("affine", [True, False])
+def test_rms_norm_matches_torch(shape, dtype, affine):
+    ref = nn.RMSNorm(shape[-1], eps=1e-6, elementwise_affine=affine).to(dtype)
+    m = mk.nn.RMSNorm(shape[-1], eps=1e-6, elementwise_affine=affine).to(dtype)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_()
+    m.load_state_dict(ref.state_dict())
+    assert_same(m, ref, _input(shape, dtype, 2.0), tol=TOL[dtype])
+
+
+def test_norms_over_several_dims_and_default_eps():
+    for ref, m in ((nn.LayerNorm((3, 5)), mk.nn.LayerNorm((3, 5))), (nn.RMSNorm((3, 5)), mk.nn.RMSNorm((3, 5)))):
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.normal_()
+        m.load_state_dict(ref.state_dict())
+        assert_same(m, ref, _input((4, 3, 5), torch.float32), tol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dropout
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_masks_forward_equal_backward(p, dtype):
+    x = (torch.randn(3, 1025) + 5).to(dtype).requires_grad_()  # no zeros in x
+    d = mk.nn.Dropout(p)
+    y = d(x)
+    g = (torch.rand_like(y, dtype=torch.float32) + 0.5).to(dtype)
+    (gx,) = torch.autograd.grad(y, x, g)
+    kept = y != 0
+    assert torch.equal(kept, gx != 0), "the backward mask must be the forward mask"
+    scale = 1.0 / (1.0 - p)
+    cd = torch.float32
+    assert torch.equal(y[kept], (x.detach()[kept].to(cd) * scale).to(dtype))
+    assert torch.equal(gx[kept], (g[kept].to(cd) * scale).to(dtype))
+    n = kept.numel()
+    assert abs(kept.double().mean().item() - (1 - p)) < 4 * (p * (1 - p) / n) ** 0.5 + 1e-3
+    y2 = d(x)
+    assert not torch.equal(y2 != 0, kept), "each call draws a new mask"
+
+
+def test_dropout_reproducible_from_manual_seed_and_eval_identity():
+    d = mk.nn.Dropout(0.3)
+    x = torch.randn(7, 13)
+    torch.manual_seed(3)
+    a = d(x)
+    torch.manual_seed(3)
+    assert torch.equal(a, d(x))
+    d.eval()
+    assert d(x) is x
+    assert mk.nn.Dropout(0.0)(x) is x
+
+
+def test_dropout_inplace():
+    x = torch.randn(5, 9, requires_grad=True)
+    h = x * 1.0
+    y = mk.nn.Dropout(0.5, inplace=True)(h)
+    assert y is h
+    y.sum().backward()
+    assert torch.equal(x.grad != 0, y.detach() != 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# MLP and SwiGLU
+
+
+_ACTS = {"gelu": lambda: nn.GELU(), "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+         "relu": lambda: nn.ReLU(), "silu": lambda: nn.SiLU()}
+
+
+def _torch_mlp(m: mk.nn.MLP) -> nn.Sequential:
+    fc1, fc2 = m.fc1, m.fc2
+    ref = nn.Sequential(nn.Linear(fc1.in_features, fc1.out_features, bias=fc1.bias is not None),
+                        _ACTS[m.activation](),
+                        nn.Linear(fc2.in_features, fc2.out_features, bias=fc2.bias is not None))
+    ref = ref.to(fc1.weight.dtype)
+    ref[0].load_state_dict(fc1.state_dict())
+    ref[2].load_state_dict(fc2.state_dict())
+    return ref
+
+
+@pytest.mark.parametrize("recompute", ["none", "activation", "full"])
+@pytest.mark.parametrize("activation", list(_ACTS))
+def test_mlp_matches_torch_fp32(activation, recompute):
+    m = mk.nn.MLP(13, 29, 11, activation=activation, recompute=recompute)
+    assert_same(m, _torch_mlp(m), _input((2, 7, 13), torch.float32), tol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:])
+@pytest.mark.parametrize("recompute", ["activation", "full"])
+def test_mlp_matches_torch_low_precision(dtype, recompute):
+    m = mk.nn.MLP(37, 61, activation="gelu_tanh", bias=True, recompute=recompute).to(dtype)
+    assert_same(m, _torch_mlp(m), _input((9, 37), dtype), tol=TOL[dtype])
+
+
+class _TorchSwiGLU(nn.Module):
+    def __init__(self, m: mk.nn.SwiGLU) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = (copy.deepcopy(m.gate_proj), copy.deepcopy(m.up_proj),
+                                                        copy.deepcopy(m.down_proj))
+        for lin in (self.gate_proj, self.up_proj, self.down_proj):
+            lin.__class__ = nn.Linear
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("recompute", ["none", "activation", "full"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_swiglu_matches_torch(recompute, dtype, bias):
+    m = mk.nn.SwiGLU(13, 23, 11, bias=bias, recompute=recompute).to(dtype)
+    assert_same(m, _TorchSwiGLU(m), _input((3, 5, 13), dtype), tol=TOL[dtype])
+
+
+def test_mlp_dropout_and_structure():
+    m = mk.nn.MLP(16, 32, dropout=0.25)
+    assert set(dict(m.named_children())) == {"fc1", "fc2", "dropout"}
+    assert isinstance(m.fc1, mk.nn.Linear) and m.fc2.out_features == 16
+    x = torch.randn(64, 16)
+    y = m(x)
+    with torch.no_grad():
+        full = _torch_mlp(m)(x)
+    kept = y != 0
+    assert 0.6 < kept.double().mean().item() < 0.9
+    assert rel_err(y[kept], full[kept] / 0.75) < 1e-5
+
+
+@pytest.mark.parametrize("bad", [dict(activation="tanh"), dict(recompute="some")])
+def test_mlp_rejects_bad_arguments(bad):
+    with pytest.raises(ValueError, match=list(bad)[0]):
+        mk.nn.MLP(4, 8, **bad)
+
+
+def test_frozen_weights_only_input_grad():
+    m = mk.nn.MLP(13, 17, recompute="full").requires_grad_(False)
+    x = torch.randn(3, 13, requires_grad=True)
+    ref = _torch_mlp(m)
+    g = torch.randn(3, 13)
+    (a,) = torch.autograd.grad(m(x), x, g)
+    (b,) = torch.autograd.grad(ref(x), x, g)
+    assert rel_err(a, b) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# non-finite inputs propagate as in torch
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("name", ["Linear", "LayerNorm", "RMSNorm", "MLP", "SwiGLU"])
+def test_nan_and_inf_propagate_like_torch(name, where):
+    d = 13
+    m = {"Linear": lambda: mk.nn.Linear(d, 7), "LayerNorm": lambda: mk.nn.LayerNorm(d),
+         "RMSNorm": lambda: mk.nn.RMSNorm(d), "MLP": lambda: mk.nn.MLP(d, 17, activation="gelu_tanh"),
+         "SwiGLU": lambda: mk.nn.SwiGLU(d, 17)}[name]()
+    if name == "MLP":
+        ref = _torch_mlp(m)
+    elif name == "SwiGLU":
+        ref = _TorchSwiGLU(m)
+    else:
+        ref = copy.deepcopy(m)
+        ref.__class__ = type(m).__mro__[1]  # the torch class this memkern module derives from
+    x = torch.randn(5, d)
+    row = {"first": 0, "middle": 2, "last": 4}[where]
+    x[row, row] = float("nan")
+    x[(row + 1) % 5, d - 1 - row] = float("inf")
+    x.requires_grad_()
+    y, yr = m(x), ref(x)
+    assert torch.equal(torch.isnan(y), torch.isnan(yr)) and torch.equal(torch.isinf(y), torch.isinf(yr))
+    finite = torch.isfinite(yr)
+    assert rel_err(y[finite], yr[finite]) <= 1e-5
+    g = torch.randn_like(yr)
+    (gx,) = torch.autograd.grad(y, x, g)
+    (gr,) = torch.autograd.grad(yr, x, g)
+    assert torch.equal(torch.isnan(gx), torch.isnan(gr))
+
+
+# ----------------------------------------------------------------------------------------------
+# the modules on the Triton backend (interpreted on the CPU) give the reference backend's result
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+@pytest.mark.skipif(not mk.backend.runs_on("triton", torch.device("cpu")), reason="no triton interpreter")
+@pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm", "Dropout", "MLP", "SwiGLU", "LinearCrossEntropy"])
+def test_module_on_triton_backend_matches_reference(name):
+    make = {"LayerNorm": lambda: mk.nn.LayerNorm(37), "RMSNorm": lambda: mk.nn.RMSNorm(37),
+            "Dropout": lambda: mk.nn.Dropout(0.4), "MLP": lambda: mk.nn.MLP(37, 53, activation="gelu"),
+            "SwiGLU": lambda: mk.nn.SwiGLU(37, 53), "LinearCrossEntropy": lambda: mk.nn.LinearCrossEntropy(37, 301)}
+    m = make[name]()
+    x = torch.randn(3, 7, 37, requires_grad=True)
+    args = (x, torch.randint(0, 301, (3, 7))) if name == "LinearCrossEntropy" else (x,)
+    outs = {}
+    g = torch.randn(()) if name == "LinearCrossEntropy" else torch.randn_like(x)
+    for b in ("reference", "triton"):
+        torch.manual_seed(11)
+        with mk.ops.force(b):
+            y = m(*args)
+            grads = torch.autograd.grad(y, [x, *m.parameters()], g)
+        outs[b] = (y, *grads)
+    for a, r in zip(outs["triton"], outs["reference"]):
+        assert rel_err(a, r) < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_modules_on_cuda_match_torch(dtype):
+    """The GPU path: Triton kernels compiled for real, GEMMs in cuBLAS (TF32 off)."""
+    dev = torch.device("cuda")
+    x = _input((4, 33, 129), dtype).detach().to(dev).requires_grad_()
+    mlp = mk.nn.MLP(129, 257, activation="gelu_tanh").to(dev, dtype)
+    assert_same(mlp, _torch_mlp(mlp), x, tol=TOL[dtype])
+    sw = mk.nn.SwiGLU(129, 257).to(dev, dtype)
+    assert_same(sw, _TorchSwiGLU(sw), x, tol=TOL[dtype])
+    for m in (mk.nn.LayerNorm(129), mk.nn.RMSNorm(129)):
+        m = m.to(dev, dtype)
+        ref = copy.deepcopy(m)
+        ref.__class__ = type(m).__mro__[1]
+        assert_same(m, ref, x, tol=TOL[dtype])
+    y = mk.nn.Dropout(0.2)(x)
+    (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert torch.equal(y != 0, gx != 0)

@@ -1,0 +1,363 @@
+"""The ops behind memkern.nn (memkern/ops/{activation,swiglu,dropout,norm,cross_entropy,
+linear_cross_entropy}.py): reference vs float64 torch math, Triton (under TRITON_INTERPRET=1 on
+the CPU, on the GPU when there is one) vs the reference, torch.library.opcheck on each op, and
+the argument checks.
+
+Fresh random data every run (conftest prints the seed), odd sizes, outputs compared against an
+oracle computed in float64 from the very inputs the op saw.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memkern import backend, ops
+from memkern.ops.dropout import keep_mask, philox4x32
+
+LOW = [pytest.param(d, id=str(d).removeprefix("torch."))
+       for d in (torch.float32, torch.bfloat16, torch.float16)]
+KINDS = ["gelu", "gelu_tanh", "relu", "silu"]
+# Triton vs reference: fp32 agree to a few float32 ulps (different exp/erf); 16-bit outputs
+# are both rounded once from float32 and may differ by one rounding step.
+TRITON_TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+# The interpreter evaluates exp() of large arguments in numpy, which warns on the (correct)
+# overflow to inf.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+needs_triton = pytest.mark.skipif(not backend.runs_on("triton", torch.device("cpu")),
+                                  reason="triton is not importable / TRITON_INTERPRET not set")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| in float64 (the relative measure used throughout)."""
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+def _f64(*ts):
+    return [t.double() for t in ts]
+
+
+# ----------------------------------------------------------------------------------------------
+# reference vs independent float64 math
+
+
+def _act64(x, kind):
+    if kind == "gelu":
+        return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+    if kind == "gelu_tanh":
+        return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    if kind == "relu":
+        return torch.where(x > 0, x, torch.zeros_like(x))
+    return x * torch.sigmoid(x)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_activation_reference_matches_float64_math(kind):
+    x = torch.randn(7, 13, dtype=torch.float64) * 3
+    g = torch.randn_like(x)
+    assert rel_err(ops.act_forward.reference(x, kind), _act64(x, kind)) < 1e-14
+    xr = x.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(_act64(xr, kind), xr, g)
+    assert rel_err(ops.act_backward.reference(g, x, kind), expected) < 1e-13
+
+
+def test_swiglu_reference_matches_float64_autograd():
+    a = torch.randn(5, 31, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, 31, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, 31, dtype=torch.float64)
+    h = a * torch.sigmoid(a) * b
+    da, db = torch.autograd.grad(h, (a, b), g)
+    assert rel_err(ops.swiglu_forward.reference(a.detach(), b.detach()), h) < 1e-15
+    ra, rb = ops.swiglu_backward.reference(g, a.detach(), b.detach())
+    assert rel_err(ra, da) < 1e-14 and rel_err(rb, db) < 1e-14
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_norm_reference_matches_float64_autograd(rms, affine):
+    x = (torch.randn(9, 37, dtype=torch.float64) * 2 + 0.5).requires_grad_()
+    w = (torch.randn(37, dtype=torch.float64) if affine else None)
+    b = (torch.randn(37, dtype=torch.float64) if affine and not rms else None)
+    params = [p.requires_grad_() for p in (w, b) if p is not None]
+    if rms:
+        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+        y = y * w if w is not None else y
+    else:
+        y = F.layer_norm(x, (37,), w, b, 1e-6)
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [x] + params, g)
+    wd = None if w is None else w.detach()
+    ry, mean, rstd = ops.norm_forward.reference(x.detach(), wd, None if b is None else b.detach(), 1e-6, rms)
+    assert rel_err(ry, y) < 1e-14
+    assert mean.shape == ((0,) if rms else (9,)) and rstd.shape == (9,)
+    dx, dw, db = ops.norm_backward.reference(g, x.detach(), wd, mean, rstd, rms)
+    assert rel_err(dx, grads[0]) < 1e-12
+    if affine:
+        assert rel_err(dw, grads[1]) < 1e-13
+        if not rms:
+            assert rel_err(db, grads[2]) < 1e-13
+    else:
+        assert dw.numel() == 0 and db.numel() == 0
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.3])
+def test_cross_entropy_rows_reference_matches_torch(smoothing):
+    z = torch.randn(11, 1023, dtype=torch.float64) * 3
+    t = torch.randint(0, 1023, (11,))
+    t[[0, 5]] = -7  # ignored rows, first and middle
+    scale = torch.randn(11, dtype=torch.float64)
+    zr = z.clone().requires_grad_()
+    per_row = F.cross_entropy(zr, t, reduction="none", ignore_index=-7, label_smoothing=smoothing)
+    (grad,) = torch.autograd.grad(per_row, zr, scale)
+    out = z.clone()
+    loss = ops.cross_entropy_rows_.reference(out, t, scale, -7, smoothing, True)
+    assert rel_err(loss, per_row) < 1e-14
+    assert rel_err(out, grad) < 1e-13
+    assert torch.equal(out[[0, 5]], torch.zeros(2, 1023, dtype=torch.float64))
+    untouched = z.clone()
+    ops.cross_entropy_rows_.reference(untouched, t, None, -7, smoothing, False)
+    assert torch.equal(untouched, z), "compute_grad=False must leave the logits alone"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_cross_entropy_rows_reference_when_target_probability_underflows(dtype):
+    """Logits so spread that softmax(z)[t] underflows to 0 for most rows (loss in the
+    hundreds): the loss is still exact, the gradient softmax - onehot."""
+    z = (torch.randn(9, 257) * 300).to(dtype)
+    t = torch.randint(0, 257, (9,))
+    zr = z.double().clone().requires_grad_()
+    per_row = F.cross_entropy(zr, t, reduction="none")
+    (grad,) = torch.autograd.grad(per_row.sum(), zr)
+    assert float(per_row.max()) > 100
+    out = z.clone()
+    loss = ops.cross_entropy_rows_.reference(out, t, None, -100, 0.0, True)
+    assert rel_err(loss, per_row) < (1e-6 if dtype == torch.float32 else 1e-14)
+    assert rel_err(out, grad) < (1e-6 if dtype == torch.float32 else 1e-14)
+
+
+def test_linear_cross_entropy_ops_match_unfused_float64():
+    x = torch.randn(23, 13, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(37, 13, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(37, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 37, (23,))
+    t[-1] = -100
+    per_row = F.cross_entropy(F.linear(x, w, b), t, reduction="none")
+    gsum = torch.autograd.grad(per_row.sum(), (x, w, b), retain_graph=True)
+    loss, dx, dw, db = ops.linear_cross_entropy_forward(x.detach(), w.detach(), b.detach(), t, -100,
+                                                        0.0, 5, True, True, True)
+    assert rel_err(loss, per_row) < 1e-14
+    for got, want in zip((dx, dw, db), gsum):
+        assert rel_err(got, want) < 1e-13
+    gl = torch.randn(23, dtype=torch.float64)
+    grl = torch.autograd.grad(per_row, (x, w, b), gl)
+    for got, want in zip(ops.linear_cross_entropy_backward(gl, x.detach(), w.detach(), b.detach(), t,
+                                                           -100, 0.0, 4, True, True, True), grl):
+        assert rel_err(got, want) < 1e-13
+
+
+def test_dropout_reference_mask_and_scale():
+    x = torch.randn(3, 1001, dtype=torch.float64)
+    seed = torch.randint(0, 1 << 62, (), dtype=torch.int64)
+    y = ops.dropout.reference(x, seed, 0.3)
+    keep = keep_mask(seed, x.numel(), 0.3).view(x.shape)
+    assert torch.equal(y[keep], x[keep] * (1 / 0.7))
+    assert torch.equal(y[~keep], torch.zeros_like(y[~keep]))
+    assert abs(keep.double().mean().item() - 0.7) < 0.03
+    again = ops.dropout.reference(torch.randn_like(x), seed, 0.3)
+    assert torch.equal(again != 0, keep), "the mask is a function of (seed, index) only"
+    other = keep_mask(seed + 1, x.numel(), 0.3)
+    assert not torch.equal(other, keep.view(-1))
+    assert bool(keep_mask(seed, 10, 0.0).all()) and not bool(keep_mask(seed, 10, 1.0).any())
+
+
+def test_philox_reference_known_answer():
+    # Philox4x32-10 known-answer vector of Random123 (kat_vectors): counter 0, key 0.
+    words = philox4x32(torch.tensor(0), torch.tensor([0]))
+    assert [int(w) for w in words] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels (interpreted on the CPU) vs the reference
+
+
+def _triton(op, *args):
+    with ops.force("triton"):
+        return op(*args)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("kind", KINDS)
+def test_triton_activation_matches_reference(kind, dtype):
+    x = (torch.randn(7, 131) * 4).to(dtype)
+    g = torch.randn(7, 131).to(dtype)
+    x[0, 0], x[3, 65], x[6, 130] = math.nan, math.inf, -math.inf
+    y = _triton(ops.act_forward, x, kind)
+    ref = ops.act_forward.reference(x, kind)
+    finite = torch.isfinite(ref)
+    # torch's CPU erf-GELU returns NaN at +inf (its CUDA kernel, and the kernel here, give inf)
+    quirk = torch.isposinf(x) if kind == "gelu" else torch.zeros_like(x, dtype=torch.bool)
+    assert torch.equal(torch.isnan(y)[~quirk], torch.isnan(ref)[~quirk])
+    assert bool(torch.isposinf(y[quirk]).all())
+    assert rel_err(y[finite], ref[finite]) <= TRITON_TOL[dtype]
+    dx = _triton(ops.act_backward, g, x, kind)
+    rdx = ops.act_backward.reference(g, x, kind)
+    finite = torch.isfinite(rdx) & torch.isfinite(x)
+    assert rel_err(dx[finite], rdx[finite]) <= TRITON_TOL[dtype]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", LOW)
+def test_triton_swiglu_matches_reference(dtype):
+    a, b, g = (torch.randn(5, 263).mul(3).to(dtype) for _ in range(3))
+    assert rel_err(_triton(ops.swiglu_forward, a, b), ops.swiglu_forward.reference(a, b)) <= TRITON_TOL[dtype]
+    for got, want in zip(_triton(ops.swiglu_backward, g, a, b), ops.swiglu_backward.reference(g, a, b)):
+        assert rel_err(got, want) <= TRITON_TOL[dtype]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("numel", [1, 7, 1023, 4099])
+def test_triton_dropout_bit_identical_to_reference(numel, dtype):
+    x = torch.randn(numel).to(dtype)
+    seed = torch.randint(0, 1 << 62, (), dtype=torch.int64)
+    y = _triton(ops.dropout, x, seed, 0.37)
+    assert torch.equal(y, ops.dropout.reference(x, seed, 0.37))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_triton_norm_matches_reference(rms, affine, dtype):
+    x = (torch.randn(13, 67) * 2 + 1).to(dtype)
+    w = torch.randn(67) if affine else None
+    b = torch.randn(67) if affine and not rms else None
+    dy = torch.randn(13, 67).to(dtype)
+    y, mean, rstd = _triton(ops.norm_forward, x, w, b, 1e-5, rms)
+    ry, rmean, rrstd = ops.norm_forward.reference(x, w, b, 1e-5, rms)
+    assert rel_err(y, ry) <= TRITON_TOL[dtype]
+    assert rel_err(rstd, rrstd) < 1e-6
+    if not rms:
+        assert rel_err(mean, rmean) < 1e-6
+    got = _triton(ops.norm_backward, dy, x, w, rmean, rrstd, rms)
+    want = ops.norm_backward.reference(dy, x, w, rmean, rrstd, rms)
+    assert rel_err(got[0], want[0]) <= max(TRITON_TOL[dtype], 1e-5)
+    if affine:
+        assert rel_err(got[1], want[1]) < 1e-5 and rel_err(got[2], want[2]) < 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_triton_cross_entropy_rows_matches_reference(dtype, smoothing):
+    z = (torch.randn(6, 1537) * 4).to(dtype)
+    t = torch.randint(0, 1537, (6,))
+    t[2] = -100
+    scale = torch.randn(6)
+    for rs in (None, scale):
+        a, b = z.clone(), z.clone()
+        loss = _triton(ops.cross_entropy_rows_, a, t, rs, -100, smoothing, True)
+        rloss = ops.cross_entropy_rows_.reference(b, t, rs, -100, smoothing, True)
+        assert rel_err(loss, rloss) < 1e-6
+        assert rel_err(a, b) <= TRITON_TOL[dtype] * 2
+        assert torch.equal(a[2], torch.zeros_like(a[2]))
+
+
+# ----------------------------------------------------------------------------------------------
+# opcheck: schema, fake implementation, aliasing — for every nn op
+
+
+def _opcheck_cases():
+    x = torch.randn(5, 17)
+    g = torch.randn(5, 17)
+    seed = torch.tensor(12345, dtype=torch.int64)
+    y, mean, rstd = ops.norm_forward.reference(x, torch.randn(17), torch.randn(17), 1e-5, False)
+    _, _, rrstd = ops.norm_forward.reference(x, torch.randn(17), None, 1e-5, True)
+    t = torch.randint(0, 17, (5,))
+    w = torch.randn(11, 17)
+    tt = torch.randint(0, 11, (5,))
+    return [
+        ("act_forward", (x, "gelu_tanh")),
+        ("act_backward", (g, x, "silu")),
+        ("swiglu_forward", (x, g)),
+        ("swiglu_backward", (g, x, g.clone())),
+        ("dropout", (x, seed, 0.25)),
+        ("norm_forward", (x, torch.randn(17), torch.randn(17), 1e-5, False)),
+        ("norm_backward", (g, x, torch.randn(17), mean, rstd, False)),
+        ("norm_backward", (g, x, None, torch.empty(0), rrstd, True)),
+        ("cross_entropy_rows_", (torch.randn(5, 17), t, None, -100, 0.1, True)),
+        ("linear_cross_entropy_forward", (x, w, torch.randn(11), tt, -100, 0.0, 2, True, True, True)),
+        ("linear_cross_entropy_backward", (torch.randn(5), x, w, None, tt, -100, 0.0, 3, True, True, False)),
+    ]
+
+
+@pytest.mark.parametrize("name,args", _opcheck_cases(), ids=lambda v: v if isinstance(v, str) else "")
+def test_opcheck(name, args):
+    torch.library.opcheck(getattr(torch.ops.memkern, name).default, args)
+
+
+def test_every_nn_op_is_opchecked():
+    assert {op.name for op in ops.NN_OPS} == {name for name, _ in _opcheck_cases()}
+
+
+# ----------------------------------------------------------------------------------------------
+# argument checks: the error names the argument and says what to do
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: ops.act_forward(torch.randn(3), "tanh"), "kind='tanh'"),
+    (lambda: ops.act_backward(torch.randn(3), torch.randn(4), "gelu"), "grad has shape"),
+    (lambda: ops.act_forward(torch.randn(4, 3).t(), "gelu"), "contiguous"),
+    (lambda: ops.swiglu_forward(torch.randn(3), torch.randn(3, dtype=torch.float16)), "up has dtype"),
+    (lambda: ops.dropout(torch.randn(3), torch.tensor(1.0), 0.5), "seed must be an int64"),
+    (lambda: ops.dropout(torch.randn(3), torch.tensor(1), 1.5), "p=1.5"),
+    (lambda: ops.norm_forward(torch.randn(3, 4, 5), None, None, 1e-5, False), "x must be 2-D"),
+    (lambda: ops.norm_forward(torch.randn(3, 4), torch.randn(5), None, 1e-5, False), "weight has shape"),
+    (lambda: ops.norm_forward(torch.randn(3, 4), torch.randn(4), torch.randn(4), 1e-5, True), "takes no bias"),
+    (lambda: ops.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 5]), None, -100, 0.0, True),
+     r"target\[1\] = 5"),
+    (lambda: ops.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 2], dtype=torch.int32), None,
+                                     -100, 0.0, True), "target must be an int64"),
+    (lambda: ops.linear_cross_entropy_forward(torch.randn(3, 4), torch.randn(5, 6), None,
+                                              torch.tensor([0, 1, 2]), -100, 0.0, 2, True, True, True),
+     "same H"),
+])
+def test_errors_name_the_argument(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the Triton kernels compiled for real (skipped without a GPU)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOW)
+def test_cuda_kernels_match_reference(dtype):
+    dev = torch.device("cuda")
+    x = (torch.randn(37, 4099, device=dev) * 3).to(dtype)
+    g = torch.randn(37, 4099, device=dev).to(dtype)
+    for kind in KINDS:
+        assert rel_err(ops.act_forward(x, kind), ops.act_forward.reference(x, kind)) <= TRITON_TOL[dtype]
+        assert rel_err(ops.act_backward(g, x, kind), ops.act_backward.reference(g, x, kind)) <= TRITON_TOL[dtype]
+    for got, want in zip(ops.swiglu_backward(g, x, g), ops.swiglu_backward.reference(g, x, g)):
+        assert rel_err(got, want) <= TRITON_TOL[dtype]
+    seed = torch.randint(0, 1 << 62, (), dtype=torch.int64, device=dev)
+    assert torch.equal(ops.dropout(x, seed, 0.1), ops.dropout.reference(x, seed, 0.1))
+    w = torch.randn(4099, device=dev)
+    y, mean, rstd = ops.norm_forward(x, w, w, 1e-5, False)
+    assert rel_err(y, ops.norm_forward.reference(x, w, w, 1e-5, False)[0]) <= TRITON_TOL[dtype]
+    got = ops.norm_backward(g, x, w, mean, rstd, False)
+    want = ops.norm_backward.reference(g, x, w, mean, rstd, False)
+    assert all(rel_err(a, b) <= max(TRITON_TOL[dtype], 1e-5) for a, b in zip(got, want))
+    t = torch.randint(0, 4099, (37,), device=dev)
+    a, b = x.clone(), x.clone()
+    assert rel_err(ops.cross_entropy_rows_(a, t, None, -100, 0.1, True),
+                   ops.cross_entropy_rows_.reference(b, t, None, -100, 0.1, True)) < 1e-5
+    assert rel_err(a, b) <= 2 * TRITON_TOL[dtype]
