@@ -9,7 +9,9 @@ Arguments
 
 ``act_forward(x, kind)`` equals ``F.gelu(x)`` / ``F.gelu(x, approximate="tanh")`` /
 ``F.relu(x)`` / ``F.silu(x)``; ``act_backward(grad, x, kind)`` is the gradient w.r.t. ``x``.
-16-bit inputs are computed in float32 and rounded once. NaN propagates as in torch (ReLU's
+16-bit inputs are computed in float32 and rounded once (torch's own kernels do so per vector,
+so the reference passes 16-bit tensors to them as they are: no float32 copy of the whole tensor,
+which on the CPU, where the reference is the kernel, would be a transient as large as x twice). NaN propagates as in torch (ReLU's
 gradient at NaN is 0, like ``threshold_backward``). One documented difference at infinities:
 the erf-GELU of ``+inf`` is ``+inf`` in the Triton kernel (as in torch's CUDA kernel), while
 torch's CPU kernel, used by the reference, returns NaN.
@@ -55,34 +57,27 @@ def _fake_backward(grad: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tens
 
 
 def forward_reference(x: torch.Tensor, kind: str) -> torch.Tensor:
-    xc = x.to(_checks.compute_dtype(x.dtype))
     if kind == "gelu":
-        y = F.gelu(xc)
-    elif kind == "gelu_tanh":
-        y = F.gelu(xc, approximate="tanh")
-    elif kind == "relu":
-        y = torch.relu(xc)
-    elif kind == "silu":
-        y = F.silu(xc)
-    else:
-        check_kind("act_forward", kind)
-    return y.to(x.dtype)
+        return F.gelu(x)
+    if kind == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if kind == "relu":
+        return torch.relu(x)
+    if kind == "silu":
+        return F.silu(x)
+    check_kind("act_forward", kind)
 
 
 def backward_reference(grad: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
-    cd = _checks.compute_dtype(x.dtype)
-    g, xc = grad.to(cd), x.to(cd)
     if kind == "gelu":
-        dx = torch.ops.aten.gelu_backward(g, xc)
-    elif kind == "gelu_tanh":
-        dx = torch.ops.aten.gelu_backward(g, xc, approximate="tanh")
-    elif kind == "relu":
-        dx = torch.ops.aten.threshold_backward(g, xc, 0)
-    elif kind == "silu":
-        dx = torch.ops.aten.silu_backward(g, xc)
-    else:
-        check_kind("act_backward", kind)
-    return dx.to(x.dtype)
+        return torch.ops.aten.gelu_backward(grad, x)
+    if kind == "gelu_tanh":
+        return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+    if kind == "relu":
+        return torch.ops.aten.threshold_backward(grad, x, 0)
+    if kind == "silu":
+        return torch.ops.aten.silu_backward(grad, x)
+    check_kind("act_backward", kind)
 
 
 act_forward = Op(

@@ -1,0 +1,117 @@
+"""The training configurations ``memkern bench`` compares, each built from the same seeded
+model and trained on the same batches.
+
+=====================  ====================================================================
+torch-fp32             plain torch: fp32 model, ``AdamW(fused=True)``, ``clip_grad_norm_``
+torch-amp              torch AMP: autocast(bf16) + ``GradScaler`` + clipping + fused AdamW
+memkern-modules        ``memkern.patch``-ed model + fused linear cross-entropy head, fp32,
+                       the same torch optimizer (modules only)
+memkern-full           memkern modules, bf16 parameters, the flat bf16 gradient buffer and
+                       ``ShardedOptimizer`` (dynamic loss scale, clipping, fused AdamW on fp32
+                       master weights)
+memkern-full-ckpt      memkern-full with every transformer block under ``memkern.checkpoint``
+=====================  ====================================================================
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+import memkern
+from memkern.bench.model import GPT, GPTConfig
+
+CONFIGS = ("torch-fp32", "torch-amp", "memkern-modules", "memkern-full", "memkern-full-ckpt")
+BASELINE = "torch-amp"
+LR, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-3, 0.01, 1.0
+
+
+@dataclasses.dataclass
+class Setup:
+    """A model with its optimizer and the two calls the bench makes on them."""
+
+    name: str
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    train_step: Callable[..., torch.Tensor]
+    """``train_step(x, y, after_backward=None)``: one optimizer step on one batch (forward,
+    backward, clip, update, zero grads); returns the loss. ``after_backward()``, if given, is
+    called once the gradients exist (for measuring what a step holds)."""
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    """The context the forward runs in (autocast for torch-amp, nothing otherwise)."""
+
+
+def _memkern_modules(model: GPT, *, checkpoint: bool = False) -> GPT:
+    memkern.patch(model)
+    head = memkern.nn.LinearCrossEntropy(model.cfg.width, model.cfg.vocab, bias=False,
+                                         device=model.wte.weight.device)
+    head.weight = model.wte.weight  # keep input and output embeddings tied
+    model.head = head
+    if checkpoint:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = memkern.checkpoint(block, policy="full")
+    return model
+
+
+def _torch_step(model: GPT, optimizer: torch.optim.Optimizer, autocast, scaler=None):
+    def step(x: torch.Tensor, y: torch.Tensor, after_backward=None) -> torch.Tensor:
+        with autocast():
+            loss = model(x, y)
+        if scaler is None:
+            loss.backward()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+        if after_backward is not None:
+            after_backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM, foreach=True)
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0) -> Setup:
+    """The configuration ``name`` on ``device``, from a model initialised with ``seed``."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
+    torch.manual_seed(seed)
+    model = GPT(cfg).to(device)
+    nothing = contextlib.nullcontext
+    if name.startswith("torch") or name == "memkern-modules":
+        if name == "memkern-modules":
+            _memkern_modules(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                                      fused=True)
+        if name == "torch-amp":
+            def autocast():
+                return torch.autocast(device.type, dtype=torch.bfloat16)
+
+            scaler = torch.amp.GradScaler(device.type)
+            return Setup(name, model, optimizer,
+                         _torch_step(model, optimizer, autocast, scaler), autocast)
+        return Setup(name, model, optimizer, _torch_step(model, optimizer, nothing), nothing)
+
+    _memkern_modules(model, checkpoint=name == "memkern-full-ckpt")
+    model.to(torch.bfloat16)
+    optimizer = memkern.optim.ShardedOptimizer(
+        model.parameters(), "adamw", lr=LR, weight_decay=WEIGHT_DECAY,
+        loss_scale="dynamic", max_grad_norm=MAX_GRAD_NORM)
+
+    def step(x: torch.Tensor, y: torch.Tensor, after_backward=None) -> torch.Tensor:
+        loss = model(x, y)
+        optimizer.backward(loss)
+        if after_backward is not None:
+            after_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return Setup(name, model, optimizer, step, nothing)

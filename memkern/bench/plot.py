@@ -1,0 +1,40 @@
+"""A PNG bar chart of memory by component for each configuration."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from memkern.bench.runner import Row
+
+COMPONENTS = (
+    ("parameters", "params_bytes", "#4c72b0"),
+    ("gradients", "grads_bytes", "#55a868"),
+    ("master weights", "master_bytes", "#c44e52"),
+    ("optimizer state", "optimizer_state_bytes", "#8172b2"),
+    ("saved activations", "saved_activation_bytes", "#ccb974"),
+)
+
+
+def memory_chart(rows: Sequence[Row], path: str, title: str) -> None:
+    """Stacked bars (MiB) of each row's memory components, with its measured peak marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mib = 1 << 20
+    fig, ax = plt.subplots(figsize=(1.8 * len(rows) + 3, 4.5), dpi=110)
+    names = [r.config for r in rows]
+    bottoms = [0.0] * len(rows)
+    for label, field, color in COMPONENTS:
+        heights = [getattr(r, field) / mib for r in rows]
+        ax.bar(names, heights, bottom=bottoms, label=label, color=color)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.scatter(names, [r.peak_bytes / mib for r in rows], marker="_", s=900, color="black",
+               label="measured peak", zorder=3)
+    ax.set_ylabel("MiB")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper right")
+    plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

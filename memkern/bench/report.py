@@ -1,0 +1,63 @@
+"""``memkern report``: predicted per-rank memory of each configuration and world size.
+
+Model-state bytes come from DESIGN.md §3's per-parameter formulas (Adam, W ranks);
+activations are measured: the bytes one micro-batch's forward saves for backward, for the
+torch model under bf16 autocast and for the memkern model with and without checkpointing.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from memkern.bench.configs import build
+from memkern.bench.data import Batches
+from memkern.bench.model import GPTConfig
+from memkern.profile import saved_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    name: str
+    activations_from: str
+    """The bench configuration whose forward is measured for the activations."""
+    device_bytes_per_param: object
+    """W -> bytes per parameter held on each rank's device."""
+    host_bytes_per_param: float = 0.0
+
+
+PLANS = (
+    Plan("torch AMP (DDP)", "torch-amp", lambda w: 16.0),
+    Plan("memkern ZeRO-1", "memkern-full", lambda w: 4 + 12 / w),
+    Plan("memkern ZeRO-2", "memkern-full", lambda w: 2 + 14 / w),
+    Plan("memkern ZeRO-2 + ckpt", "memkern-full-ckpt", lambda w: 2 + 14 / w),
+    Plan("memkern offload=cpu", "memkern-full", lambda w: 4.0, host_bytes_per_param=12.0),
+)
+
+
+def measured_activations(cfg: GPTConfig, corpus: torch.Tensor, batch: int,
+                         device: torch.device) -> tuple[int, dict[str, int]]:
+    """Parameter count and saved bytes of one micro-batch's forward per configuration."""
+    x, y = Batches(corpus, batch, cfg.seq, device=device).next()
+    saved, num_params = {}, 0
+    for name in sorted({p.activations_from for p in PLANS}):
+        setup = build(name, cfg, device)
+        num_params = sum(p.numel() for p in setup.model.parameters())
+        with setup.autocast():
+            saved[name] = saved_bytes(setup.model, x, y)
+        del setup
+    return num_params, saved
+
+
+def predict(num_params: int, saved: dict[str, int], world_sizes: list[int]) -> list[dict]:
+    rows = []
+    for plan in PLANS:
+        for w in world_sizes:
+            state = plan.device_bytes_per_param(w) * num_params
+            rows.append({"config": plan.name, "world_size": w,
+                         "bytes_per_param": plan.device_bytes_per_param(w),
+                         "model_state_bytes": int(state),
+                         "activation_bytes": saved[plan.activations_from],
+                         "device_bytes": int(state) + saved[plan.activations_from],
+                         "host_bytes": int(plan.host_bytes_per_param * num_params)})
+    return rows

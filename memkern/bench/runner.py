@@ -1,0 +1,111 @@
+"""Trains one configuration for a number of steps and measures it."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+
+import torch
+
+from memkern.bench.configs import build
+from memkern.bench.data import Batches
+from memkern.bench.model import GPTConfig
+from memkern.profile import memory_breakdown, saved_bytes
+from memkern.profile.allocations import allocation_stats
+
+
+@dataclasses.dataclass
+class Row:
+    config: str
+    peak_bytes: int
+    """Persistent bytes (params, grads, master weights, optimizer state) at the start of a
+    step plus the step's own peak allocation above that (GPU: the allocator's peak)."""
+    saved_activation_bytes: int
+    """Bytes one micro-batch's forward saves for backward."""
+    params_bytes: int
+    grads_bytes: int
+    master_bytes: int
+    optimizer_state_bytes: int
+    num_params: int
+    optimizer_side_bytes_per_param: float
+    step_seconds: float
+    tokens_per_second: float
+    losses: list[float]
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1]
+
+
+class Progress:
+    """One line per configuration on stderr, redrawn in place on a terminal."""
+
+    def __init__(self, label: str, total: int, enabled: bool = True) -> None:
+        self.label, self.total, self.enabled = label, total, enabled
+        self.tty = sys.stderr.isatty()
+
+    def update(self, done: int, loss: float) -> None:
+        if not self.enabled or not (self.tty or done == self.total):
+            return
+        filled = int(24 * done / self.total)
+        bar = "#" * filled + "." * (24 - filled)
+        end = "\n" if done == self.total else ""
+        print(f"\r  {self.label:<18} [{bar}] {done:>4}/{self.total} loss {loss:.4f}",
+              end=end, file=sys.stderr, flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: int,
+        device: torch.device, seed: int = 0, progress: bool = True) -> Row:
+    """Trains configuration ``name`` for ``steps`` steps (batch × cfg.seq tokens each).
+
+    Step 0 warms up; step 1 is measured for memory (under the profiler on CPU, so it is left
+    out of the timing); the median time of the other steps is reported.
+    """
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    setup = build(name, cfg, device, seed)
+    batches = Batches(corpus, batch, cfg.seq, seed=seed, device=device)
+    bar = Progress(name, steps, progress)
+    losses, times = [], []
+    persistent = step_peak = 0
+    breakdowns = []
+    for i in range(steps):
+        x, y = batches.next()
+        if i == 1:
+            persistent = memory_breakdown(setup.model, setup.optimizer).total
+            stats = allocation_stats(
+                setup.train_step, x, y, device=device,
+                after_backward=lambda: breakdowns.append(
+                    memory_breakdown(setup.model, setup.optimizer)))
+            step_peak, loss = stats.peak, stats.result
+        else:
+            _sync(device)
+            start = time.perf_counter()
+            loss = setup.train_step(x, y)
+            _sync(device)
+            if i > 0:
+                times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        bar.update(i + 1, losses[-1])
+
+    x, y = batches.next()
+    with setup.autocast():
+        saved = saved_bytes(setup.model, x, y)
+    breakdown = breakdowns[0]  # after backward: the gradients exist in every configuration
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        peak = persistent + step_peak
+    step_seconds = statistics.median(times)
+    return Row(name, peak, saved, breakdown.params, breakdown.grads, breakdown.master_weights,
+               breakdown.optimizer_state, breakdown.num_params,
+               breakdown.optimizer_side_per_param, step_seconds,
+               batch * cfg.seq / step_seconds, losses)

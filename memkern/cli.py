@@ -1,0 +1,231 @@
+"""The ``memkern`` command.
+
+    memkern bench    train the embedded default GPT under plain torch, torch AMP and memkern
+                     configurations and print their memory and speed side by side
+    memkern report   predicted per-rank memory of each configuration and world size
+
+Under ``torchrun`` (WORLD_SIZE > 1) every rank trains and rank 0 prints.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from memkern.bench.configs import BASELINE, CONFIGS
+from memkern.bench.model import SIZES, GPTConfig
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    """Bad flags end with one line on stderr and exit status 2, not a usage dump."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive(kind: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{kind} must be a whole number, got {text!r}")
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{kind} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def _config_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown configuration(s) {', '.join(unknown) or repr(text)}; choose from "
+            f"{', '.join(CONFIGS)}")
+    return names
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}")
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"world sizes must be >= 1, got {text!r}")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _OneLineErrors(prog="memkern", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrors)
+
+    def model_flags(p: argparse.ArgumentParser, batch: int) -> None:
+        p.add_argument("--size", choices=sorted(SIZES), default="small",
+                       help="model size (default: small)")
+        p.add_argument("--seq", type=_positive("--seq"), help="sequence length (default: the "
+                       "size's, capped at 128 on CPU)")
+        p.add_argument("--batch", type=_positive("--batch"), default=batch,
+                       help=f"sequences per step (default: {batch})")
+        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                       help="cpu or cuda[:N] (default: cuda when available)")
+        p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+
+    bench = sub.add_parser("bench", help="train the default GPT under each configuration")
+    model_flags(bench, batch=8)
+    bench.add_argument("--steps", type=_positive("--steps"), default=20,
+                       help="optimizer steps per configuration, >= 3 (default: 20)")
+    bench.add_argument("--configs", type=_config_list, default=list(CONFIGS),
+                       help=f"comma-separated subset of: {', '.join(CONFIGS)}")
+    bench.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of memory by "
+                       "component per configuration")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    report = sub.add_parser("report", help="predicted per-rank memory per configuration and "
+                            "world size")
+    model_flags(report, batch=8)
+    report.add_argument("--world-sizes", type=_int_list, default=[1, 2, 4, 8],
+                        help="comma-separated world sizes (default: 1,2,4,8)")
+    return parser
+
+
+def _model_config(args: argparse.Namespace, device: torch.device) -> GPTConfig:
+    cfg = SIZES[args.size]
+    seq = args.seq or (min(cfg.seq, 128) if device.type == "cpu" else cfg.seq)
+    if seq > cfg.seq:
+        raise ValueError(f"--seq {seq} is longer than the {args.size} model's {cfg.seq}")
+    return GPTConfig(cfg.layers, cfg.width, cfg.heads, seq=seq, vocab=cfg.vocab)
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f}"
+
+
+def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
+    base = next((r for r in rows if r.config == BASELINE), None)
+    print(f"\nmemkern bench: GPT {args.size} ({rows[0].num_params / 1e6:.2f}M params, "
+          f"{cfg.layers} layers, width {cfg.width}), batch {args.batch} x seq {cfg.seq}, "
+          f"{args.steps} steps on {device} (torch {torch.__version__})")
+    head = (f"{'configuration':<18} {'peak MiB':>9} {'saved act MiB':>13} {'opt B/param':>11} "
+            f"{'step ms':>8} {'tokens/s':>9} {'final loss':>10}")
+    if base is not None:
+        head += f" {'peak vs AMP':>11} {'time vs AMP':>11}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        line = (f"{r.config:<18} {_mib(r.peak_bytes):>9} {_mib(r.saved_activation_bytes):>13} "
+                f"{r.optimizer_side_bytes_per_param:>11.2f} {r.step_seconds * 1e3:>8.1f} "
+                f"{r.tokens_per_second:>9.0f} {r.final_loss:>10.4f}")
+        if base is not None:
+            line += (f" {r.peak_bytes / base.peak_bytes:>10.2f}x"
+                     f" {r.step_seconds / base.step_seconds:>10.2f}x")
+        print(line)
+    print("peak: persistent state + the step's peak allocation "
+          + ("(CUDA allocator)" if device.type == "cuda" else "(profiler allocation trace)")
+          + ";\nopt B/param: gradients + the fp32 weights the optimizer updates (master copies, or "
+          "fp32 parameters updated in place) + optimizer state, per parameter")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from memkern.bench.data import stdlib_corpus
+    from memkern.bench.runner import run
+
+    if args.steps < 3:
+        raise ValueError(f"--steps must be >= 3 (one warm-up, one profiled, one timed), got "
+                         f"{args.steps}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install matplotlib")
+    device = torch.device(args.device)
+    cfg = _model_config(args, device)
+    corpus = stdlib_corpus()
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rows = []
+    for i, name in enumerate(args.configs):
+        rows.append(run(name, cfg, corpus, steps=args.steps, batch=args.batch, device=device,
+                        seed=args.seed, progress=rank0 and not args.quiet))
+    if not rank0:
+        return 0
+    _print_bench(rows, cfg, args, device)
+    if args.json:
+        _write_json(args.json, {"command": "bench", "size": args.size, "seq": cfg.seq,
+                                "batch": args.batch, "steps": args.steps, "device": str(device),
+                                "torch": torch.__version__, "baseline": BASELINE,
+                                "rows": [dict(vars(r), final_loss=r.final_loss) for r in rows]})
+    if args.plot:
+        from memkern.bench.plot import memory_chart
+
+        memory_chart(rows, args.plot, f"GPT {args.size}, batch {args.batch} x {cfg.seq}, "
+                                      f"{device}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from memkern.bench.data import stdlib_corpus
+    from memkern.bench.report import measured_activations, predict
+
+    device = torch.device(args.device)
+    cfg = _model_config(args, device)
+    num_params, saved = measured_activations(cfg, stdlib_corpus(), args.batch, device)
+    rows = predict(num_params, saved, args.world_sizes)
+    print(f"memkern report: GPT {args.size} ({num_params / 1e6:.2f}M params), batch "
+          f"{args.batch} x seq {cfg.seq}; model state from DESIGN.md §3 formulas (Adam), "
+          f"activations measured on {device}")
+    head = (f"{'configuration':<24} {'W':>3} {'B/param':>8} {'state MiB':>10} "
+            f"{'activ. MiB':>10} {'device MiB':>10} {'host MiB':>9}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['config']:<24} {r['world_size']:>3} {r['bytes_per_param']:>8.2f} "
+              f"{_mib(r['model_state_bytes']):>10} {_mib(r['activation_bytes']):>10} "
+              f"{_mib(r['device_bytes']):>10} {_mib(r['host_bytes']):>9}")
+    if args.json:
+        _write_json(args.json, {"command": "report", "size": args.size, "seq": cfg.seq,
+                                "batch": args.batch, "num_params": num_params,
+                                "activations": saved, "rows": rows})
+    return 0
+
+
+def _write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump(payload, fh, indent=2)
+        fh.write("\n")
+    print(f"wrote {path}")
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text or \
+        "out of memory" in text.lower()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+        return _bench(args) if args.command == "bench" else _report(args)
+    except ValueError as exc:
+        print(f"memkern {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, MemoryError) as exc:
+        if not _is_out_of_memory(exc):
+            raise
+        print(f"memkern {args.command}: error: batch {args.batch} x seq does not fit in memory "
+              f"on {args.device} ({str(exc).splitlines()[0][:120]}); try a smaller --batch or "
+              "--seq", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
