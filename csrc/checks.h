@@ -58,4 +58,32 @@ inline void check_scalar(const char* op, const char* name, const std::optional<a
   if (t.has_value()) check_scalar(op, name, *t, like);
 }
 
+// The arguments every optimizer-step op shares: float32 master weights, gradients and the
+// optional low-precision parameter copy of the same length, and the three device scalars.
+inline void check_step_args(const char* op, const at::Tensor& master, const at::Tensor& grads,
+                            const std::optional<at::Tensor>& params, const at::Tensor& step,
+                            const std::optional<at::Tensor>& grad_multiplier,
+                            const std::optional<at::Tensor>& found_inf) {
+  check_float32_state(op, "master", master, master);
+  check_flat(op, "grads", grads, master);
+  check_float_kind(op, "grads", grads);
+  if (params.has_value()) {
+    check_flat(op, "params", *params, master);
+    check_float_kind(op, "params", *params);
+  }
+  check_scalar(op, "step", step, master);
+  check_scalar(op, "grad_multiplier", grad_multiplier, master);
+  check_scalar(op, "found_inf", found_inf, master);
+}
+
+// SGD's momentum buffer: required (float32, like master) when momentum != 0, unused otherwise.
+inline void check_momentum_buffer(const char* op, double momentum,
+                                  const std::optional<at::Tensor>& momentum_buffer,
+                                  const at::Tensor& master) {
+  if (momentum == 0.0) return;
+  TORCH_CHECK(momentum_buffer.has_value(), "memkern.", op, ": momentum=", momentum,
+              " needs a momentum_buffer");
+  check_float32_state(op, "momentum_buffer", *momentum_buffer, master);
+}
+
 }  // namespace memkern

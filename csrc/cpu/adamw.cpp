@@ -53,18 +53,9 @@ void adamw_step_cpu(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg
                     const std::optional<at::Tensor>& found_inf, double lr, double beta1,
                     double beta2, double eps, double weight_decay) {
   constexpr const char* op = "adamw_step_";
-  check_float32_state(op, "master", master, master);
+  check_step_args(op, master, grads, params, step, grad_multiplier, found_inf);
   check_float32_state(op, "exp_avg", exp_avg, master);
   check_float32_state(op, "exp_avg_sq", exp_avg_sq, master);
-  check_flat(op, "grads", grads, master);
-  check_float_kind(op, "grads", grads);
-  if (params.has_value()) {
-    check_flat(op, "params", *params, master);
-    check_float_kind(op, "params", *params);
-  }
-  check_scalar(op, "step", step, master);
-  check_scalar(op, "grad_multiplier", grad_multiplier, master);
-  check_scalar(op, "found_inf", found_inf, master);
   if (found_inf_set(found_inf)) return;  // a skipped step writes nothing, not even the step
 
   const double t = static_cast<double>(read_scalar(step)) + 1.0;

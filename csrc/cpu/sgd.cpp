@@ -45,20 +45,9 @@ void sgd_step_cpu(at::Tensor& master, const std::optional<at::Tensor>& momentum_
                   const std::optional<at::Tensor>& found_inf, double lr, double momentum,
                   double dampening, double weight_decay, bool nesterov) {
   constexpr const char* op = "sgd_step_";
-  check_float32_state(op, "master", master, master);
+  check_step_args(op, master, grads, params, step, grad_multiplier, found_inf);
+  check_momentum_buffer(op, momentum, momentum_buffer, master);
   const bool use_momentum = momentum != 0.0;
-  TORCH_CHECK(!use_momentum || momentum_buffer.has_value(), "memkern.", op,
-              ": momentum=", momentum, " needs a momentum_buffer");
-  if (use_momentum) check_float32_state(op, "momentum_buffer", *momentum_buffer, master);
-  check_flat(op, "grads", grads, master);
-  check_float_kind(op, "grads", grads);
-  if (params.has_value()) {
-    check_flat(op, "params", *params, master);
-    check_float_kind(op, "params", *params);
-  }
-  check_scalar(op, "step", step, master);
-  check_scalar(op, "grad_multiplier", grad_multiplier, master);
-  check_scalar(op, "found_inf", found_inf, master);
   if (found_inf_set(found_inf)) return;  // a skipped step writes nothing, not even the step
 
   const float step_before = read_scalar(step);

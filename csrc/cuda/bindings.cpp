@@ -4,6 +4,7 @@
 // includes torch.
 #include <cstdint>
 #include <optional>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -32,6 +33,16 @@ DType kernel_dtype(const char* op, const char* name, const at::Tensor& t) {
   }
   memkern::check_float_kind(op, name, t);
   return DType::f16;
+}
+
+// The optional low-precision parameter copy: its data and dtype (null and the grads' dtype when
+// absent: the kernels then write no copy).
+std::pair<void*, DType> params_or_none(const char* op, const std::optional<at::Tensor>& params,
+                                       DType grads_dtype) {
+  if (!params.has_value()) {
+    return {nullptr, grads_dtype};
+  }
+  return {params->data_ptr(), kernel_dtype(op, "params", *params)};
 }
 
 // Pointer to an optional one-element float32 tensor's value; null when absent.
@@ -89,19 +100,11 @@ void adamw_step_cuda(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_av
                      const std::optional<at::Tensor>& found_inf, double lr, double beta1,
                      double beta2, double eps, double weight_decay) {
   constexpr const char* op = "adamw_step_";
-  check_float32_state(op, "master", master, master);
+  memkern::check_step_args(op, master, grads, params, step, grad_multiplier, found_inf);
   check_float32_state(op, "exp_avg", exp_avg, master);
   check_float32_state(op, "exp_avg_sq", exp_avg_sq, master);
-  check_flat(op, "grads", grads, master);
   const DType grads_dtype = kernel_dtype(op, "grads", grads);
-  void* params_data = nullptr;
-  DType params_dtype = grads_dtype;
-  if (params.has_value()) {
-    check_flat(op, "params", *params, master);
-    params_dtype = kernel_dtype(op, "params", *params);
-    params_data = params->data_ptr();
-  }
-  check_scalar(op, "step", step, master);
+  const auto [params_data, params_dtype] = params_or_none(op, params, grads_dtype);
   const float* grad_multiplier_data = optional_scalar(op, "grad_multiplier", grad_multiplier,
                                                       master);
   const float* found_inf_data = optional_scalar(op, "found_inf", found_inf, master);
@@ -121,25 +124,13 @@ void sgd_step_cuda(at::Tensor& master, const std::optional<at::Tensor>& momentum
                    const std::optional<at::Tensor>& found_inf, double lr, double momentum,
                    double dampening, double weight_decay, bool nesterov) {
   constexpr const char* op = "sgd_step_";
-  check_float32_state(op, "master", master, master);
-  // As in the reference, the buffer is only used (and so only checked) with momentum.
-  float* momentum_buffer_data = nullptr;
-  if (momentum != 0.0) {
-    TORCH_CHECK(momentum_buffer.has_value(), "memkern.", op, ": momentum=", momentum,
-                " needs a momentum_buffer");
-    check_float32_state(op, "momentum_buffer", *momentum_buffer, master);
-    momentum_buffer_data = momentum_buffer->data_ptr<float>();
-  }
-  check_flat(op, "grads", grads, master);
+  memkern::check_step_args(op, master, grads, params, step, grad_multiplier, found_inf);
+  memkern::check_momentum_buffer(op, momentum, momentum_buffer, master);
+  // As in the reference, the buffer is only used with momentum.
+  float* momentum_buffer_data =
+      momentum != 0.0 ? momentum_buffer->data_ptr<float>() : nullptr;
   const DType grads_dtype = kernel_dtype(op, "grads", grads);
-  void* params_data = nullptr;
-  DType params_dtype = grads_dtype;
-  if (params.has_value()) {
-    check_flat(op, "params", *params, master);
-    params_dtype = kernel_dtype(op, "params", *params);
-    params_data = params->data_ptr();
-  }
-  check_scalar(op, "step", step, master);
+  const auto [params_data, params_dtype] = params_or_none(op, params, grads_dtype);
   const float* grad_multiplier_data = optional_scalar(op, "grad_multiplier", grad_multiplier,
                                                       master);
   const float* found_inf_data = optional_scalar(op, "found_inf", found_inf, master);

@@ -63,6 +63,18 @@ def keep_where_found_inf(found_inf: torch.Tensor | None, old: torch.Tensor, new:
     return torch.where(found_inf.reshape(()) != 0, old, new)
 
 
+def commit_step_(found_inf: torch.Tensor | None, updates: list[tuple[torch.Tensor, torch.Tensor]],
+                 master: torch.Tensor, params: torch.Tensor | None, step: torch.Tensor) -> None:
+    """Ends a reference optimizer step: each ``(buffer, new value)`` is written, then the
+    parameter copy rounded from ``master`` and the step counter; all left as they were when
+    ``found_inf`` is set (no host sync)."""
+    for buffer, new in updates:
+        buffer.copy_(keep_where_found_inf(found_inf, buffer, new))
+    if params is not None:
+        params.copy_(keep_where_found_inf(found_inf, params, master.to(params.dtype)))
+    advance_step_(step, found_inf)
+
+
 def advance_step_(step: torch.Tensor, found_inf: torch.Tensor | None) -> None:
     """``step += 1`` unless ``found_inf`` is set (no host sync)."""
     if found_inf is None:

@@ -84,12 +84,8 @@ def reference(master, exp_avg, exp_avg_sq, grads, params, step, grad_multiplier,
     denom = new_v.sqrt() / bias_correction2_sqrt + eps
     new_master = new_master - step_size * new_m / denom
 
-    master.copy_(_checks.keep_where_found_inf(found_inf, master, new_master))
-    exp_avg.copy_(_checks.keep_where_found_inf(found_inf, exp_avg, new_m))
-    exp_avg_sq.copy_(_checks.keep_where_found_inf(found_inf, exp_avg_sq, new_v))
-    if params is not None:
-        params.copy_(_checks.keep_where_found_inf(found_inf, params, master.to(params.dtype)))
-    _checks.advance_step_(step, found_inf)
+    _checks.commit_step_(found_inf, [(master, new_master), (exp_avg, new_m), (exp_avg_sq, new_v)],
+                         master, params, step)
 
 
 adamw_step_ = Op(

@@ -72,15 +72,14 @@ def reference(master, momentum_buffer, grads, params, step, grad_multiplier, fou
         d = d * grad_multiplier.reshape(()).to(compute)
     if weight_decay != 0.0:
         d = d + weight_decay * master
+    updates = []
     if momentum != 0.0:
         first = step.reshape(()) == 0
         new_buf = torch.where(first, d, momentum * momentum_buffer + (1 - dampening) * d)
         d = d + momentum * new_buf if nesterov else new_buf
-        momentum_buffer.copy_(_checks.keep_where_found_inf(found_inf, momentum_buffer, new_buf))
-    master.copy_(_checks.keep_where_found_inf(found_inf, master, master - lr * d))
-    if params is not None:
-        params.copy_(_checks.keep_where_found_inf(found_inf, params, master.to(params.dtype)))
-    _checks.advance_step_(step, found_inf)
+        updates.append((momentum_buffer, new_buf))
+    updates.append((master, master - lr * d))
+    _checks.commit_step_(found_inf, updates, master, params, step)
 
 
 sgd_step_ = Op(
