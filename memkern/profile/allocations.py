@@ -6,8 +6,11 @@ of the CPU allocator with its size.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,11 +25,32 @@ class AllocationStats:
     result: Any
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """The profiler's native layer prints a line on stderr when it starts and stops (no
+    setting turns it off); those lines would break progress bars and tables."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _cpu_trace(fn: Callable[[], Any]) -> AllocationStats:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _native_stderr_silenced():
+        prof.start()
+    try:
+        result = fn()  # its own warnings and errors still reach stderr
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
     # The profiler's raw records carry each allocation/free with its signed size and time;
     # the public FunctionEvent view aggregates them per op, losing the order needed for a peak.
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
