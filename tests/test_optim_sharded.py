@@ -498,8 +498,8 @@ def bad_construction(case):
     (dict(loss_scale="auto"), ValueError, "loss_scale"),
     (dict(max_grad_norm=0.0), ValueError, "max_grad_norm"),
     (dict(zero_stage=3), ValueError, "zero_stage"),
-    (dict(process_group=GroupOfTwo()), NotImplementedError, "2 processes"),
-    (dict(offload="cpu"), NotImplementedError, "offload='cpu'"),
+    (dict(process_group=GroupOfTwo()), ValueError, "torch.distributed is not initialised"),
+    (dict(offload="gpu"), ValueError, "offload must be None or 'cpu'"),
 ], ids=lambda v: str(v) if not isinstance(v, type) else v.__name__)
 def test_bad_construction_is_named(case, error, match):
     params, kwargs = bad_construction(case)

@@ -1,15 +1,17 @@
 """The flat-state base of memkern's optimizers: parameters, gradients and optimizer state of a
 param group live in contiguous flat tensors, so one kernel call updates a whole group.
 
-Where things live (all on the parameters' device):
+Where things live (all on the parameters' device; :mod:`memkern.optim.zero` says what
+changes across ranks, :mod:`memkern.optim.offload` with ``offload="cpu"``):
 
 ============================  ===============================================================
 ``grad_buffer``               a :class:`~memkern.GradBuffer` over all parameters, laid out
                               param group by param group; ``p.grad`` are views into it.
 model weights                 moved into the same layout (``GradBuffer.flat_params``): every
                               ``p`` is a view of one flat tensor per dtype.
-``Segment``                   the parameters of one param group and one dtype: a contiguous
-                              slice of the flat gradients and weights.
+``Segment``                   what one kernel call updates: the parameters of one param group
+                              and one dtype, a contiguous slice of the flat gradients and
+                              weights (sharded: a rank's slice of one bucket of them).
 ``state[p]["master_param"]``  float32 master weights of bfloat16/float16 parameters (a view
                               into the segment's flat float32 master). For float32 parameters
                               the weights themselves are the master and there is no such key.
@@ -46,44 +48,45 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from memkern.optim.grad_buffer import Bucket, GradBuffer, aligned
+from memkern.optim.grad_buffer import GradBuffer, aligned
 
 
 @dataclasses.dataclass(eq=False)
 class Segment:
-    """The parameters of one param group and one dtype: ``[start, end)`` of a bucket.
+    """What one optimizer kernel call updates: a contiguous run of one param group and one
+    dtype in the flat layout (for the single-process optimizers, all of that group's
+    parameters of that dtype).
 
-    ``grads`` and ``weights`` are the bucket's flat gradients and weights over that range;
-    ``state`` maps state names to flat float32 tensors of the same length and
-    ``param_states`` are the optimizer's per-parameter state dicts that hold views of them;
-    ``step`` is a one-element float32 device tensor. State and step exist from the
-    optimizer's first step or load on.
+    ``grads`` is the flat gradient the kernel reads and ``weights`` the flat weights it updates
+    (of the parameters' dtype, same length); ``state`` maps state names to flat float32 tensors
+    of that length, created on ``weights``' device, and ``step`` is a one-element float32
+    tensor there. ``params`` are the parameters that lie wholly in the run at ``offsets``:
+    ``param_states`` are their per-parameter state dicts, holding views of the flat state.
+    A rank's shard of a sharded optimizer cuts through parameters and lists none.
+    State and step exist from the optimizer's first step or load on.
     """
 
     group: int
-    bucket: Bucket
-    start: int
-    end: int
-    params: list[torch.Tensor]
-    offsets: list[int]  # each parameter's offset inside the segment
+    grads: torch.Tensor
+    weights: torch.Tensor
+    params: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    offsets: list[int] = dataclasses.field(default_factory=list)  # each one's offset in the run
     state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     param_states: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     step: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        self.grads = self.bucket.grads[self.start:self.end]
-        self.weights = self.bucket.weights[self.start:self.end]
         self.low_precision = self.weights.dtype != torch.float32
 
     @property
     def master(self) -> torch.Tensor:
-        """Float32 master weights: the model's weights themselves when they are float32."""
+        """Float32 master weights: ``weights`` themselves when they are float32."""
         return self.state["master_param"] if self.low_precision else self.weights
 
     @property
     def model_weights(self) -> torch.Tensor | None:
         """The kernels' ``params`` output: the 16-bit weights rewritten from the master in the
-        same pass, or None when the master is the model's float32 weights."""
+        same pass, or None when the master is the float32 ``weights``."""
         return self.weights if self.low_precision else None
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -152,20 +155,35 @@ class FlatOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, defaults: dict[str, Any], *,
                  grad_dtype: torch.dtype | None = None) -> None:
         groups = _param_groups(params)
-        # Laid out group by group, so each (param group, dtype) is one contiguous segment.
-        self.grad_buffer = GradBuffer([p for g in groups for p in g["params"]], dtype=grad_dtype)
+        self.grad_buffer = self._make_grad_buffer(groups, grad_dtype)
         super().__init__(groups, defaults)
         self.grad_buffer.flat_params()
+        self._segments: list[Segment] = self._make_segments()
+        self._state_ready = False
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The kernel-call units and their flat state, read-only (memory accounting, tools)."""
+        return tuple(self._segments)
+
+    def _make_grad_buffer(self, groups: list[dict[str, Any]],
+                          grad_dtype: torch.dtype | None) -> GradBuffer:
+        """The flat layout, param group by param group, so that each (param group, dtype) is
+        one contiguous run (the sharded optimizer lays it out for its ranks)."""
+        return GradBuffer([p for g in groups for p in g["params"]], dtype=grad_dtype)
+
+    def _make_segments(self) -> list[Segment]:
+        """One segment per (param group, dtype): its whole run of the flat layout."""
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
-        self._segments: list[Segment] = []
+        segments = []
         for bucket in self.grad_buffer.buckets:
             placed = list(zip(bucket.params, bucket.offsets))
             for gi, run in itertools.groupby(placed, key=lambda po: group_of[id(po[0])]):
                 run = list(run)
                 start, end = run[0][1], run[-1][1] + aligned(run[-1][0].numel())
-                self._segments.append(Segment(gi, bucket, start, end, [p for p, _ in run],
-                                              [o - start for _, o in run]))
-        self._state_ready = False
+                segments.append(Segment(gi, bucket.grads[start:end], bucket.weights[start:end],
+                                        [p for p, _ in run], [o - start for _, o in run]))
+        return segments
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_segments", None) is not None:
@@ -183,13 +201,13 @@ class FlatOptimizer(torch.optim.Optimizer):
             group = self.param_groups[seg.group]
             seg.param_states = [self.state[p] for p in seg.params]
             seg.state = {}
-            seg.step = torch.zeros((), dtype=torch.float32, device=seg.grads.device)
+            seg.step = torch.zeros((), dtype=torch.float32, device=seg.weights.device)
             for state in seg.param_states:
                 state["step"] = seg.step
             if seg.low_precision:
                 seg.add_state("master_param", seg.weights.float())
             for key in self.algorithm.state_keys(group):
-                seg.add_state(key, torch.zeros_like(seg.grads, dtype=torch.float32))
+                seg.add_state(key, torch.zeros_like(seg.weights, dtype=torch.float32))
         self._state_ready = True
 
     # --------------------------------------------------------------------------------- step
@@ -255,8 +273,8 @@ class FlatOptimizer(torch.optim.Optimizer):
 
         Values are copied into the flat state (cast to float32). A bfloat16/float16 parameter
         without a saved ``master_param`` gets its master from its current weights, so load the
-        model's weights first. One step counter serves each segment: differing saved steps
-        within one param group and dtype are replaced by their maximum, with a warning.
+        model's weights first. One step counter serves each param group and dtype: differing
+        saved steps within one are replaced by their maximum, with a warning.
         """
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -264,7 +282,16 @@ class FlatOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         name = f"memkern.{type(self).__name__}.load_state_dict"
-        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        id_map = self._adopt_param_groups(state_dict["param_groups"], name)
+        self._init_state()  # with the loaded hyper-parameters (e.g. SGD momentum on or off)
+        self._load_param_states(state_dict["state"], id_map, name)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _adopt_param_groups(self, saved_groups: list[dict[str, Any]],
+                            name: str) -> dict[Any, torch.Tensor]:
+        """Takes the saved param groups' hyper-parameters; returns saved id -> parameter."""
+        saved_groups = copy.deepcopy(saved_groups)
         saved_sizes = [len(g["params"]) for g in saved_groups]
         sizes = [len(g["params"]) for g in self.param_groups]
         if saved_sizes != sizes:
@@ -282,50 +309,66 @@ class FlatOptimizer(torch.optim.Optimizer):
             if "param_names" in g and "param_names" not in sg:
                 sg["param_names"] = g["param_names"]
         self.param_groups = saved_groups
-        self._init_state()  # with the loaded hyper-parameters (e.g. SGD momentum on or off)
+        return id_map
 
-        seg_of = {id(p): seg for seg in self._segments for p in seg.params}
-        steps: dict[int, list[float]] = defaultdict(list)
-        saved_state = state_dict["state"]
+    def _state_pieces(self, p: torch.Tensor, key: str) -> list[tuple[torch.Tensor, int]] | None:
+        """Where this process keeps state ``key`` of parameter ``p``: ``(flat, start)`` pairs,
+        each holding ``p``'s flattened elements ``[start, start + flat.numel())``; None when
+        the optimizer has no such state for ``p``. Here: the whole per-parameter view (the
+        model's own weights for the "master" of a float32 parameter)."""
+        if key == "master_param" and p.dtype == torch.float32:
+            return [(p.data.view(-1), 0)]
+        state = self.state[p].get(key)
+        return None if state is None else [(state.view(-1), 0)]
+
+    def _load_param_states(self, saved_state: dict[Any, dict[str, Any]],
+                           id_map: dict[Any, torch.Tensor], name: str) -> None:
+        """Copies per-parameter saved state into the flat state (wherever
+        :meth:`_state_pieces` says it lives) and sets the step counters."""
+        steps = {}
         for saved_id, p in id_map.items():
-            seg, state = seg_of[id(p)], self.state[p]
             saved = saved_state.get(saved_id, {})
             for key, value in saved.items():
                 if key == "step":
                     continue
                 if value is None:  # torch.optim.SGD's momentum_buffer before its first step
                     continue
-                if key == "master_param" and not seg.low_precision:
-                    target = p.data  # a float32 model's weights are its master
-                elif key in state and isinstance(value, torch.Tensor):
-                    target = state[key]
-                else:
+                pieces = self._state_pieces(p, key) if isinstance(value, torch.Tensor) else None
+                if pieces is None:
                     raise ValueError(
                         f"{name}: saved state {key!r} of parameter {saved_id} is not used by "
                         f"{type(self).__name__} (saved by another algorithm or option, e.g. "
                         "amsgrad?)"
                     )
-                if value.shape != target.shape:
+                if value.shape != p.shape:
                     raise ValueError(
                         f"{name}: saved state {key!r} of parameter {saved_id} has shape "
                         f"{tuple(value.shape)}, the parameter {tuple(p.shape)}"
                     )
-                target.copy_(value)
+                flat = value.reshape(-1)
+                for target, start in pieces:
+                    target.copy_(flat[start:start + target.numel()])
             if "step" in saved:
-                steps[id(seg)].append(float(saved["step"]))
+                steps[id(p)] = float(saved["step"])
             else:  # torch.optim.SGD keeps no step: a momentum buffer means it has stepped
-                steps[id(seg)].append(float(any(isinstance(v, torch.Tensor)
-                                                for v in saved.values())))
-        for seg in self._segments:
-            values = steps[id(seg)]
+                steps[id(p)] = float(any(isinstance(v, torch.Tensor) for v in saved.values()))
+        self._set_steps(steps, name)
+
+    def _set_steps(self, steps: dict[int, float], name: str) -> None:
+        """Sets the step counters from saved per-parameter steps (``id(p)`` -> step): the
+        largest of each param group and dtype, with a warning where they differ."""
+        per_segment: dict[tuple[int, torch.dtype], list[float]] = defaultdict(list)
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                per_segment[gi, p.dtype].append(steps[id(p)])
+        for (group, _), values in per_segment.items():
             if len(set(values)) > 1:
                 warnings.warn(
-                    f"{name}: parameters of param group {seg.group} were saved at different step "
+                    f"{name}: parameters of param group {group} were saved at different step "
                     f"counts {sorted(set(values))}; memkern keeps one counter per param group and "
                     f"dtype and uses the largest ({max(values):g})",
                     RuntimeWarning,
-                    stacklevel=2,
+                    stacklevel=4,
                 )
-            seg.step.fill_(max(values))
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        for seg in self._segments:
+            seg.step.fill_(max(per_segment[seg.group, seg.weights.dtype]))

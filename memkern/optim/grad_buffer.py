@@ -17,13 +17,19 @@ added into the buffer by a post-accumulate hook right after autograd produced it
 The same layout can hold the parameters themselves: :meth:`GradBuffer.flat_params` moves every
 parameter into one flat tensor per bucket at the same offsets, which is what lets the fused
 optimizers update a whole param group with one kernel call.
+
+Two options serve the sharded optimizer (:mod:`memkern.optim.zero`): ``layout`` replaces the
+packed placement with one that pads runs of parameters so they split evenly across ranks, and
+``on_grad`` makes a buffer that lays out the weights but holds no gradients at all: each
+gradient goes to ``on_grad(p)`` as soon as autograd has produced it (ZeRO-2 reduces it into
+the owning rank's shard there and frees it).
 """
 from __future__ import annotations
 
 import dataclasses
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -42,9 +48,24 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def aligned(n: int) -> int:
-    """``n`` rounded up to a multiple of :data:`ALIGN`: the slot a parameter of n elements takes."""
-    return -(-n // ALIGN) * ALIGN
+def aligned(n: int, multiple: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (by default the slot a parameter of n
+    elements takes)."""
+    return -(-n // multiple) * multiple
+
+
+Layout = Callable[[list[torch.Tensor]], tuple[list[int], int]]
+"""Places the parameters of one bucket: returns each one's offset (multiples of
+:data:`ALIGN`, in order, non-overlapping) and the bucket's length in elements."""
+
+
+def packed_layout(params: list[torch.Tensor]) -> tuple[list[int], int]:
+    """The default :data:`Layout`: parameters one after the other, each in an aligned slot."""
+    offsets, end = [], 0
+    for p in params:
+        offsets.append(end)
+        end += aligned(p.numel())
+    return offsets, end
 
 
 @dataclasses.dataclass(eq=False)
@@ -52,8 +73,9 @@ class Bucket:
     """The parameters of one dtype and their flat gradient buffer.
 
     ``grads`` is 1-D, ``grad_dtype``, on ``device``, of ``numel`` elements (alignment gaps
-    included). ``weights`` is the matching flat tensor of ``dtype`` holding the parameters
-    themselves once :meth:`GradBuffer.flat_params` was called, else None.
+    included), or None when the buffer hands gradients to ``on_grad`` instead of holding them.
+    ``weights`` is the matching flat tensor of ``dtype`` holding the parameters themselves once
+    :meth:`GradBuffer.flat_params` was called, else None.
     """
 
     device: torch.device
@@ -62,17 +84,18 @@ class Bucket:
     params: list[torch.Tensor]
     offsets: list[int]
     numel: int
-    grads: torch.Tensor
+    grads: torch.Tensor | None
     views: list[torch.Tensor]
     weights: torch.Tensor | None = None
 
     @property
     def grads_are_views(self) -> bool:
-        """``p.grad`` is the buffer's view (same dtype); otherwise hooks fill the buffer."""
-        return self.grad_dtype == self.dtype
+        """``p.grad`` is the buffer's view (same dtype); otherwise hooks fill the buffer (or
+        hand the gradients on, when the buffer holds none)."""
+        return self.grads is not None and self.grad_dtype == self.dtype
 
 
-def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+def check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """``params`` as a list, or a ValueError/TypeError naming what is wrong and the fix."""
     params = list(params)
     if not params:
@@ -134,6 +157,11 @@ class GradBuffer:
             on one device, each once). Their order is the order in the buffer.
         dtype: the gradients' dtype (float32, bfloat16 or float16); None keeps each
             parameter's own dtype, which makes every ``p.grad`` a view into the buffer.
+        layout: places each bucket's parameters (a :data:`Layout`); default
+            :func:`packed_layout`.
+        on_grad: if given, the buffer holds no gradients: ``on_grad(p)`` is called by a
+            post-accumulate hook each time autograd has accumulated ``p.grad``, and owns it
+            from there (``grad()``, ``zero_()`` and ``claim_grads()`` have nothing to act on).
 
     After construction ``p.grad`` is the parameter's view into the buffer (any gradient it had
     is copied in) and stays so across :meth:`zero_` and backward: autograd adds into it in
@@ -142,13 +170,15 @@ class GradBuffer:
     which the memkern optimizers call at every step.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], dtype: torch.dtype | None = None) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], dtype: torch.dtype | None = None, *,
+                 layout: Layout = packed_layout,
+                 on_grad: Callable[[torch.Tensor], None] | None = None) -> None:
         if dtype is not None and dtype not in SUPPORTED_DTYPES:
             raise TypeError(
                 f"memkern.GradBuffer: dtype={dtype} is not supported; use None (the parameters' "
                 "own dtype), torch.float32, torch.bfloat16 or torch.float16"
             )
-        params = _check_params(params)
+        params = check_params(params)
         self.device = params[0].device
         self.buckets: list[Bucket] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -158,7 +188,7 @@ class GradBuffer:
         for p in params:
             by_dtype.setdefault(p.dtype, []).append(p)
         for p_dtype, ps in by_dtype.items():
-            self.buckets.append(self._make_bucket(ps, p_dtype, dtype or p_dtype))
+            self.buckets.append(self._make_bucket(ps, p_dtype, dtype or p_dtype, layout, on_grad))
         self._views = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views)}
         for p in params:
             previous = _OWNERS.get(p)
@@ -168,11 +198,13 @@ class GradBuffer:
             _OWNERS[p] = weakref.ref(self)
 
     def _make_bucket(self, params: list[torch.Tensor], dtype: torch.dtype,
-                     grad_dtype: torch.dtype) -> Bucket:
-        offsets, end = [], 0
-        for p in params:
-            offsets.append(end)
-            end += aligned(p.numel())
+                     grad_dtype: torch.dtype, layout: Layout,
+                     on_grad: Callable[[torch.Tensor], None] | None) -> Bucket:
+        offsets, end = layout(params)
+        if on_grad is not None:
+            for p in params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(on_grad))
+            return Bucket(self.device, dtype, grad_dtype, params, offsets, end, None, [])
         grads = torch.zeros(end, dtype=grad_dtype, device=self.device)
         views = [grads[o:o + p.numel()].view_as(p) for p, o in zip(params, offsets)]
         bucket = Bucket(self.device, dtype, grad_dtype, params, offsets, end, grads, views)
@@ -216,6 +248,9 @@ class GradBuffer:
         try:
             return self._views[id(p)]
         except KeyError:
+            if any(b.grads is None for b in self.buckets):
+                raise KeyError("memkern.GradBuffer.grad: this buffer holds no gradients (they "
+                               "go to its on_grad callback)") from None
             raise KeyError("memkern.GradBuffer.grad: p is not one of this buffer's "
                            "parameters") from None
 
@@ -223,7 +258,8 @@ class GradBuffer:
         """Sets every gradient to zero: one fill per bucket."""
         self._check_current()
         for b in self.buckets:
-            b.grads.zero_()
+            if b.grads is not None:
+                b.grads.zero_()
 
     def claim_grads(self) -> None:
         """Makes every ``p.grad`` the buffer's view again, keeping torch's semantics.
@@ -286,7 +322,8 @@ class GradBuffer:
     def __repr__(self) -> str:
         parts = ", ".join(
             f"{len(b.params)} {str(b.dtype).removeprefix('torch.')} params -> "
-            f"{str(b.grad_dtype).removeprefix('torch.')}[{b.numel}]"
+            + (f"{str(b.grad_dtype).removeprefix('torch.')}[{b.numel}]" if b.grads is not None
+               else "on_grad")
             for b in self.buckets
         )
         return f"GradBuffer({parts}, device={self.device})"

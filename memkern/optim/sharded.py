@@ -34,16 +34,33 @@ Skips that keep coming while the scale cannot go lower (None, a static scale, or
 one at ``min_scale``) are reported by the :class:`~memkern.LossScaler`: a warning with the
 count of consecutive skipped steps, or an error with ``on_min_scale_overflow="raise"``.
 
-With more than one process the phases above become: reduce the gradients and the window's
-item count across ranks, (1-2) on the local shard plus one small all-reduce of the squared
-norm and ``found_inf``, (3) on the local shard of the state, then all-gather the weights
-(:meth:`ShardedOptimizer._reduce_gradients` and :meth:`ShardedOptimizer._gather_parameters`
-are where those collectives go). Only the single-process case exists so far.
+Across W processes (:mod:`memkern.optim.zero` has the layout, what lives where and the
+collectives): each rank owns 1/W of every flat buffer, and holds float32 masters and
+optimizer state for that part only. A step is then
+
+0. the reduction of the window's gradients: stage 1 reduce-scatters the flat buffer here,
+   bucket by bucket; stage 2 has already reduce-scattered them during backward;
+1. each rank's norm of its own reduced gradients, then ONE all-reduce of the float64 pair
+   ``[squared norm of my shard, my num_items]``: the sum is the global squared norm and the
+   window's item count. The inf check is part of it: the global squared norm is non-finite
+   exactly when some rank's shard holds an inf/NaN (squares are >= 0 and cannot overflow
+   float64, and every reduced gradient element is on exactly one rank), so an overflow on
+   any single rank makes every rank skip. No host sync: the sum stays on the device;
+2-3. as above, on the rank's own slices (one kernel call per bucket);
+4. all-gather of the updated weights, bucket by bucket;
+5. the loss scaler's update, identical on every rank.
+
+Without ``num_items`` the normaliser is the number of micro-batch gradients summed, i.e.
+micro-batches x W: the mean over micro-batches and ranks, as one large batch split evenly.
+
+``offload="cpu"`` moves the masters, the optimizer state and the step counters to host memory
+and runs phase 3 with the C++ CPU kernel (:mod:`memkern.optim.offload`), in one process or many.
 """
 from __future__ import annotations
 
 import inspect
 import math
+import os
 import warnings
 from typing import Any
 
@@ -51,9 +68,12 @@ import torch
 
 from memkern import ops
 from memkern.amp.loss_scaler import LossScaler
-from memkern.optim.flat_state import FlatOptimizer
+from memkern.optim import checkpoint
+from memkern.optim.flat_state import FlatOptimizer, Segment
 from memkern.optim.fused_adamw import AdamW
 from memkern.optim.fused_sgd import SGD
+from memkern.optim.grad_buffer import GradBuffer
+from memkern.optim.zero import Shards
 
 ALGORITHMS = {"adamw": AdamW, "sgd": SGD}
 
@@ -75,11 +95,30 @@ def _scaler_for(loss_scale: Any) -> LossScaler:
     )
 
 
-def _world_size(process_group: Any) -> int:
-    if process_group is not None:
-        return process_group.size()
+def _group_and_rank(process_group: Any) -> tuple[Any, int, int]:
+    """``(group, rank, world size)``; group None for one process without torch.distributed."""
     dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    initialised = dist.is_available() and dist.is_initialized()
+    if process_group is None:
+        if not initialised:
+            return None, 0, 1
+        return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    if not initialised:
+        raise ValueError(
+            "memkern.ShardedOptimizer: process_group was given but torch.distributed is not "
+            "initialised; call torch.distributed.init_process_group() first (e.g. under "
+            "torchrun), or pass process_group=None for one process"
+        )
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            "memkern.ShardedOptimizer: process_group must be a torch.distributed.ProcessGroup "
+            f"(e.g. from torch.distributed.new_group) or None, got {type(process_group).__name__}"
+        )
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise ValueError("memkern.ShardedOptimizer: this process is not a member of "
+                         "process_group; build the optimizer on the group's ranks only")
+    return process_group, rank, process_group.size()
 
 
 class ShardedOptimizer(FlatOptimizer):
@@ -95,20 +134,34 @@ class ShardedOptimizer(FlatOptimizer):
             :class:`~memkern.optim.FusedAdamW` / :class:`~memkern.optim.FusedSGD`).
         grad_dtype: dtype of the flat gradient buffer; None keeps each parameter's dtype
             (then every ``p.grad`` is a view of the buffer).
-        zero_stage: 1 (optimizer state sharded) or 2 (gradients too); the same thing in one
-            process.
+        zero_stage: 1 (master weights and optimizer state sharded across ranks) or 2
+            (gradients too); the same thing in one process. See :mod:`memkern.optim.zero`.
         process_group: None: the default group when ``torch.distributed`` is initialised,
-            else one process. More than one process is not implemented yet.
+            else one process. Every rank of the group builds the optimizer with the same
+            parameters (shapes, order, param groups) and arguments, which is checked at
+            construction (a mismatch raises ValueError on every rank); the weights are then
+            broadcast from the group's rank 0, as ``DistributedDataParallel`` does.
         accumulation_steps: micro-batches per optimizer step (>= 1).
         loss_scale: None (no scaling), ``"dynamic"`` (``LossScaler()``'s defaults), a number
             (a static scale) or a :class:`~memkern.LossScaler` for custom settings.
         max_grad_norm: clip the window's gradient to this total L2 norm (None: no clipping).
-        offload: None, or ``"cpu"`` (not implemented yet).
-        bucket_size_mb: size of the communication buckets across ranks (> 0).
+        offload: None, or ``"cpu"``: float32 masters, optimizer state and step counters in
+            host memory, stepped by the C++ CPU kernel (:mod:`memkern.optim.offload`).
+        bucket_size_mb: the largest communication bucket across ranks, in MiB of gradients
+            (> 0); a larger parameter is a bucket of its own.
 
-    ``step()`` and ``backward()`` never wait for the device; the properties
-    :attr:`loss_scale`, :attr:`grad_norm` and :attr:`skipped_steps` read it when called.
-    LR schedulers work as with torch optimizers (step them when :meth:`step` is not False).
+    Across ranks: :meth:`backward`, :meth:`step`, :meth:`state_dict`, :meth:`load_state_dict`,
+    :meth:`save_sharded` and :meth:`load_sharded` are collective (every rank calls them, with
+    the same number of micro-batches per window). Each rank feeds its own micro-batches; the
+    window's gradient is the mean over all ranks' micro-batches (or Σ gradients / Σ num_items
+    over all of them). With W > 1, ``opt.state`` is empty (a rank holds slices of the state,
+    not per-parameter tensors): :meth:`state_dict` assembles the full state. With
+    ``zero_stage=2``, ``p.grad`` is None after backward (the gradients went to their owners).
+
+    ``step()`` and ``backward()`` never wait for the device (except the CPU step of offload
+    from a GPU, which waits for the gradients it reads); the properties :attr:`loss_scale`,
+    :attr:`grad_norm` and :attr:`skipped_steps` read it when called. LR schedulers work as
+    with torch optimizers (step them when :meth:`step` is not False).
     """
 
     # It scales and checks its own gradients: torch.amp.GradScaler must not drive it.
@@ -142,20 +195,25 @@ class ShardedOptimizer(FlatOptimizer):
             raise ValueError(f"{name}: bucket_size_mb must be > 0, got {bucket_size_mb!r}")
         if offload not in (None, "cpu"):
             raise ValueError(f"{name}: offload must be None or 'cpu', got {offload!r}")
-        if offload == "cpu":
-            raise NotImplementedError(f"{name}: offload='cpu' is not implemented yet; use "
-                                      "offload=None")
-        world_size = _world_size(process_group)
-        if world_size > 1:
-            raise NotImplementedError(
-                f"{name}: sharding across {world_size} processes is not implemented yet; only "
-                "one process (process_group=None without torch.distributed, or a group of one)"
-            )
+        group, self.rank, self.world_size = _group_and_rank(process_group)
+        # The multi-rank (or offload) machinery; None: the plain single-process optimizer.
+        self._shards = (Shards(group, self.rank, self.world_size, zero_stage, offload,
+                               bucket_size_mb)
+                        if self.world_size > 1 or offload is not None else None)
+        # What every rank must agree on, checked at construction (with the parameters).
+        self._settings = {
+            "optimizer": optimizer, "lr": lr, **{k: repr(v) for k, v in hyperparams.items()},
+            "grad_dtype": str(grad_dtype), "zero_stage": zero_stage, "offload": offload,
+            "accumulation_steps": accumulation_steps, "max_grad_norm": max_grad_norm,
+            "loss_scale": repr(loss_scale), "bucket_size_mb": bucket_size_mb,
+        }
         self.algorithm = algorithm
         super().__init__(params, algorithm.defaults(lr=lr, **hyperparams), grad_dtype=grad_dtype)
+        if self._shards is not None:
+            self._shards.broadcast_weights(self.grad_buffer)
         self.optimizer_name = optimizer
         self.zero_stage = zero_stage
-        self.process_group = process_group
+        self.process_group = group
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.offload = offload
@@ -163,9 +221,11 @@ class ShardedOptimizer(FlatOptimizer):
         self.scaler = _scaler_for(loss_scale)
         device = self.grad_buffer.device
         self.scaler.scale_tensor(device)  # the scaler's state lives with the gradients
-        # The open window: micro-batches so far, how they are normalised ("mean" | "items"),
-        # and their total num_items on the device (float64: exact counts up to 2**53).
+        # The open window: micro-batches so far on this rank, micro-batch gradients summed over
+        # all ranks (the "mean" normaliser), how they are normalised ("mean" | "items"), and
+        # this rank's total num_items on the device (float64: exact counts up to 2**53).
         self._micro_batches = 0
+        self._window_gradients = 0
         self._window_mode: str | None = None
         self._num_items = torch.zeros((), dtype=torch.float64, device=device)
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
@@ -173,6 +233,22 @@ class ShardedOptimizer(FlatOptimizer):
         self._grads_dirty = False  # the buffer holds gradients that zero_grad() has not cleared
         self._warned_unzeroed = False
         self._checked_batch_norm = accumulation_steps == 1
+
+    def _make_grad_buffer(self, groups: list[dict[str, Any]],
+                          grad_dtype: torch.dtype | None) -> GradBuffer:
+        if self._shards is None:
+            return super()._make_grad_buffer(groups, grad_dtype)
+        self._shards.check_consistent(groups, self._settings)
+        return self._shards.make_grad_buffer(groups, grad_dtype)
+
+    def _make_segments(self) -> list[Segment]:
+        if self._shards is None:
+            return super()._make_segments()
+        return self._shards.make_segments(self.grad_buffer)
+
+    def _params(self) -> list[torch.Tensor]:
+        """The parameters in state-dict index order."""
+        return [p for g in self.param_groups for p in g["params"]]
 
     # ------------------------------------------------------------------------- micro-batch
     def backward(self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None
@@ -217,9 +293,20 @@ class ShardedOptimizer(FlatOptimizer):
         if not self._checked_batch_norm:
             self._checked_batch_norm = True
             self._warn_if_batch_norm(loss)
-        self.scaler.scale(loss).backward()
+        scaled = self.scaler.scale(loss)
+        if self._shards is None:
+            scaled.backward()
+        else:
+            self._shards.begin_backward()
+            try:
+                scaled.backward()
+            except BaseException:
+                self._shards.abandon_backward()
+                raise
+            self._shards.end_backward()
         self._window_mode = mode
         self._micro_batches += 1
+        self._window_gradients += self.world_size
         self._grads_dirty = True
 
     def _add_items(self, num_items: int | float | torch.Tensor) -> None:
@@ -293,34 +380,49 @@ class ShardedOptimizer(FlatOptimizer):
             return False
         self.grad_buffer.claim_grads()
         self._reduce_gradients()
-        norm = self._scaled_grad_norm()
+        norm, num_items = self._scaled_grad_norm()
         nonfinite = ~torch.isfinite(norm)
         found_inf = nonfinite.float()
-        grad_multiplier = self._grad_multiplier(norm)
+        normaliser = num_items if self._window_mode == "items" else self._window_gradients
+        grad_multiplier = self._grad_multiplier(norm, normaliser)
         self._apply_update(grad_multiplier, found_inf)
         self._gather_parameters()
         self.scaler.update(found_inf)
         self._skipped.add_(nonfinite)
         if self._window_mode == "items":
             self._num_items.zero_()
-        self._micro_batches, self._window_mode = 0, None
+        self._micro_batches, self._window_gradients, self._window_mode = 0, 0, None
         return ~nonfinite
 
     def _reduce_gradients(self) -> None:
-        """Across ranks: reduce(-scatter) the gradient buffer and the window's item count.
-        One process has nothing to reduce."""
+        """Stage 1 across ranks: reduce-scatter the gradient buffer, bucket by bucket (stage 2
+        did it during backward; one process has nothing to reduce)."""
+        if self._shards is not None and self.zero_stage == 1:
+            self._shards.reduce_scatter_grads()
 
-    def _scaled_grad_norm(self) -> torch.Tensor:
-        """L2 norm of the accumulated (scaled, un-normalised) gradients: one read-only pass
-        per flat buffer. Non-finite exactly when some gradient is (or when the squares
-        overflow float32, i.e. scaled gradients above ~1e19)."""
-        norms = [ops.l2_norm(b.grads) for b in self.grad_buffer.buckets]
-        return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    def _scaled_grad_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """L2 norm of the accumulated (scaled, un-normalised) gradients, and the window's
+        num_items total, as 0-dim device tensors.
 
-    def _grad_multiplier(self, norm: torch.Tensor) -> torch.Tensor:
+        One process: one read-only pass per flat buffer. Non-finite exactly when some
+        gradient is (or when the squares overflow float32, i.e. scaled gradients above
+        ~1e19). Across ranks: each rank's norm over its reduced shard, then one all-reduce of
+        ``[norm², num_items]`` in float64 (see the module docstring).
+        """
+        if self._shards is None:
+            norms = [ops.l2_norm(b.grads) for b in self.grad_buffer.buckets]
+            norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+            return norm, self._num_items
+        squares = [ops.l2_norm(self._shards.shard_grads_of(u)).double().square()
+                   for u in self._shards.units]
+        packet = torch.stack([torch.stack(squares).sum(), self._num_items])
+        self._shards.all_reduce(packet)
+        return packet[0].sqrt().float(), packet[1]
+
+    def _grad_multiplier(self, norm: torch.Tensor,
+                         normaliser: torch.Tensor | int) -> torch.Tensor:
         """``1 / (scale · normaliser) · clip_coef`` as a one-element float32 device tensor;
         also records the true gradient norm for :attr:`grad_norm`."""
-        normaliser = self._num_items if self._window_mode == "items" else self._micro_batches
         inv_scale = self.scaler.inv_scale(norm.device)
         unscale = (inv_scale.double() / normaliser).float()
         self._grad_norm = norm * unscale
@@ -329,9 +431,31 @@ class ShardedOptimizer(FlatOptimizer):
         clip_coef = (self.max_grad_norm / (self._grad_norm + 1e-6)).clamp_(max=1.0)
         return unscale * clip_coef
 
+    def _init_state(self) -> None:
+        if self._shards is not None and self._shards.host is not None:
+            self._shards.host.pull_weights()
+        super()._init_state()
+
+    def _apply_update(self, grad_multiplier: torch.Tensor | None,
+                      found_inf: torch.Tensor | None) -> None:
+        """The update phase: one kernel call per segment (this rank's slices), on the CPU
+        with host copies of the gradients and weights when offloading from a GPU."""
+        host = self._shards.host if self._shards is not None else None
+        if host is None:
+            super()._apply_update(grad_multiplier, found_inf)
+            return
+        if not self._state_ready:
+            self._init_state()
+        host.step(self._segments,
+                  lambda seg, gm, fi: self.algorithm.update(seg, self.param_groups[seg.group],
+                                                            gm, fi),
+                  grad_multiplier, found_inf)
+
     def _gather_parameters(self) -> None:
-        """Across ranks: all-gather the updated weights of every shard. One process holds
+        """Across ranks: all-gather the updated weights, bucket by bucket. One process holds
         them all."""
+        if self._shards is not None:
+            self._shards.gather_weights()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeroes the gradient buffer, unless an accumulation window is open.
@@ -343,6 +467,8 @@ class ShardedOptimizer(FlatOptimizer):
         if self._micro_batches > 0:
             return
         self.grad_buffer.zero_()
+        if self._shards is not None:
+            self._shards.zero_shard_grads()
         self._grads_dirty = False
 
     # -------------------------------------------------------------------------- properties
@@ -369,47 +495,160 @@ class ShardedOptimizer(FlatOptimizer):
 
     # ------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state in ``torch.optim`` format plus a ``"memkern"`` entry: the loss
-        scaler, the skipped-step count and the open window (micro-batch count, normalisation
-        mode, item total and, while the window is open, the accumulated gradients per
-        parameter index). Saved mid-window and loaded into a fresh optimizer, training
-        continues exactly. Reads the device (not for the step loop)."""
+        """The full optimizer state in ``torch.optim`` format plus a ``"memkern"`` entry: the
+        loss scaler, the skipped-step count and the open window (micro-batch count, the number
+        of micro-batch gradients summed, normalisation mode, item total and, while the window
+        is open, the window's accumulated gradient per parameter index, summed over ranks).
+        Saved mid-window and loaded into a fresh optimizer, training continues exactly.
+
+        The same dict whatever the world size: across W ranks it is collective, assembled on
+        every rank as CPU tensors (the full state in host memory on each rank: for large
+        models use :meth:`save_sharded`). In one process its tensors are views of the live
+        state. Reads the device (not for the step loop)."""
         state_dict = super().state_dict()
-        params = [p for g in self.param_groups for p in g["params"]]
-        window_open = self._micro_batches > 0
+        if self._shards is not None and self.world_size > 1:
+            state_dict["state"] = self._gather_param_states()
+        num_items = self._num_items.clone()
+        if self._shards is not None:
+            self._shards.all_reduce(num_items)
         state_dict["memkern"] = {
             "loss_scaler": self.scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
             "window": {
                 "micro_batches": self._micro_batches,
+                "gradients": self._window_gradients,
                 "mode": self._window_mode,
-                "num_items": float(self._num_items.item()),
-                "grads": ({i: self.grad_buffer.grad(p) for i, p in enumerate(params)}
-                          if window_open else None),
+                "num_items": float(num_items.item()),
+                "grads": self._window_grads() if self._micro_batches > 0 else None,
             },
         }
         return state_dict
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads :meth:`state_dict`'s output (or a plain torch-format optimizer state dict,
-        which restores the optimizer state only and leaves no window open)."""
-        super().load_state_dict(state_dict)
-        front = state_dict.get("memkern")
+    def _gather_param_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every rank's slices of the state, as torch-format per-parameter CPU tensors."""
+        if not self._state_ready:
+            return {}
+        index = {id(p): i for i, p in enumerate(self._params())}
+        states = {}
+        for unit in self._shards.units:
+            seg = unit.segment
+            gathered = {key: self._shards.gather_unit(unit, flat)
+                        for key, flat in seg.state.items()}
+            for j, p in enumerate(unit.params):
+                states[index[id(p)]] = {"step": seg.step.detach().to("cpu", copy=True),
+                                        **{key: values[j] for key, values in gathered.items()}}
+        return dict(sorted(states.items()))
+
+    def _window_grads(self) -> dict[int, torch.Tensor]:
+        """The open window's gradient per parameter index, summed over ranks."""
+        params = self._params()
+        if self._shards is None:
+            return {i: self.grad_buffer.grad(p) for i, p in enumerate(params)}
+        index = {id(p): i for i, p in enumerate(params)}
+        grads = {}
+        for unit, local in zip(self._shards.units, self._shards.reduced_window_grads()):
+            for p, grad in zip(unit.params, self._shards.gather_unit(unit, local)):
+                grads[index[id(p)]] = grad
+        return dict(sorted(grads.items()))
+
+    def _state_pieces(self, p: torch.Tensor, key: str) -> list[tuple[torch.Tensor, int]] | None:
+        if self._shards is None:
+            return super()._state_pieces(p, key)
+        seg = self._shards.unit_of(p).segment
+        pieces = []
+        if key == "master_param" and not seg.low_precision:
+            # The model's float32 weights are the master: every rank takes the whole of it
+            # (and offload also its host copy of its slices).
+            pieces.append((p.data.view(-1), 0))
+            if self._shards.host is None:
+                return pieces
+            flat = seg.weights
+        elif key in seg.state:
+            flat = seg.state[key]
+        else:
+            return None
+        piece = self._shards.owned_piece(p, flat)
+        return pieces + ([piece] if piece is not None else [])
+
+    def _window_grad_pieces(self) -> dict[int, list[tuple[torch.Tensor, int]]]:
+        """This rank's pieces of the open window's gradient summed over ranks, per
+        ``id(param)`` (as in :meth:`_state_pieces`); the window is left as it is."""
+        if self._shards is None:
+            return {id(p): [(self.grad_buffer.grad(p).view(-1), 0)] for p in self._params()}
+        pieces = {}
+        for unit, flat in zip(self._shards.units, self._shards.reduced_window_grads()):
+            for p in unit.params:
+                piece = self._shards.owned_piece(p, flat)
+                pieces[id(p)] = [piece] if piece is not None else []
+        return pieces
+
+    def _window_grad_targets(self) -> dict[int, list[tuple[torch.Tensor, int]]]:
+        """Zeroes the gradients; returns where a loaded window's summed gradient goes on this
+        rank, per ``id(param)``: with several ranks each takes its own slices only, the others
+        stay zero here, so the reduction at ``step`` sums to the loaded values plus what
+        comes after."""
         self.grad_buffer.zero_()
-        self._micro_batches, self._window_mode = 0, None
+        if self._shards is None:
+            return {id(p): [(self.grad_buffer.grad(p).view(-1), 0)] for p in self._params()}
+        targets = {}
+        for unit, flat in zip(self._shards.units, self._shards.window_grad_targets()):
+            for p in unit.params:
+                piece = self._shards.owned_piece(p, flat)
+                targets[id(p)] = [piece] if piece is not None else []
+        return targets
+
+    def _set_window(self, window: dict[str, Any] | None) -> None:
+        """The window's counters from saved values (closed when ``window`` is None or holds
+        no micro-batch); its gradients are loaded into :meth:`_window_grad_targets`."""
+        self._micro_batches, self._window_gradients, self._window_mode = 0, 0, None
         self._num_items.zero_()
         self._grads_dirty = False
+        if not window or not window["micro_batches"]:
+            return
+        self._micro_batches = window["micro_batches"]
+        self._window_gradients = window.get("gradients", window["micro_batches"])
+        self._window_mode = window["mode"]
+        # One rank carries the window's item count: step() sums the ranks' counts.
+        self._num_items.fill_(window["num_items"] if self.rank == 0 else 0)
+        self._grads_dirty = True
+
+    def _segment_of(self, p: torch.Tensor) -> Segment:
+        """The segment holding (this rank's part of) ``p``'s state."""
+        if self._shards is not None:
+            return self._shards.unit_of(p).segment
+        return next(seg for seg in self._segments if any(q is p for q in seg.params))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads :meth:`state_dict`'s output, saved at any world size and zero stage (or a
+        plain torch-format optimizer state dict, which restores the optimizer state only and
+        leaves no window open). Collective across ranks: each rank keeps its slices."""
+        super().load_state_dict(state_dict)
+        front = state_dict.get("memkern")
+        targets = self._window_grad_targets()
         if front is None:
+            self._set_window(None)
             return
         if front["loss_scaler"]:
             self.scaler.load_state_dict(front["loss_scaler"])
         self._skipped.fill_(front["skipped_steps"])
         window = front["window"]
         if window["micro_batches"]:
-            params = [p for g in self.param_groups for p in g["params"]]
-            for i, grad in window["grads"].items():
-                self.grad_buffer.grad(params[i]).copy_(grad)
-            self._micro_batches = window["micro_batches"]
-            self._window_mode = window["mode"]
-            self._num_items.fill_(window["num_items"])
-            self._grads_dirty = True
+            for i, p in enumerate(self._params()):
+                flat = window["grads"][i].reshape(-1)
+                for target, start in targets[id(p)]:
+                    target.copy_(flat[start:start + target.numel()])
+        self._set_window(window)
+
+    def save_sharded(self, path: str | os.PathLike) -> None:
+        """Saves the optimizer through ``torch.distributed.checkpoint``: every rank writes its
+        own slices, nothing is gathered; loadable by :meth:`load_sharded` at any world size
+        and zero stage. Atomic: written to ``<path>.incomplete`` and renamed to ``path`` once
+        complete (a save that dies midway leaves ``path`` as it was). See
+        :mod:`memkern.optim.checkpoint`. Collective."""
+        checkpoint.save_sharded(self, path)
+
+    def load_sharded(self, path: str | os.PathLike) -> None:
+        """Loads a checkpoint written by :meth:`save_sharded`, at any world size; each rank
+        reads the parts of the saved slices it now owns. Raises if the checkpoint is
+        incomplete. Collective."""
+        checkpoint.load_sharded(self, path)

@@ -7,8 +7,10 @@ and reports its peak allocation, the bytes it saved for backward, and its wall t
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -69,6 +71,15 @@ class _StorageCounter:
 
 
 def _state_tensors(optimizer: Any) -> Iterable[tuple[str, torch.Tensor]]:
+    # memkern's optimizers keep their (possibly sharded) state flat in segments; a rank's
+    # shard of a sharded optimizer is listed there and not in ``optimizer.state``.
+    segments = getattr(optimizer, "segments", None)
+    if segments is not None:
+        for seg in segments:
+            yield from seg.state.items()
+            if seg.step is not None:
+                yield "step", seg.step
+        return
     for state in getattr(optimizer, "state", {}).values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
@@ -88,8 +99,10 @@ def memory_breakdown(model: nn.Module, optimizer: Any = None) -> MemoryBreakdown
     state = list(_state_tensors(optimizer)) if optimizer is not None else []
     master_bytes = counter.add(t for k, t in state if k in MASTER_KEYS)
     state_bytes = counter.add(t for k, t in state if k not in MASTER_KEYS)
-    has_master = {id(p) for p, s in getattr(optimizer, "state", {}).items()
-                  if any(k in s for k in MASTER_KEYS)}
+    has_master = {id(p) for seg in getattr(optimizer, "segments", ()) if seg.low_precision
+                  for p in seg.params}
+    has_master |= {id(p) for p, s in getattr(optimizer, "state", {}).items()
+                   if any(k in s for k in MASTER_KEYS)}
     params_as_master = _StorageCounter().add(
         p for p in params if p.dtype == torch.float32 and id(p) not in has_master)
     return MemoryBreakdown(param_bytes, grad_bytes, master_bytes, state_bytes,
@@ -122,3 +135,31 @@ def measure(fn: Callable[[], Any], device: torch.device | str = "cpu") -> Measur
     stats = allocation_stats(timed, device=device)
     result, seconds, saved = stats.result
     return Measurement(stats.peak, saved, seconds, result)
+
+
+def reachable_bytes(*roots: Any) -> int:
+    """Bytes of the distinct storages of every tensor that ``roots`` keep alive: reached
+    through attributes, containers and ``.grad``, whatever kept them (the flat buffers, the
+    segments' state, the scaler, anything left behind), each storage counted once, whole."""
+    seen, storages, stack, total = set(), set(), list(roots), 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType,
+                                               types.MethodType, str, bytes, int, float)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if (obj.device, storage.data_ptr()) not in storages:
+                storages.add((obj.device, storage.data_ptr()))
+                total += storage.nbytes()
+            if obj.grad is not None:
+                stack.append(obj.grad)
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return total

@@ -1,0 +1,501 @@
+"""ZeRO-1/2 for :class:`~memkern.optim.ShardedOptimizer`: the sharded layout, this rank's
+shards, and the collectives over them (``torch.distributed``: nccl on GPUs, gloo on CPU).
+
+Layout. The flat layout of :class:`~memkern.GradBuffer` (one buffer per dtype, parameters in
+64-element aligned slots, param group after param group) is cut into *units*: runs of
+parameters of one param group and one dtype, of at most ``bucket_size_mb`` of gradients (a
+larger parameter is a unit of its own). Each unit is padded to a multiple of ``W * 64``
+elements, so rank ``r`` of ``W`` owns the equal, 64-aligned, contiguous slice
+``[r * numel / W, (r + 1) * numel / W)`` of every unit, whatever W is (odd W, parameters
+smaller than W or than 64 included: the padding is zero and stays zero). A unit is the
+communication bucket (one collective each) and a rank's slice of it is one optimizer kernel
+call (a :class:`~memkern.optim.flat_state.Segment`). The units do not depend on W: only their
+padding does, which is why checkpoints move between world sizes.
+
+What lives where, per rank (``P`` = bytes of a parameter, ``G`` = of a gradient):
+
+==============================  ============================  ===============================
+                                zero_stage=1                  zero_stage=2
+==============================  ============================  ===============================
+model weights (flat)            all: P                        all: P
+gradients                       all (flat buffer): G          this rank's slices only: G / W,
+                                                              plus units in flight
+float32 master (16-bit P only)  this rank's slices: 4 / W     same
+optimizer state                 this rank's slices: 8 / W     same
+==============================  ============================  ===============================
+
+With Adam and 16-bit weights and gradients that is 4 + 12/W bytes per parameter for stage 1
+and 2 + 14/W for stage 2 (DESIGN.md section 3). With ``offload="cpu"`` the master, the
+optimizer state and the step counters are in host memory (see :mod:`memkern.optim.offload`).
+
+Stage 1. Micro-batches accumulate locally in the full gradient buffer with no communication
+(as in one process). At the window's end every unit is reduce-scattered *in place*: rank r's
+slice of the buffer receives the sum over ranks of that slice, which is all its optimizer
+step reads. Reduce-scatter rather than all-reduce: an all-reduce is a reduce-scatter followed
+by an all-gather, and the all-gather half would deliver summed gradients that no rank uses
+(the updated weights are all-gathered instead, in the weights' dtype). NCCL runs it as one
+ring reduce-scatter, ``(W-1)/W`` of the unit per rank. Gloo (torch 2.13) implements
+``reduce_scatter_tensor`` as an all-reduce of a copy of the input followed by a local slice:
+the same algorithm and result here, at twice the traffic and with one unit-sized copy.
+
+Stage 2. The full gradient never exists: the buffer holds no gradients
+(:class:`~memkern.GradBuffer` with ``on_grad``), and a post-accumulate hook copies each
+parameter's gradient into its unit's staging buffer as soon as autograd produced it, then
+frees it. A complete unit is reduce-scattered asynchronously while backward goes on, and the
+result is added into this rank's gradient slices. Units are launched in one fixed order
+(reverse layout order, the order backward produces them), so every rank issues the same
+collectives in the same order; a unit with a parameter that got no gradient holds itself and
+the later ones back until the end of the backward pass. At most :data:`IN_FLIGHT` collectives
+run at a time, bounding the staging memory to a few units.
+
+Accumulation under stage 2 reduce-scatters *every* micro-batch into the shard (the standard
+ZeRO-2 choice, DeepSpeed's): the alternative, accumulating full gradients locally and
+reducing on the window's last micro-batch only, keeps the full gradient alive for the whole
+window, which is exactly what stage 2 exists to avoid. The price is ``accumulation_steps``
+times the gradient traffic, overlapped with backward. It is the one exception to "no
+communication until the window's last micro-batch" (DESIGN.md section 2); stage 1 keeps it.
+
+Every rank runs the same windows: the same number of ``backward()`` calls per window and the
+same ``step()`` calls, or the collectives do not match (and time out).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from memkern.optim.flat_state import Segment
+from memkern.optim.grad_buffer import ALIGN, Bucket, GradBuffer, aligned, check_params
+from memkern.optim.offload import HostOffload
+
+IN_FLIGHT = 2
+"""Asynchronous collectives a rank keeps running at once. Each holds unit-sized buffers (the
+stage-2 staging buffer, gloo's copies) until it completes: two let one transfer while the next
+is prepared."""
+
+# torch 2.13 renamed the tensor collectives and deprecated the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclasses.dataclass(eq=False)
+class Unit:
+    """A run of parameters of one param group and one dtype: one collective per step (its
+    communication bucket) and, on each rank, one optimizer kernel call over its slice.
+
+    ``[start, start + numel)`` of ``bucket``'s flat layout; ``numel`` is a multiple of
+    ``W * ALIGN``. ``params`` lie at ``offsets`` (relative to ``start``). Each rank owns
+    ``shard`` elements from ``start + rank * shard``; ``shard_start`` is where this unit's
+    slice lies in the rank's stage-2 gradient shard of ``bucket``.
+    """
+
+    index: int
+    group: int
+    bucket: Bucket
+    start: int
+    numel: int
+    params: list[torch.Tensor]
+    offsets: list[int]
+    shard: int
+    shard_start: int
+    segment: Segment | None = None
+
+    def owned(self, rank: int) -> slice:
+        """This rank's slice of the unit, in the bucket's flat layout."""
+        return slice(self.start + rank * self.shard, self.start + (rank + 1) * self.shard)
+
+    @property
+    def whole(self) -> slice:
+        return slice(self.start, self.start + self.numel)
+
+
+class UnitLayout:
+    """The :data:`~memkern.optim.grad_buffer.Layout` of a sharded optimizer: cuts each
+    bucket's parameters into units and pads every unit to a multiple of ``world * ALIGN``.
+    Records the units it placed, per dtype, for :meth:`Shards.make_segments`."""
+
+    def __init__(self, group_of: dict[int, int], world: int, unit_bytes: float,
+                 grad_dtype: torch.dtype | None) -> None:
+        self.group_of, self.world = group_of, world
+        self.unit_bytes, self.grad_dtype = unit_bytes, grad_dtype
+        # dtype -> [(group, first param index, param count, start, numel)]
+        self.placed: dict[torch.dtype, list[tuple[int, int, int, int, int]]] = {}
+
+    def __call__(self, params: list[torch.Tensor]) -> tuple[list[int], int]:
+        item = (self.grad_dtype or params[0].dtype).itemsize
+        limit = max(int(self.unit_bytes) // item, 1)
+        runs: list[list[int]] = []  # indices into params, one list per unit
+        size = 0
+        for i, p in enumerate(params):
+            n = aligned(p.numel())
+            same_group = runs and self.group_of[id(params[runs[-1][0]])] == self.group_of[id(p)]
+            if same_group and size + n <= limit:
+                runs[-1].append(i)
+                size += n
+            else:
+                runs.append([i])
+                size = n
+        offsets, end, placed = [], 0, []
+        for run in runs:
+            start = end
+            for i in run:
+                offsets.append(end)
+                end += aligned(params[i].numel())
+            end = aligned(end, self.world * ALIGN)
+            placed.append((self.group_of[id(params[run[0]])], run[0], len(run), start,
+                           end - start))
+        self.placed[params[0].dtype] = placed
+        return offsets, end
+
+
+def _describe(groups: list[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:
+    """What every rank must agree on: the settings and, per param group, its options and its
+    parameters' shapes and dtypes; or why this rank's parameters are unusable."""
+    try:
+        check_params(p for g in groups for p in g["params"])
+    except (TypeError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {
+        "error": None,
+        "settings": settings,
+        "groups": [{
+            "options": {k: repr(v) for k, v in g.items() if k not in ("params", "param_names")},
+            "params": [(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in g["params"]],
+        } for g in groups],
+    }
+
+
+def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
+    if a["settings"] != b["settings"]:
+        key = next(k for k in a["settings"] if a["settings"][k] != b["settings"].get(k))
+        return f"{key}={a['settings'][key]!r} on rank 0 but {b['settings'].get(key)!r}"
+    if len(a["groups"]) != len(b["groups"]):
+        return f"{len(a['groups'])} param groups on rank 0 but {len(b['groups'])}"
+    for gi, (ga, gb) in enumerate(zip(a["groups"], b["groups"])):
+        if len(ga["params"]) != len(gb["params"]):
+            return (f"param group {gi} has {len(ga['params'])} parameters on rank 0 but "
+                    f"{len(gb['params'])}")
+        for pi, (pa, pb) in enumerate(zip(ga["params"], gb["params"])):
+            if pa != pb:
+                return (f"param group {gi}, parameter {pi} is {pa[1]} of shape {pa[0]} on rank 0 "
+                        f"but {pb[1]} of shape {pb[0]}")
+        if ga["options"] != gb["options"]:
+            return f"param group {gi} has options {ga['options']} on rank 0 but {gb['options']}"
+    return "the descriptions differ"
+
+
+def _weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """A hook that calls ``method`` while its object lives: hooks stay on the parameters,
+    which may outlive the optimizer (and must not keep its shards alive)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(p)
+
+    return hook
+
+
+class Shards:
+    """This rank's part of a :class:`~memkern.optim.ShardedOptimizer` and the collectives
+    over it (see the module docstring). Built by the optimizer in three steps:
+    :meth:`make_grad_buffer`, :meth:`make_segments`, :meth:`broadcast_weights`.
+
+    Args:
+        group: the process group (None: one process, no ``torch.distributed``).
+        rank, world: this process's rank in ``group`` and the group's size.
+        zero_stage: 1 or 2.
+        offload: None or ``"cpu"``.
+        bucket_size_mb: the largest unit, in MiB of gradients.
+    """
+
+    def __init__(self, group: Any, rank: int, world: int, zero_stage: int, offload: str | None,
+                 bucket_size_mb: float) -> None:
+        self.group, self.rank, self.world = group, rank, world
+        self.zero_stage, self.offload = zero_stage, offload
+        self.unit_bytes = bucket_size_mb * 2**20
+        self._layout: UnitLayout | None = None
+        self.units: list[Unit] = []
+        self.host: HostOffload | None = None
+        # Stage 2: per bucket, this rank's slices of all its units' gradients, back to back.
+        self.shard_grads: dict[int, torch.Tensor] = {}
+        self._place: dict[int, tuple[Unit, int]] = {}  # id(param) -> (unit, offset in unit)
+        self._in_flight: collections.deque = collections.deque()
+        # Stage 2, per backward pass: gradients arrived per unit, staging buffers, next unit
+        # to launch (index into self._order).
+        self._in_backward = False
+        self._arrived: list[set[int]] = []
+        self._staging: dict[int, torch.Tensor] = {}
+        self._next = 0
+        self._order: list[Unit] = []
+
+    # ------------------------------------------------------------------------ construction
+    def check_consistent(self, groups: list[dict[str, Any]], settings: dict[str, Any]) -> None:
+        """Raises ValueError on every rank when the ranks disagree on the parameters (count,
+        shapes, dtypes), the param groups or ``settings``: one small all_gather_object at
+        construction instead of mismatched collectives that hang later."""
+        if self.world == 1:
+            return
+        mine = _describe(groups, settings)
+        every = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        for rank, theirs in enumerate(every):
+            if theirs["error"] is not None:
+                raise ValueError(f"memkern.ShardedOptimizer: rank {rank} of process_group cannot "
+                                 f"use its parameters: {theirs['error']}")
+        for rank, theirs in enumerate(every):
+            if theirs != every[0]:
+                raise ValueError(
+                    f"memkern.ShardedOptimizer: the {self.world} ranks of process_group were "
+                    f"given different parameters or settings: {_first_difference(every[0], theirs)}"
+                    f" on rank {rank}. Every rank must build the same model and pass the same "
+                    "params and arguments (in the same order)"
+                )
+
+    def make_grad_buffer(self, groups: list[dict[str, Any]],
+                         grad_dtype: torch.dtype | None) -> GradBuffer:
+        """The flat layout, cut into units; stage 2's buffer hands gradients to the hooks."""
+        params = [p for g in groups for p in g["params"]]
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        self._layout = UnitLayout(group_of, self.world, self.unit_bytes, grad_dtype)
+        on_grad = _weak_hook(self._on_grad) if self.zero_stage == 2 else None
+        return GradBuffer(params, dtype=grad_dtype, layout=self._layout, on_grad=on_grad)
+
+    def make_segments(self, buffer: GradBuffer) -> list[Segment]:
+        """The units and, for each, the segment of this rank's slice: its gradients (stage 1:
+        a slice of the flat buffer; stage 2: of the rank's gradient shard), its weights (a
+        slice of the flat weights, or of host copies when offloading from a GPU)."""
+        on_host = self.offload == "cpu" and buffer.device.type != "cpu"
+        if on_host and buffer.device.type != "cuda":
+            raise ValueError(f"memkern.ShardedOptimizer: offload='cpu' needs the model on the CPU "
+                             f"or a CUDA GPU, not on {buffer.device}; use offload=None")
+        for bucket in buffer.buckets:
+            shard_start = 0
+            for group, first, count, start, numel in self._layout.placed[bucket.dtype]:
+                params = bucket.params[first:first + count]
+                offsets = [o - start for o in bucket.offsets[first:first + count]]
+                unit = Unit(len(self.units), group, bucket, start, numel, params, offsets,
+                            numel // self.world, shard_start)
+                self.units.append(unit)
+                shard_start += unit.shard
+                for p, o in zip(params, offsets):
+                    self._place[id(p)] = (unit, o)
+            if self.zero_stage == 2:
+                self.shard_grads[id(bucket)] = torch.zeros(
+                    bucket.numel // self.world, dtype=bucket.grad_dtype, device=buffer.device)
+        self._order = self.units[::-1]
+        device_views = [(self.shard_grads_of(u), u.bucket.weights[u.owned(self.rank)])
+                        for u in self.units]
+        if on_host:
+            self.host = HostOffload(device_views)
+        segments = []
+        for i, (unit, (grads, weights)) in enumerate(zip(self.units, device_views)):
+            if self.host is not None:
+                grads, weights = self.host.grads[i], self.host.weights[i]
+            # With one rank a slice is the whole unit: per-parameter state views work.
+            whole = self.world == 1
+            unit.segment = Segment(unit.group, grads, weights,
+                                   unit.params if whole else [], unit.offsets if whole else [])
+            segments.append(unit.segment)
+        return segments
+
+    def shard_grads_of(self, unit: Unit) -> torch.Tensor:
+        """This rank's reduced gradients of ``unit`` on the model's device (after the window's
+        reduction): a slice of the flat buffer (stage 1) or of the gradient shard (stage 2)."""
+        if self.zero_stage == 1:
+            return unit.bucket.grads[unit.owned(self.rank)]
+        flat = self.shard_grads[id(unit.bucket)]
+        return flat[unit.shard_start:unit.shard_start + unit.shard]
+
+    def broadcast_weights(self, buffer: GradBuffer) -> None:
+        """Rank 0's initial weights to every rank, as DistributedDataParallel does: each rank
+        keeps the master of its own slices, so they must start from the same values."""
+        if self.world == 1:
+            return
+        src = dist.get_global_rank(self.group, 0)
+        for bucket in buffer.buckets:
+            dist.broadcast(bucket.weights, src=src, group=self.group)
+
+    # ------------------------------------------------------------------------- collectives
+    def _launch(self, work: Any, finish: Callable[[], None] | None = None,
+                keep: torch.Tensor | None = None) -> None:
+        """Tracks an asynchronous collective (None: already done, one rank); ``finish`` runs
+        once it completed; ``keep`` is a buffer that must live until then."""
+        self._in_flight.append((work, finish, keep))
+        while len(self._in_flight) > IN_FLIGHT:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        work, finish, _ = self._in_flight.popleft()
+        if work is not None:
+            work.wait()
+        if finish is not None:
+            finish()
+
+    def drain(self) -> None:
+        """Waits for every collective in flight (on a GPU: the current stream waits)."""
+        while self._in_flight:
+            self._finish_oldest()
+
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        if self.world == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return None
+        return _reduce_scatter(out, inp, group=self.group, async_op=True)
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        if self.world == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return None
+        return _all_gather(out, inp, group=self.group, async_op=True)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums ``tensor`` over the ranks in place (a no-op for one rank)."""
+        if self.world > 1:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def reduce_scatter_grads(self) -> None:
+        """Stage 1, at the window's end: every unit of the flat gradient buffer reduce-scattered
+        in place; this rank's slices then hold the sums over ranks."""
+        for unit in self.units:
+            grads = unit.bucket.grads
+            self._launch(self._reduce_scatter(grads[unit.owned(self.rank)], grads[unit.whole]))
+        self.drain()
+
+    def gather_weights(self) -> None:
+        """Every rank's updated slices of the weights to every rank (the weights' dtype)."""
+        for unit in self.units:
+            weights = unit.bucket.weights
+            self._launch(self._all_gather(weights[unit.whole], weights[unit.owned(self.rank)]))
+        self.drain()
+
+    # ---------------------------------------------------------------------- stage-2 hooks
+    def begin_backward(self) -> None:
+        if self.zero_stage == 2:
+            self._in_backward = True
+            self._arrived = [set() for _ in self.units]
+            self._next = 0
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """Post-accumulate hook (stage 2): ``p.grad`` into its unit's staging buffer, freed;
+        launches the units that are complete, in order."""
+        if not self._in_backward:
+            raise RuntimeError(
+                "memkern.ShardedOptimizer (zero_stage=2): a gradient arrived outside "
+                "ShardedOptimizer.backward(loss); with zero_stage=2 gradients are reduced into "
+                "the rank's shard as backward produces them, so call opt.backward(loss) instead "
+                "of loss.backward()"
+            )
+        unit, offset = self._place[id(p)]
+        if len(self.units) - 1 - unit.index < self._next:  # its place in the launch order
+            raise RuntimeError(
+                f"memkern.ShardedOptimizer (zero_stage=2): a parameter of shape "
+                f"{tuple(p.shape)} received a second gradient in one backward pass after its "
+                "bucket was already reduced (reentrant activation checkpointing that runs "
+                "backward more than once over it?); use non-reentrant checkpointing "
+                "(memkern.checkpoint, or torch.utils.checkpoint with use_reentrant=False)"
+            )
+        staging = self._staging.get(unit.index)
+        if staging is None:
+            staging = torch.zeros(unit.numel, dtype=unit.bucket.grad_dtype, device=p.device)
+            self._staging[unit.index] = staging
+        staging[offset:offset + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+        self._arrived[unit.index].add(id(p))
+        while self._next < len(self._order) and self._complete(self._order[self._next]):
+            self._launch_unit()
+
+    def _complete(self, unit: Unit) -> bool:
+        return len(self._arrived[unit.index]) == len(unit.params)
+
+    def _launch_unit(self) -> None:
+        unit = self._order[self._next]
+        self._next += 1
+        staging = self._staging.pop(unit.index, None)
+        if staging is None:  # no gradient reached this unit on this rank: it still takes part
+            staging = torch.zeros(unit.numel, dtype=unit.bucket.grad_dtype,
+                                  device=unit.bucket.weights.device)
+        reduced = torch.empty(unit.shard, dtype=staging.dtype, device=staging.device)
+        shard = self.shard_grads_of(unit)
+        self._launch(self._reduce_scatter(reduced, staging), lambda: shard.add_(reduced),
+                     keep=staging)
+
+    def end_backward(self) -> None:
+        """After a backward pass (stage 2): launches the units still waiting, in order, and
+        waits for all of them; this rank's shard then holds the micro-batch's reduced sum."""
+        if self.zero_stage != 2:
+            return
+        while self._next < len(self._order):
+            self._launch_unit()
+        self.drain()
+        self._in_backward = False
+
+    def abandon_backward(self) -> None:
+        """A backward pass raised: forget its staging buffers (the window is lost)."""
+        self._in_flight.clear()
+        self._staging.clear()
+        self._in_backward = False
+
+    def zero_shard_grads(self) -> None:
+        for flat in self.shard_grads.values():
+            flat.zero_()
+
+    # ------------------------------------------------------------------------- checkpoints
+    def owned_piece(self, p: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """The part of parameter ``p`` this rank owns, as ``(view, start)``: ``view`` is the
+        slice of ``flat`` (a tensor laid out like ``p``'s unit slice on this rank: a segment's
+        state or gradients) holding ``p``'s flattened elements ``[start, start + numel)``.
+        None when this rank owns none of ``p``."""
+        unit, offset = self._place[id(p)]
+        lo = self.rank * unit.shard
+        a, b = max(lo, offset), min(lo + unit.shard, offset + p.numel())
+        if a >= b:
+            return None
+        return flat[a - lo:b - lo], a - offset
+
+    def unit_of(self, p: torch.Tensor) -> Unit:
+        return self._place[id(p)][0]
+
+    def gather_unit(self, unit: Unit, local: torch.Tensor) -> list[torch.Tensor]:
+        """All ranks' slices of a unit-laid-out tensor (``local``: this rank's slice, on any
+        device) as per-parameter CPU tensors of ``unit.params``."""
+        device = unit.bucket.weights.device
+        full = torch.empty(unit.numel, dtype=local.dtype, device=device)
+        self._launch(self._all_gather(full, local.to(device)))
+        self.drain()
+        return [full[o:o + p.numel()].view_as(p).to("cpu", copy=True)
+                for p, o in zip(unit.params, unit.offsets)]
+
+    def reduced_window_grads(self) -> list[torch.Tensor]:
+        """Per unit, this rank's slice of the open window's gradient summed over ranks, without
+        changing the window: stage 2's shard holds it; stage 1 reduce-scatters a copy."""
+        if self.zero_stage == 2:
+            return [self.shard_grads_of(u) for u in self.units]
+        slices = []
+        for unit in self.units:
+            out = torch.empty(unit.shard, dtype=unit.bucket.grads.dtype,
+                              device=unit.bucket.grads.device)
+            window = unit.bucket.grads[unit.whole].clone()
+            self._launch(self._reduce_scatter(out, window), keep=window)
+            slices.append(out)
+        self.drain()
+        return slices
+
+    def window_grad_targets(self) -> list[torch.Tensor]:
+        """Per unit, where a loaded window's summed gradient goes on this rank, after zeroing
+        all gradients: its own slices (the other ranks' slices stay zero here, so the window's
+        reduction at ``step`` sums to exactly the loaded values plus what comes after)."""
+        for unit in self.units:
+            if unit.bucket.grads is not None:
+                unit.bucket.grads.zero_()
+        self.zero_shard_grads()
+        return [self.shard_grads_of(u) for u in self.units]
