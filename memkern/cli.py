@@ -110,11 +110,10 @@ def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
     base = next((r for r in rows if r.config == BASELINE), None)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ranks = (f", {world} ranks (memkern configurations sharded across them, torch ones "
-             "replicated)") if world > 1 else ""
+             "replicated; figures are rank 0's)") if world > 1 else ""
     print(f"\nmemkern bench: GPT {args.size} ({rows[0].num_params / 1e6:.2f}M params, "
           f"{cfg.layers} layers, width {cfg.width}), batch {args.batch} x seq {cfg.seq} per rank, "
-          f"{args.steps} steps on {device}{ranks} (torch {torch.__version__}); figures are "
-          "rank 0's")
+          f"{args.steps} steps on {device}{ranks} (torch {torch.__version__})")
     head = (f"{'configuration':<18} {'peak MiB':>9} {'saved act MiB':>13} {'opt B/param':>11} "
             f"{'step ms':>8} {'tokens/s':>9} {'final loss':>10}")
     if base is not None:
