@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(results, exist_ok=True)
 
     def out(name: str, ext: str = "json") -> str:
-        return os.path.join(results, f"{device}-{name}{suffix}.{ext}")
+        return os.path.relpath(os.path.join(results, f"{device}-{name}{suffix}.{ext}"))
 
     quick_kernels = ["--adam-params", "2000003"] if args.quick else []
     quick_front = ["--params", "4000037", "--reps", "3"] if args.quick else []

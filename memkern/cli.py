@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import sys
 from collections.abc import Sequence
 
@@ -197,7 +198,18 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _machine() -> dict[str, object]:
+    info: dict[str, object] = {"python": platform.python_version(), "torch": torch.__version__,
+                               "threads": torch.get_num_threads(),
+                               "cpu": platform.processor() or platform.machine()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
 def _write_json(path: str, payload: dict) -> None:
+    payload = {"command_line": "memkern " + " ".join(sys.argv[1:]), "machine": _machine(),
+               **payload}
     with open(path, "w") as fh:
         json.dump(payload, fh, indent=2)
         fh.write("\n")
