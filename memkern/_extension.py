@@ -5,6 +5,7 @@ Everything that asks "was the C++/CUDA code built?" reads :data:`compiled` from 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import warnings
 
@@ -24,10 +25,13 @@ class CompiledInfo:
 def _load() -> CompiledInfo:
     if os.environ.get("MEMKERN_DISABLE_EXT", "0") == "1":
         return CompiledInfo(False, False, "", "disabled by MEMKERN_DISABLE_EXT=1")
+    if importlib.util.find_spec("memkern._C") is None:
+        return CompiledInfo(False, False, "", "memkern._C was not built (no C++ compiler at "
+                            "install time, or MEMKERN_BUILD_EXT=0)")
     try:
         from memkern import _C  # registers the C++ kernels with the dispatcher
     except ImportError as exc:
-        return CompiledInfo(False, False, "", f"memkern._C could not be imported ({exc})")
+        return CompiledInfo(False, False, "", f"memkern._C could not be loaded ({exc})")
     return CompiledInfo(True, bool(_C.has_cuda()), _C.cuda_archs(), "")
 
 
