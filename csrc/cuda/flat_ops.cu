@@ -85,6 +85,23 @@ cudaError_t launch_advance_step(float* step, const float* found_inf, cudaStream_
   return cudaGetLastError();
 }
 
+// The frame of both optimizer steps: launch(grads_tag, params_tag) for the buffers' dtypes
+// (without params any instantiation serves; reusing the grads dtype adds none), then the step
+// counter's advance, ordered after the main kernel on the stream.
+template <typename Launch>
+cudaError_t launch_step(int64_t n, DType grads_dtype, const void* params, DType params_dtype,
+                        float* step, const float* found_inf, cudaStream_t stream,
+                        const Launch& launch) {
+  if (n > 0) {
+    const DType written_dtype = params != nullptr ? params_dtype : grads_dtype;
+    if (const cudaError_t err = with_dtypes(grads_dtype, written_dtype, launch);
+        err != cudaSuccess) {
+      return err;
+    }
+  }
+  return launch_advance_step(step, found_inf, stream);
+}
+
 }  // namespace
 
 cudaError_t unscale(void* grads, DType grads_dtype, int64_t n, float* found_inf,
@@ -131,40 +148,32 @@ cudaError_t adamw_step(float* master, float* exp_avg, float* exp_avg_sq, const v
                        float* step, const float* grad_multiplier, const float* found_inf,
                        double lr, double beta1, double beta2, double eps, double weight_decay,
                        cudaStream_t stream) {
-  if (n > 0) {
-    device::AdamWConstants constants{};
-    constants.lr = lr;
-    constants.beta1 = beta1;
-    constants.beta2 = beta2;
-    constants.weight_decay_factor = static_cast<float>(1.0 - lr * weight_decay);
-    constants.exp_avg_weight = static_cast<float>(1.0 - beta1);
-    constants.beta2_f32 = static_cast<float>(beta2);
-    constants.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-    constants.eps = static_cast<float>(eps);
-    // Without params any instantiation serves; reusing the grads dtype adds none.
-    const DType written_dtype = params != nullptr ? params_dtype : grads_dtype;
-    const auto launch = [&](auto grads_tag, auto params_tag) {
-      using G = typename decltype(grads_tag)::type;
-      using P = typename decltype(params_tag)::type;
-      const auto kernel = device::adamw_step_kernel<G, P>;
-      int grid = 0;
-      if (const cudaError_t err = elementwise_grid(kernel, n, &grid); err != cudaSuccess) {
-        return err;
-      }
-      const bool vectorised = vector_aligned<float>(master) && vector_aligned<float>(exp_avg) &&
-                              vector_aligned<float>(exp_avg_sq) && vector_aligned<G>(grads) &&
-                              vector_aligned<P>(params);
-      kernel<<<grid, kThreadsPerBlock, 0, stream>>>(
-          master, exp_avg, exp_avg_sq, static_cast<const G*>(grads), static_cast<P*>(params), n,
-          vectorised, step, grad_multiplier, found_inf, constants);
-      return cudaGetLastError();
-    };
-    if (const cudaError_t err = with_dtypes(grads_dtype, written_dtype, launch);
-        err != cudaSuccess) {
+  device::AdamWConstants constants{};
+  constants.lr = lr;
+  constants.beta1 = beta1;
+  constants.beta2 = beta2;
+  constants.weight_decay_factor = static_cast<float>(1.0 - lr * weight_decay);
+  constants.exp_avg_weight = static_cast<float>(1.0 - beta1);
+  constants.beta2_f32 = static_cast<float>(beta2);
+  constants.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  constants.eps = static_cast<float>(eps);
+  const auto launch = [&](auto grads_tag, auto params_tag) {
+    using G = typename decltype(grads_tag)::type;
+    using P = typename decltype(params_tag)::type;
+    const auto kernel = device::adamw_step_kernel<G, P>;
+    int grid = 0;
+    if (const cudaError_t err = elementwise_grid(kernel, n, &grid); err != cudaSuccess) {
       return err;
     }
-  }
-  return launch_advance_step(step, found_inf, stream);
+    const bool vectorised = vector_aligned<float>(master) && vector_aligned<float>(exp_avg) &&
+                            vector_aligned<float>(exp_avg_sq) && vector_aligned<G>(grads) &&
+                            vector_aligned<P>(params);
+    kernel<<<grid, kThreadsPerBlock, 0, stream>>>(
+        master, exp_avg, exp_avg_sq, static_cast<const G*>(grads), static_cast<P*>(params), n,
+        vectorised, step, grad_multiplier, found_inf, constants);
+    return cudaGetLastError();
+  };
+  return launch_step(n, grads_dtype, params, params_dtype, step, found_inf, stream, launch);
 }
 
 cudaError_t sgd_step(float* master, float* momentum_buffer, const void* grads,
@@ -172,43 +181,35 @@ cudaError_t sgd_step(float* master, float* momentum_buffer, const void* grads,
                      float* step, const float* grad_multiplier, const float* found_inf,
                      double lr, double momentum, double dampening, double weight_decay,
                      bool nesterov, cudaStream_t stream) {
-  if (n > 0) {
-    if (momentum != 0.0 && momentum_buffer == nullptr) {
-      return cudaErrorInvalidValue;
-    }
-    device::SGDConstants constants{};
-    constants.lr = static_cast<float>(lr);
-    constants.momentum = static_cast<float>(momentum);
-    constants.one_minus_dampening = static_cast<float>(1.0 - dampening);
-    constants.weight_decay = static_cast<float>(weight_decay);
-    constants.use_momentum = momentum != 0.0;
-    constants.use_weight_decay = weight_decay != 0.0;
-    constants.nesterov = nesterov;
-    // Without params any instantiation serves; reusing the grads dtype adds none.
-    const DType written_dtype = params != nullptr ? params_dtype : grads_dtype;
-    const auto launch = [&](auto grads_tag, auto params_tag) {
-      using G = typename decltype(grads_tag)::type;
-      using P = typename decltype(params_tag)::type;
-      const auto kernel = device::sgd_step_kernel<G, P>;
-      int grid = 0;
-      if (const cudaError_t err = elementwise_grid(kernel, n, &grid); err != cudaSuccess) {
-        return err;
-      }
-      // A null momentum_buffer (momentum == 0) counts as aligned: it is never accessed.
-      const bool vectorised = vector_aligned<float>(master) &&
-                              vector_aligned<float>(momentum_buffer) &&
-                              vector_aligned<G>(grads) && vector_aligned<P>(params);
-      kernel<<<grid, kThreadsPerBlock, 0, stream>>>(
-          master, momentum_buffer, static_cast<const G*>(grads), static_cast<P*>(params), n,
-          vectorised, step, grad_multiplier, found_inf, constants);
-      return cudaGetLastError();
-    };
-    if (const cudaError_t err = with_dtypes(grads_dtype, written_dtype, launch);
-        err != cudaSuccess) {
+  if (momentum != 0.0 && momentum_buffer == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  device::SGDConstants constants{};
+  constants.lr = static_cast<float>(lr);
+  constants.momentum = static_cast<float>(momentum);
+  constants.one_minus_dampening = static_cast<float>(1.0 - dampening);
+  constants.weight_decay = static_cast<float>(weight_decay);
+  constants.use_momentum = momentum != 0.0;
+  constants.use_weight_decay = weight_decay != 0.0;
+  constants.nesterov = nesterov;
+  const auto launch = [&](auto grads_tag, auto params_tag) {
+    using G = typename decltype(grads_tag)::type;
+    using P = typename decltype(params_tag)::type;
+    const auto kernel = device::sgd_step_kernel<G, P>;
+    int grid = 0;
+    if (const cudaError_t err = elementwise_grid(kernel, n, &grid); err != cudaSuccess) {
       return err;
     }
-  }
-  return launch_advance_step(step, found_inf, stream);
+    // A null momentum_buffer (momentum == 0) counts as aligned: it is never accessed.
+    const bool vectorised = vector_aligned<float>(master) &&
+                            vector_aligned<float>(momentum_buffer) &&
+                            vector_aligned<G>(grads) && vector_aligned<P>(params);
+    kernel<<<grid, kThreadsPerBlock, 0, stream>>>(
+        master, momentum_buffer, static_cast<const G*>(grads), static_cast<P*>(params), n,
+        vectorised, step, grad_multiplier, found_inf, constants);
+    return cudaGetLastError();
+  };
+  return launch_step(n, grads_dtype, params, params_dtype, step, found_inf, stream, launch);
 }
 
 }  // namespace memkern::flat_ops

@@ -72,14 +72,7 @@ __global__ void adamw_step_kernel(float* master, float* exp_avg, float* exp_avg_
     store<W>(master, i, w);
     store<W>(exp_avg, i, m);
     store<W>(exp_avg_sq, i, v);
-    if (params != nullptr) {
-      Vec<P, W> p;
-#pragma unroll
-      for (int k = 0; k < W; ++k) {
-        p.v[k] = from_float<P>(w.v[k]);
-      }
-      store<W>(params, i, p);
-    }
+    store_rounded<W>(params, i, w);
   });
 }
 

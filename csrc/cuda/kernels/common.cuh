@@ -52,6 +52,21 @@ __device__ __forceinline__ void store(T* base, int64_t i, const Vec<T, Width>& x
   *reinterpret_cast<Vec<T, Width>*>(base + i) = x;
 }
 
+// Writes the optional low-precision parameter copy (null: none), rounded from the float32
+// weights w: what both optimizer kernels do last.
+template <int Width, typename P>
+__device__ __forceinline__ void store_rounded(P* params, int64_t i, const Vec<float, Width>& w) {
+  if (params == nullptr) {
+    return;
+  }
+  Vec<P, Width> p;
+#pragma unroll
+  for (int k = 0; k < Width; ++k) {
+    p.v[k] = from_float<P>(w.v[k]);
+  }
+  store<Width>(params, i, p);
+}
+
 template <int Width>
 using WidthTag = std::integral_constant<int, Width>;
 

@@ -65,14 +65,7 @@ __global__ void sgd_step_kernel(float* master, float* momentum_buffer, const G* 
     if (c.use_momentum) {
       store<W>(momentum_buffer, i, buf);
     }
-    if (params != nullptr) {
-      Vec<P, W> p;
-#pragma unroll
-      for (int k = 0; k < W; ++k) {
-        p.v[k] = from_float<P>(w.v[k]);
-      }
-      store<W>(params, i, p);
-    }
+    store_rounded<W>(params, i, w);
   });
 }
 
