@@ -26,31 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import memkern as mk  # noqa: E402
+from memkern.bench.block import GPT2Block  # noqa: E402
 from memkern.profile import allocation_stats, saved_bytes  # noqa: E402
-
-
-class Block(nn.Module):
-    """GPT-2 block: pre-LN causal SDPA attention and pre-LN MLP, residual dropouts."""
-
-    def __init__(self, d, heads, p, memkern, recompute="activation"):
-        super().__init__()
-        lin = mk.nn.Linear if memkern else nn.Linear
-        ln = mk.nn.LayerNorm if memkern else nn.LayerNorm
-        drop = mk.nn.Dropout if memkern else nn.Dropout
-        self.heads = heads
-        self.ln_1, self.c_attn, self.c_proj, self.drop = ln(d), lin(d, 3 * d), lin(d, d), drop(p)
-        self.ln_2 = ln(d)
-        self.mlp = (mk.nn.MLP(d, 4 * d, activation="gelu_tanh", dropout=p, recompute=recompute) if memkern
-                    else nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"),
-                                       nn.Linear(4 * d, d), nn.Dropout(p)))
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
-        x = x + self.drop(self.c_proj(a))
-        return x + self.mlp(self.ln_2(x))
 
 
 def saved_ratios(device, dtype):
@@ -59,9 +36,9 @@ def saved_ratios(device, dtype):
     base = saved_bytes(nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512)).to(device, dtype), x)
     for rc in ("none", "activation", "full"):
         out[f"mlp_{rc}"] = saved_bytes(mk.nn.MLP(512, 2048, recompute=rc).to(device, dtype), x) / base
-    base = saved_bytes(Block(512, 8, 0.1, False).to(device, dtype), x)
+    base = saved_bytes(GPT2Block(512, 8, 0.1, False).to(device, dtype), x)
     for rc in ("activation", "full"):
-        out[f"gpt2_block_{rc}"] = saved_bytes(Block(512, 8, 0.1, True, rc).to(device, dtype), x) / base
+        out[f"gpt2_block_{rc}"] = saved_bytes(GPT2Block(512, 8, 0.1, True, rc).to(device, dtype), x) / base
     out["layer_norm_bytes_per_input_byte"] = saved_bytes(mk.nn.LayerNorm(512).to(device, dtype), x) / (
         x.numel() * x.element_size())
     out["dropout_bytes"] = saved_bytes(mk.nn.Dropout(0.1), x)

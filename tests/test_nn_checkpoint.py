@@ -15,11 +15,8 @@ from torch import nn
 import memkern as mk
 from memkern.nn.checkpoint import policy_of
 from memkern.profile import allocation_stats, saved_bytes
+from compare import rel_err
 
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 class Block(nn.Module):

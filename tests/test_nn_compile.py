@@ -9,13 +9,10 @@ import torch
 import torch._inductor.config as inductor_config
 
 import memkern as mk
+from compare import rel_err
 
 pytestmark = pytest.mark.slow
 
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 MODULES = {

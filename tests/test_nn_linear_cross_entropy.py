@@ -11,13 +11,10 @@ import torch.nn.functional as F
 
 import memkern as mk
 from memkern.nn.functional import linear_cross_entropy as lce
+from compare import rel_err
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _data(n, h, v, dtype=torch.float64, bias=True, ignore=(), ignore_index=-100):

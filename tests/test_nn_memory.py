@@ -21,11 +21,9 @@ from torch import nn
 
 import memkern as mk
 from memkern.profile import SavedTensorsRecorder, allocation_stats, saved_bytes
+from compare import rel_err
+from memkern.bench.block import GPT2Block
 
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def test_saved_bytes_counts_each_storage_once_and_skips_parameters():
@@ -117,33 +115,7 @@ def test_dropout_saves_no_mask():
     assert saved_bytes(nn.Dropout(0.3), x) >= x.numel()  # torch keeps a mask
 
 
-class Block(nn.Module):
-    """A GPT-2 block: pre-LN attention (SDPA) + pre-LN MLP, residual dropouts."""
-
-    def __init__(self, d: int, heads: int, p: float, memkern: bool, recompute: str = "activation"):
-        super().__init__()
-        lin = mk.nn.Linear if memkern else nn.Linear
-        ln = mk.nn.LayerNorm if memkern else nn.LayerNorm
-        drop = mk.nn.Dropout if memkern else nn.Dropout
-        self.heads = heads
-        self.ln_1, self.c_attn, self.c_proj, self.resid_dropout = ln(d), lin(d, 3 * d), lin(d, d), drop(p)
-        self.ln_2 = ln(d)
-        if memkern:
-            self.mlp = mk.nn.MLP(d, 4 * d, activation="gelu_tanh", dropout=p, recompute=recompute)
-        else:
-            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d),
-                                     nn.Dropout(p))
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
-        x = x + self.resid_dropout(self.c_proj(a))
-        return x + self.mlp(self.ln_2(x))
-
-
-def _load_torch_into_memkern(t: Block, m: Block) -> None:
+def _load_torch_into_memkern(t: GPT2Block, m: GPT2Block) -> None:
     sd = {k.replace("mlp.0.", "mlp.fc1.").replace("mlp.2.", "mlp.fc2."): v for k, v in t.state_dict().items()}
     m.load_state_dict(sd)
 
@@ -151,15 +123,15 @@ def _load_torch_into_memkern(t: Block, m: Block) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_gpt2_block_saved_bytes(dtype):
     x = torch.randn(2, 33, 256, dtype=dtype, requires_grad=True)
-    base = saved_bytes(Block(256, 4, 0.1, memkern=False).to(dtype), x)
-    act = saved_bytes(Block(256, 4, 0.1, memkern=True).to(dtype), x)
-    full = saved_bytes(Block(256, 4, 0.1, memkern=True, recompute="full").to(dtype), x)
+    base = saved_bytes(GPT2Block(256, 4, 0.1, memkern=False).to(dtype), x)
+    act = saved_bytes(GPT2Block(256, 4, 0.1, memkern=True).to(dtype), x)
+    full = saved_bytes(GPT2Block(256, 4, 0.1, memkern=True, recompute="full").to(dtype), x)
     assert act <= 0.60 * base, act / base
     assert full <= 0.40 * base, full / base
 
 
 def test_gpt2_block_same_result_as_torch():
-    t, m = Block(96, 4, 0.0, memkern=False), Block(96, 4, 0.0, memkern=True)
+    t, m = GPT2Block(96, 4, 0.0, memkern=False), GPT2Block(96, 4, 0.0, memkern=True)
     _load_torch_into_memkern(t, m)
     x = torch.randn(3, 17, 96, requires_grad=True)
     y_t, y_m = t(x), m(x)

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import memkern as mk
+from compare import rel_err
 
 # Documented tolerances (relative to the largest magnitude of the tensor): float32 exact to
 # 1e-5; 16-bit results may differ from torch's by the rounding of intermediates that memkern
@@ -27,10 +28,6 @@ DTYPES = [pytest.param(d, id=str(d).removeprefix("torch."))
 SHAPES = [pytest.param((7, 13), id="7x13"), pytest.param((1, 1023), id="1x1023"),
           pytest.param((2, 3, 37), id="2x3x37")]
 
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def assert_same(mod_mk: nn.Module, mod_torch: nn.Module, *inputs: torch.Tensor, tol: float,

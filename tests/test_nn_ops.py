@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from memkern import backend, ops
 from memkern.ops.dropout import keep_mask, philox4x32
+from compare import rel_err
 
 LOW = [pytest.param(d, id=str(d).removeprefix("torch."))
        for d in (torch.float32, torch.bfloat16, torch.float16)]
@@ -31,11 +32,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.i
 needs_triton = pytest.mark.skipif(not backend.runs_on("triton", torch.device("cpu")),
                                   reason="triton is not importable / TRITON_INTERPRET not set")
 
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| in float64 (the relative measure used throughout)."""
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
 def _f64(*ts):

@@ -17,11 +17,8 @@ from torch import nn
 
 import memkern as mk
 from memkern.profile import saved_bytes
+from compare import rel_err
 
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 class TinyGPT(nn.Module):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import memkern as mk
 from memkern.profile import reachable_bytes
+from compare import params_rel_err
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH_TIMEOUT = 300
@@ -121,11 +122,6 @@ def outcome(opt, model) -> dict:
             "loss_scale": opt.loss_scale, "skipped": opt.skipped_steps,
             "grad_norm": opt.grad_norm}
 
-
-def rel_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    """Largest ||a - b|| / ||b|| over the parameter tensors (test_optim_sharded's measure)."""
-    return max((torch.linalg.vector_norm(p.double() - q.double())
-                / torch.linalg.vector_norm(q.double())).item() for p, q in zip(a, b))
 
 
 # ------------------------------------------------------------------------------ scenarios
@@ -388,11 +384,11 @@ def test_parameters_equal_the_single_process_run(runs, reference, seed, world, m
     ref = reference[MODES[mode][0]]
     for rank, result in enumerate(runs[world]["equivalence"]):
         got = result[mode]
-        assert rel_err(got["params"], ref["params"]) <= 1e-6, (rank, mode)
+        assert params_rel_err(got["params"], ref["params"]) <= 1e-6, (rank, mode)
         assert got["skipped"] == ref["skipped"] == 1  # every rank skipped the poisoned window
         assert got["loss_scale"] == ref["loss_scale"]
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-6)
-    assert rel_err(ref["params"], [p.detach() for p in make_model(seed).parameters()]) > 1e-2
+    assert params_rel_err(ref["params"], [p.detach() for p in make_model(seed).parameters()]) > 1e-2
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -445,7 +441,7 @@ def test_checkpoint_saved_at_two_ranks_continues_at_three(runs):
     uninterrupted = runs[2]["checkpoint_save"][0]["uninterrupted"]
     for rank, result in enumerate(runs[3]["checkpoint_load"]):
         for how in ("state_dict", "sharded"):
-            assert rel_err(result[how]["params"], uninterrupted["params"]) <= 1e-6, (rank, how)
+            assert params_rel_err(result[how]["params"], uninterrupted["params"]) <= 1e-6, (rank, how)
             assert result[how]["skipped"] == uninterrupted["skipped"] == 1
             assert result[how]["loss_scale"] == uninterrupted["loss_scale"]
     # What load_sharded restored is what was saved, element for element.
@@ -542,7 +538,7 @@ def test_offload_from_a_gpu_equals_the_gpu_run():
         if offload:
             assert all(t.device.type == "cpu" and t.dtype == torch.float32
                        for seg in opt._segments for t in seg.state.values())
-    assert rel_err(results[1], results[0]) <= 1e-6
+    assert params_rel_err(results[1], results[0]) <= 1e-6
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import memkern as mk
+from compare import params_rel_err
 
 
 def make_model(dtype=torch.float32):
@@ -33,18 +34,9 @@ def train(model, opt, data, scheduler=None):
             scheduler.step()
 
 
-def rel_err(a, b):
-    """Relative error of ``a``'s parameters against ``b``'s: the largest over the parameter
-    tensors of ||p_a - p_b|| / ||p_b||. (Element-wise, two correct fp32 implementations drift
-    apart by a random walk of ~1 ulp per step on every entry: after 100 steps the largest
-    entry-wise gap reaches ~1e-6 of the tensor's largest entry on some seeds.)"""
-    return max((torch.linalg.vector_norm(p.double() - q.double())
-                / torch.linalg.vector_norm(q.double())).item()
-               for p, q in zip(a.parameters(), b.parameters()))
-
 
 def assert_params_close(a, b, rtol):
-    err = rel_err(a, b)
+    err = params_rel_err(a, b)
     assert err <= rtol, f"relative difference {err:.2e} > {rtol:.0e}"
 
 
@@ -71,7 +63,7 @@ def test_fused_adamw_equals_torch_adamw_after_100_steps():
                     p.grad.copy_(g)
             opt.step()
     assert_params_close(ours, theirs, 1e-6)
-    assert rel_err(ours, start) > 0.1  # the parameters did move
+    assert params_rel_err(ours, start) > 0.1  # the parameters did move
 
 
 @pytest.mark.parametrize("settings", [

@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memkern as mk
+from compare import params_rel_err
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,15 +25,6 @@ def make_model(dtype=torch.float32, hidden=33):
 def mse(model, x, y, reduction="mean"):
     return torch.nn.functional.mse_loss(model(x).float(), y, reduction=reduction)
 
-
-def rel_err(a, b):
-    """Relative error of ``a``'s parameters against ``b``'s: the largest over the parameter
-    tensors of ||p_a - p_b|| / ||p_b||. (Element-wise, two correct fp32 implementations drift
-    apart by a random walk of ~1 ulp per step on every entry: after 100 steps the largest
-    entry-wise gap reaches ~1e-6 of the tensor's largest entry on some seeds.)"""
-    return max((torch.linalg.vector_norm(p.double() - q.double())
-                / torch.linalg.vector_norm(q.double())).item()
-               for p, q in zip(a.parameters(), b.parameters()))
 
 
 OPTIMIZERS = {
@@ -90,9 +82,9 @@ def test_accumulation_equals_one_large_batch(algo):
         assert opt.step(force=len(window) < 4)
         opt.zero_grad()
 
-    assert rel_err(micro, large) <= 1e-6
-    assert rel_err(uneven, large) <= 1e-6
-    assert rel_err(large, base) > 1e-3  # and the runs did move
+    assert params_rel_err(micro, large) <= 1e-6
+    assert params_rel_err(uneven, large) <= 1e-6
+    assert params_rel_err(large, base) > 1e-3  # and the runs did move
 
 
 def sequences(lengths):
@@ -126,10 +118,10 @@ def test_num_items_gives_the_token_mean_and_plain_backward_the_mean_of_means():
         mse(m, x, y, "sum"), num_items=torch.tensor(5 * len(x))))
     mean_of_means = run(lambda opt, m, x, y: opt.backward(mse(m, x, y)))
 
-    assert rel_err(with_items, token_mean) <= 1e-6
-    assert rel_err(with_tensor_items, token_mean) <= 1e-6
+    assert params_rel_err(with_items, token_mean) <= 1e-6
+    assert params_rel_err(with_tensor_items, token_mean) <= 1e-6
     # Without num_items each sequence weighs the same whatever its length: another gradient.
-    assert rel_err(mean_of_means, token_mean) > 1e-3
+    assert params_rel_err(mean_of_means, token_mean) > 1e-3
     assert tokens == 37
 
 
@@ -174,7 +166,7 @@ def test_loss_scale_and_skips_follow_grad_scaler_under_scripted_overflow():
     assert opt.skipped_steps == len(overflow)
     ref_step = ref_opt.state[ref[0].weight]["step"].item()
     assert opt.state[model[0].weight]["step"].item() == ref_step == windows - len(overflow)
-    assert rel_err(model, ref) <= 1e-6
+    assert params_rel_err(model, ref) <= 1e-6
 
 
 @pytest.mark.parametrize("algo", sorted(OPTIMIZERS))
@@ -293,7 +285,7 @@ def test_clipping_and_grad_norm_equal_torch_clip_grad_norm():
     assert min(ref_norms) > 0.3  # clipping was active in every window
     for got, want in zip(norms, ref_norms):
         assert abs(got - want) <= 1e-6 * want
-    assert rel_err(model, ref) <= 1e-6
+    assert params_rel_err(model, ref) <= 1e-6
 
 
 # --------------------------------------------------------------------------- host syncs
