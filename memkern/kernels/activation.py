@@ -13,10 +13,12 @@ from memkern.kernels import _nn_common as C
 from memkern.kernels._common import round_to
 from memkern.ops.activation import KINDS
 
-_SQRT1_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
-_SQRT_2_OVER_PI = 0.7978845608028654
-_GELU_C = 0.044715
+# Globals read inside @triton.jit code must be tl.constexpr: compiled Triton rejects plain
+# Python floats there (the interpreter accepts them, so only the AOT compile test sees it).
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_GELU_C = tl.constexpr(0.044715)
 
 
 @triton.jit

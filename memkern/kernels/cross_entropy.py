@@ -14,6 +14,10 @@ import triton.language as tl
 from memkern.kernels import _nn_common as C
 from memkern.kernels._common import f32, round_to
 
+MAX_BLOCK_V = 4096
+"""Widest tile of a row (classes per loop step). The same on the GPU and under the CPU
+interpreter, so the interpreter runs the very constexprs that a GPU compiles."""
+
 
 @triton.jit
 def _ce_kernel(z_ptr, t_ptr, s_ptr, loss_ptr, V, ignore_index, eps, eps_over_v, one_minus_eps,
@@ -60,7 +64,7 @@ def cross_entropy_rows_(logits, target, row_scale, ignore_index, label_smoothing
     if n == 0:
         return loss
     eps = float(label_smoothing)
-    block_v = min(triton.next_power_of_2(max(V, 1)), 4096 if logits.is_cuda else 1024)
+    block_v = min(triton.next_power_of_2(max(V, 1)), MAX_BLOCK_V)
     with C.device_guard(logits):
         _ce_kernel[(n,)](
             logits, target, row_scale if row_scale is not None else loss, loss, V, ignore_index,
