@@ -79,6 +79,31 @@ def bench_adamw(n: int, device: torch.device) -> dict[str, float]:
             "speedup": t_torch / t_memkern, "memkern_bytes_per_s": bytes_moved / t_memkern}
 
 
+def _torch_unscale(views: list[torch.Tensor], found_inf: torch.Tensor):
+    """torch's fastest unscale + inf check of ``views`` on this build, and what it is.
+
+    ``_amp_foreach_non_finite_check_and_unscale_`` (GradScaler's kernel) where torch has it for
+    this dtype and device (torch 2.11 has no bfloat16 CUDA kernel); otherwise the inf check from
+    a foreach norm (inf and NaN propagate into it) and a foreach multiply."""
+    probe = [torch.ones(2, dtype=views[0].dtype, device=views[0].device)]
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(probe, torch.zeros_like(found_inf),
+                                                         torch.ones_like(found_inf))
+    except (NotImplementedError, RuntimeError) as exc:
+        print(f"torch {torch.__version__}: GradScaler's unscale kernel does not take "
+              f"{views[0].dtype} on {views[0].device} ({str(exc).splitlines()[0][:80]}); "
+              "comparing with _foreach_norm + _foreach_mul_")
+
+        def composed(scale: torch.Tensor) -> None:
+            norms = torch.stack(torch._foreach_norm(views))
+            found_inf.copy_((~norms.isfinite().all()).float())
+            torch._foreach_mul_(views, scale)
+
+        return composed, "_foreach_norm + _foreach_mul_"
+    return (lambda scale: torch._amp_foreach_non_finite_check_and_unscale_(views, found_inf, scale),
+            "_amp_foreach_non_finite_check_and_unscale_")
+
+
 def bench_unscale(dtype: torch.dtype, device: torch.device) -> dict[str, float]:
     shapes = gpt2_small_shapes()
     n = sum(torch.Size(s).numel() for s in shapes)
@@ -95,14 +120,14 @@ def bench_unscale(dtype: torch.dtype, device: torch.device) -> dict[str, float]:
 
     t_memkern = common.median_seconds(lambda: memkern.ops.unscale_(flat, found_inf, next_scale()),
                                       device=device)
-    t_torch = common.median_seconds(
-        lambda: torch._amp_foreach_non_finite_check_and_unscale_(views, found_inf, next_scale()),
-        device=device)
+    torch_unscale, torch_path = _torch_unscale(views, found_inf)
+    t_torch = common.median_seconds(lambda: torch_unscale(next_scale()), device=device)
     t_norm_memkern = common.median_seconds(lambda: memkern.ops.l2_norm(flat), device=device)
     t_norm_torch = common.median_seconds(
         lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(views))), device=device)
     size = flat.element_size()
     return {"dtype": str(dtype).replace("torch.", ""), "params": n, "tensors": len(shapes),
+            "unscale_torch_path": torch_path,
             "unscale_memkern_s": t_memkern, "unscale_torch_s": t_torch,
             "unscale_speedup": t_torch / t_memkern,
             "unscale_memkern_bytes_per_s": 2 * size * n / t_memkern,
@@ -138,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in unscale:
         print(f"\nGPT-2 small gradients ({row['params'] / 1e6:.1f}M in {row['tensors']} tensors), "
               f"{row['dtype']}")
-        print(f"  unscale+check: torch foreach {row['unscale_torch_s'] * 1e3:8.2f} ms, "
+        print(f"  unscale+check: torch ({row['unscale_torch_path']}) {row['unscale_torch_s'] * 1e3:8.2f} ms, "
               f"memkern flat {row['unscale_memkern_s'] * 1e3:8.2f} ms   "
               f"speed-up {row['unscale_speedup']:.2f}x   "
               f"{row['unscale_memkern_bytes_per_s'] / copy_bw:.0%} of copy bandwidth")

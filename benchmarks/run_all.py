@@ -46,15 +46,16 @@ def main(argv: list[str] | None = None) -> int:
         [sys.executable, "-m", "memkern.cli", "bench", "--device", device, "--json",
          out("bench"), "--plot", out("bench", "png"), *quick_bench],
     ]
-    for cmd in runs:
+    failures = []
+    for cmd in runs:  # all of them, even after a failure: a GPU run is too dear to stop early
         print(f"\n$ {' '.join(os.path.relpath(c) if c.endswith('.py') else c for c in cmd[1:])}",
               flush=True)
         done = subprocess.run(cmd)
         if done.returncode != 0:
-            print(f"run_all: failed with exit status {done.returncode}: {' '.join(cmd)}",
-                  file=sys.stderr)
-            return done.returncode
-    return 0
+            failures.append(f"exit status {done.returncode}: {' '.join(cmd)}")
+    for failure in failures:
+        print(f"run_all: failed with {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

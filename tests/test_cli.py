@@ -108,3 +108,16 @@ def test_loss_curves_follow_torch_fp32():
     # bf16 weights and activations carry ~3 significant digits: over 50 steps the curve stays
     # within 2% of the fp32 one (a wrong gradient or update drifts far more within a few steps).
     assert ((full - reference).abs() / reference).max() < 2e-2
+
+
+def test_impossible_batch_is_refused_before_allocating(monkeypatch):
+    """On a machine whose kernel overcommits memory, gathering 10^9 windows was not refused by
+    malloc: the OOM killer ended ``memkern bench`` with no message (first GPU run). The batch
+    is now checked against the host memory available, before anything is allocated."""
+    import memkern.bench.data as data
+
+    monkeypatch.setattr(data, "available_host_bytes", lambda: 1 << 30)
+    corpus = torch.zeros(1000, dtype=torch.uint8)
+    with pytest.raises(MemoryError, match="need 2.9 GiB of host memory, 1.0 GiB are available"):
+        data.Batches(corpus, 1_000_000, 127)
+    data.Batches(corpus, 1000, 127)  # 3 MB: fine

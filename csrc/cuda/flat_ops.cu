@@ -181,7 +181,9 @@ cudaError_t sgd_step(float* master, float* momentum_buffer, const void* grads,
                      float* step, const float* grad_multiplier, const float* found_inf,
                      double lr, double momentum, double dampening, double weight_decay,
                      bool nesterov, cudaStream_t stream) {
-  if (momentum != 0.0 && momentum_buffer == nullptr) {
+  // An empty tensor's data pointer is null, so an empty momentum buffer is not a missing one:
+  // only a non-empty step needs it (the first GPU run failed here on empty buffers).
+  if (n > 0 && momentum != 0.0 && momentum_buffer == nullptr) {
     return cudaErrorInvalidValue;
   }
   device::SGDConstants constants{};

@@ -33,6 +33,18 @@ def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
 
+def available_host_bytes() -> int:
+    """Host memory available to this process now (``MemAvailable`` where Linux reports it)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class Batches:
     """Random ``[batch, seq]`` input windows and their next-byte targets (int64)."""
 
@@ -40,6 +52,15 @@ class Batches:
                  device: torch.device | str = "cpu") -> None:
         if corpus.numel() <= seq + 1:
             raise ValueError(f"the corpus has {corpus.numel()} bytes, too few for seq={seq}")
+        # The windows are gathered on the host: ask before allocating, so an impossible batch
+        # is a MemoryError here rather than the kernel's OOM killer ending the process
+        # silently (seen on a 128 GiB GPU machine with --batch 1000000000).
+        needed = 3 * batch * (seq + 1) * 8  # offsets, gathered window, its int64 copy
+        available = available_host_bytes()
+        if needed > available:
+            raise MemoryError(
+                f"out of memory: {batch} windows of {seq + 1} tokens need {needed / 2**30:.1f} "
+                f"GiB of host memory, {available / 2**30:.1f} GiB are available")
         self.corpus, self.batch, self.seq = corpus, batch, seq
         self.device = torch.device(device)
         self.generator = torch.Generator().manual_seed(seed)

@@ -42,6 +42,13 @@ def default_chunk_size(n_tokens: int, n_classes: int, hidden: int, device: torch
     return int(max(1, min(rows, max(n_tokens, 1))))
 
 
+def _in_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` cast to ``dtype``, never as an alias of itself: torch 2.11's torch.compile traces
+    the incoming gradient of an autograd.Function as zeros when the Function returns a no-op
+    ``.to()`` of an intermediate (all-zero gradients; torch 2.13 traces it right)."""
+    return out if out.dtype == dtype else out.to(dtype)
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, num_items, reduction, ignore_index,
@@ -54,7 +61,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
                 False, False, False)
             ctx.save_for_backward(x, weight, bias, target)
-            return loss.to(x.dtype)
+            return _in_dtype(loss, x.dtype)
         loss, dx, dw, db = ops.linear_cross_entropy_forward(
             x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
             need_x, need_w, need_b)
@@ -75,7 +82,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.grads = [dx if need_x else None, dw if need_w else None, db if need_b else None]
         ctx.factor = factor
         note_saved(*ctx.grads)
-        return out.to(x.dtype)
+        return _in_dtype(out, x.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
