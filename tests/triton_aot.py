@@ -257,10 +257,10 @@ def record_launches(op_names) -> list[dict[str, Any]]:
                 constexprs[p.name] = value
             else:
                 signature[p.name] = _triton_type(value)
-        key = json.dumps([self.__module__, self.__name__, signature, constexprs, options],
-                         sort_keys=True, default=str)
+        name = f"{self.fn.__module__}.{self.fn.__name__}"
+        key = json.dumps([name, signature, constexprs, options], sort_keys=True, default=str)
         launches.setdefault(key, {
-            "kernel": f"{self.__module__}.{self.__name__}", "fn": self,
+            "kernel": name, "fn": self,
             "signature": signature, "constexprs": constexprs, "options": options,
         })
 
@@ -304,7 +304,7 @@ def _jit_functions() -> dict[str, Any]:
     for info in pkgutil.iter_modules(memkern.kernels.__path__, "memkern.kernels."):
         module = importlib.import_module(info.name)
         for attr, value in vars(module).items():
-            if isinstance(value, JITFunction) and value.__module__ == module.__name__:
+            if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__:
                 found[f"{module.__name__}.{attr}"] = value
     return found
 
@@ -349,7 +349,12 @@ def main(argv: list[str]) -> int:
         print("triton_aot.py: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)",
               file=sys.stderr)
         return 2
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="memkern-aot-")
+    with tempfile.TemporaryDirectory(prefix="memkern-aot-") as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     if argv == ["--coverage"]:
         launches = record_launches(CASES)
         print(json.dumps({"uncovered": uncovered_kernels(launches),
