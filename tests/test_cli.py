@@ -105,9 +105,16 @@ def test_loss_curves_follow_torch_fp32():
     assert reference[-1] < 0.8 * reference[0]  # it trains
     # Same fp32 math, regrouped (recomputation, fused cross-entropy): rounding-level drift.
     assert ((modules - reference).abs() / reference).max() < 1e-4
-    # bf16 weights and activations carry ~3 significant digits: over 50 steps the curve stays
-    # within 2% of the fp32 one (a wrong gradient or update drifts far more within a few steps).
-    assert ((full - reference).abs() / reference).max() < 2e-2
+    # bf16 weights and activations carry ~3 significant digits, and a bf16 trajectory drifts
+    # from the fp32 one like any chaotic system: one step's loss can differ by a few percent
+    # (measured, max over the 50 steps: 2.5% here, 3.2% on the GPU machine's CPU with torch
+    # 2.11 — torch's own autocast bf16 reaches 2.6% on the same data), while the mean of each
+    # 10-step window stays within 0.3% (0.15% here, autocast 0.30%; 0.02% and 0.24% in the
+    # first and last windows of the GPU machine's log, which shows only those). So the windows
+    # are held to 1% — a wrong gradient or update shifts them far more — and single steps to 5%.
+    windows = (full.view(5, 10).mean(1) - reference.view(5, 10).mean(1)).abs() / reference.view(5, 10).mean(1)
+    assert windows.max() < 1e-2
+    assert ((full - reference).abs() / reference).max() < 5e-2
 
 
 def test_impossible_batch_is_refused_before_allocating(monkeypatch):
