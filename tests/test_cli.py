@@ -94,6 +94,12 @@ def _loss_curve(name: str, cfg: GPTConfig, steps: int) -> list[float]:
     return [setup.train_step(*batches.next()).item() for _ in range(steps)]
 
 
+def _window_error(curve: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Relative error of the curve's mean over each window of 10 steps."""
+    mean, ref_mean = curve.view(-1, 10).mean(1), reference.view(-1, 10).mean(1)
+    return (mean - ref_mean).abs() / ref_mean
+
+
 @pytest.mark.slow
 def test_loss_curves_follow_torch_fp32():
     """50 steps on the default model (seq shortened to keep CI quick)."""
@@ -103,8 +109,13 @@ def test_loss_curves_follow_torch_fp32():
     modules = torch.tensor(_loss_curve("memkern-modules", cfg, 50), dtype=torch.float64)
     full = torch.tensor(_loss_curve("memkern-full", cfg, 50), dtype=torch.float64)
     assert reference[-1] < 0.8 * reference[0]  # it trains
-    # Same fp32 math, regrouped (recomputation, fused cross-entropy): rounding-level drift.
-    assert ((modules - reference).abs() / reference).max() < 1e-4
+    # Same fp32 math, regrouped (recomputation, fused cross-entropy): rounding-level
+    # differences that training amplifies step by step (max over the 50 steps: 8e-5 in one
+    # run, 1.1e-4 in another, growing from 1e-7 at the first steps). Windows of 10 steps are
+    # held to 1e-4 and single steps to 5e-4: a wrong gradient or update is off by 1e-2 within
+    # a few steps.
+    assert _window_error(modules, reference).max() < 1e-4
+    assert ((modules - reference).abs() / reference).max() < 5e-4
     # bf16 weights and activations carry ~3 significant digits, and a bf16 trajectory drifts
     # from the fp32 one like any chaotic system: one step's loss can differ by a few percent
     # (measured, max over the 50 steps: 2.5% here, 3.2% on the GPU machine's CPU with torch
@@ -112,8 +123,7 @@ def test_loss_curves_follow_torch_fp32():
     # 10-step window stays within 0.3% (0.15% here, autocast 0.30%; 0.02% and 0.24% in the
     # first and last windows of the GPU machine's log, which shows only those). So the windows
     # are held to 1% — a wrong gradient or update shifts them far more — and single steps to 5%.
-    windows = (full.view(5, 10).mean(1) - reference.view(5, 10).mean(1)).abs() / reference.view(5, 10).mean(1)
-    assert windows.max() < 1e-2
+    assert _window_error(full, reference).max() < 1e-2
     assert ((full - reference).abs() / reference).max() < 5e-2
 
 
