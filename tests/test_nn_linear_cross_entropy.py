@@ -175,3 +175,78 @@ def test_cuda_matches_unfused_with_tensor_num_items():
     assert rel_err(got, ref) < 1e-2
     for a, r in zip(torch.autograd.grad(got, (x, w)), torch.autograd.grad(ref, (x32, w32))):
         assert rel_err(a, r) < 3e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# logit soft-capping (Gemma 2's final_logit_softcapping): the loss of cap * tanh(logits / cap)
+
+
+def _capped(x, w, b, cap):
+    return cap * torch.tanh(F.linear(x, w, b) / cap)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_softcap_matches_float64_reference(reduction, smoothing, chunk):
+    # scaled up so that many logits lie in tanh's curved range: the cap matters
+    x, w, b, t = _data(31, 13, 41, ignore=(0, 17, 30))
+    x.data.mul_(4.0)
+    cap = 3.5
+    ref = F.cross_entropy(_capped(x, w, b, cap), t, reduction=reduction, label_smoothing=smoothing)
+    got = lce(x, w, t, b, reduction=reduction, label_smoothing=smoothing, softcap=cap, chunk_size=chunk)
+    uncapped = F.cross_entropy(F.linear(x, w, b), t, reduction=reduction, label_smoothing=smoothing)
+    assert rel_err(uncapped, ref) > 1e-2  # the data exercises the cap
+    assert rel_err(got, ref) < 1e-13
+    g = torch.randn_like(ref)
+    for a, r in zip(_grads(got, (x, w, b), g), _grads(ref, (x, w, b), g)):
+        assert rel_err(a, r) < 1e-12
+
+
+def test_softcap_over_cpu_sub_blocks_and_num_items():
+    # V large enough that the CPU row op runs on sub-blocks smaller than the chunk (the tanh
+    # scratch is one sub-block, reused)
+    from memkern.ops.linear_cross_entropy import ROW_OP_BYTES
+    v = 70001
+    assert ROW_OP_BYTES // (4 * v) < 57
+    x, w, b, t = _data(57, 3, v, bias=False, ignore=(3,))
+    x.data.mul_(6.0)
+    n = torch.tensor(61)
+    ref = F.cross_entropy(_capped(x, w, None, 2.0), t, reduction="sum") / 61
+    got = lce(x, w, t, num_items=n, softcap=2.0, chunk_size=57)
+    assert rel_err(got, ref) < 1e-13
+    g = torch.tensor(0.7, dtype=torch.float64)
+    for a, r in zip(_grads(got, (x, w), g), _grads(ref, (x, w), g)):
+        assert rel_err(a, r) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_softcap_low_precision_matches_float32_unfused(dtype):
+    x, w, b, t = _data(259, 19, 131, dtype=dtype, ignore=(5,))
+    x.data.mul_(3.0)
+    x32, w32, b32 = (v.detach().float().requires_grad_() for v in (x, w, b))
+    ref = F.cross_entropy(_capped(x32, w32, b32, 5.0), t)
+    got = lce(x, w, t, b, softcap=5.0)
+    assert got.dtype == dtype and rel_err(got, ref) < TOL[dtype]
+    for a, r in zip(torch.autograd.grad(got, (x, w, b)), torch.autograd.grad(ref, (x32, w32, b32))):
+        assert a.dtype == dtype and rel_err(a, r) < TOL[dtype], rel_err(a, r)
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_softcap_propagates_nan_and_inf_like_torch(where):
+    x, w, b, t = _data(9, 5, 11)
+    row = {"first": 0, "middle": 4, "last": 8}[where]
+    x.data[row, 2] = float("nan")
+    x.data[(row + 1) % 9, 1] = float("inf")
+    ref = F.cross_entropy(_capped(x, w, b, 4.0), t, reduction="none")
+    got = lce(x, w, t, b, reduction="none", softcap=4.0)
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    finite = ~torch.isnan(ref)
+    assert rel_err(got[finite], ref[finite]) < 1e-13
+
+
+@pytest.mark.parametrize("cap", [-1.0, float("inf"), float("nan")], ids=["negative", "inf", "nan"])
+def test_softcap_argument_errors(cap):
+    x, w, b, t = _data(3, 4, 5)
+    with pytest.raises(ValueError, match="softcap="):
+        lce(x, w, t, b, softcap=cap)

@@ -290,6 +290,7 @@ def _opcheck_cases():
         ("cross_entropy_rows_", (torch.randn(5, 17), t, None, -100, 0.1, True)),
         ("linear_cross_entropy_forward", (x, w, torch.randn(11), tt, -100, 0.0, 2, True, True, True)),
         ("linear_cross_entropy_backward", (torch.randn(5), x, w, None, tt, -100, 0.0, 3, True, True, False)),
+        ("linear_cross_entropy_forward", (x, w, None, tt, -100, 0.1, 3, True, True, False, 2.5)),
     ]
 
 

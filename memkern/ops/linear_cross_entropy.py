@@ -15,6 +15,11 @@ Arguments (both ops)
     ignore_index, label_smoothing   as in ``F.cross_entropy``.
     chunk_size      tokens per chunk (>= 1).
     grad_input / grad_weight / grad_bias   which gradients to compute.
+    softcap         logit soft-capping (Gemma 2's ``final_logit_softcapping``): when > 0 the
+                    loss is that of ``softcap * tanh(z / softcap)``; 0 (default) is none. The
+                    capped logits are formed in the block in place; the float32 (float64)
+                    ``tanh`` of one row-op sub-block is kept as scratch for the chain-rule
+                    factor ``1 - tanh^2``.
 
 ``linear_cross_entropy_forward(...) -> (loss, dx, dweight, dbias)``: ``loss`` is the float32
 (float64) ``[N]`` per-token loss (0 at ignored tokens); the gradients are those of
@@ -42,11 +47,12 @@ so that both stay in the last-level cache. On the GPU the row op takes the whole
 
 _ARGS = (
     "Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index, float label_smoothing, "
-    "int chunk_size, bool grad_input, bool grad_weight, bool grad_bias"
+    "int chunk_size, bool grad_input, bool grad_weight, bool grad_bias, float softcap=0.0"
 )
 
 
-def _check(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, *flags, op="linear_cross_entropy_forward"):
+def _check(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, grad_input=True,
+           grad_weight=True, grad_bias=True, softcap=0.0, *, op="linear_cross_entropy_forward"):
     _checks.tensor(op, "x", x)
     _checks.tensor(op, "weight", weight)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -72,6 +78,9 @@ def _check(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, *
         raise ValueError(f"memkern.ops.{op}: chunk_size={chunk_size} must be >= 1")
     if not (0.0 <= label_smoothing <= 1.0):
         raise ValueError(f"memkern.ops.{op}: label_smoothing={label_smoothing} must be in [0, 1]")
+    if not (softcap >= 0.0 and softcap < float("inf")):
+        raise ValueError(f"memkern.ops.{op}: softcap={softcap} must be a finite number >= 0 "
+                         "(0: no soft-capping)")
     return x.device
 
 
@@ -97,12 +106,14 @@ def _grads_like(x, weight, bias, grad_input, grad_weight, grad_bias):
     return dx, dw, db
 
 
-def _fake_forward(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb):
+def _fake_forward(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb,
+                  softcap=0.0):
     loss = x.new_empty((x.shape[0],), dtype=_checks.compute_dtype(x.dtype))
     return (loss, *_grads_like(x, weight, bias, gi, gw, gb))
 
 
-def _fake_backward(grad_loss, x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb):
+def _fake_backward(grad_loss, x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb,
+                   softcap=0.0):
     return _grads_like(x, weight, bias, gi, gw, gb)
 
 
@@ -130,8 +141,16 @@ def _addmm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
+def _softcap_(z: torch.Tensor, tanh: torch.Tensor, cap: float) -> torch.Tensor:
+    """``z <- cap * tanh(z / cap)`` in place; returns ``tanh(z / cap)`` (in ``tanh``, the
+    compute dtype, so 16-bit logits are capped from a float32 tanh)."""
+    tanh.copy_(z).div_(cap).tanh_()
+    torch.mul(tanh, cap, out=z)
+    return tanh
+
+
 def chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
-            grad_input, grad_weight, grad_bias, grad_loss=None):
+            grad_input, grad_weight, grad_bias, softcap=0.0, grad_loss=None):
     """The chunk loop shared by both ops (``grad_loss`` given: the recompute backward)."""
     N = x.shape[0]
     V = weight.shape[0]
@@ -148,6 +167,7 @@ def chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
     block = x.new_empty((chunk, V))
     sub = chunk if x.is_cuda else max(1, min(chunk, ROW_OP_BYTES // (4 * max(V, 1))))
     wt = weight.t()
+    tanh = x.new_empty((sub, V), dtype=cd) if softcap > 0.0 else None
     for start in range(0, N, chunk):
         stop = min(N, start + chunk)
         xc = x[start:stop]
@@ -159,10 +179,14 @@ def chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
         # the row op on sub-blocks that stay in the last-level cache (with its float32 scratch)
         for s0 in range(start, stop, sub):
             s1 = min(stop, s0 + sub)
+            zs = z[s0 - start:s1 - start]
+            if tanh is not None:
+                th = _softcap_(zs, tanh[: s1 - s0], softcap)
             loss[s0:s1] = cross_entropy_rows_(
-                z[s0 - start:s1 - start], target[s0:s1],
-                None if grad_loss is None else grad_loss[s0:s1], ignore_index, label_smoothing,
-                compute_grad)
+                zs, target[s0:s1], None if grad_loss is None else grad_loss[s0:s1], ignore_index,
+                label_smoothing, compute_grad)
+            if tanh is not None and compute_grad:  # chain rule through the cap: 1 - tanh^2
+                zs.mul_(th.square_().neg_().add_(1.0))
         if grad_input:
             torch.mm(z, weight, out=dx[start:stop])
         if grad_weight:
@@ -172,13 +196,16 @@ def chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
     return loss, dx, dw, db
 
 
-def forward_impl(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb):
-    return chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb)
+def forward_impl(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb,
+                 softcap=0.0):
+    return chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb,
+                   softcap)
 
 
-def backward_impl(grad_loss, x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb):
+def backward_impl(grad_loss, x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb,
+                  softcap=0.0):
     _, dx, dw, db = chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
-                            gi, gw, gb, grad_loss=grad_loss)
+                            gi, gw, gb, softcap, grad_loss=grad_loss)
     return dx, dw, db
 
 

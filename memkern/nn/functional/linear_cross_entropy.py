@@ -52,19 +52,19 @@ def _in_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, num_items, reduction, ignore_index,
-                label_smoothing, chunk_size):
+                label_smoothing, chunk_size, softcap):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        ctx.cfg = (reduction, ignore_index, label_smoothing, chunk_size, x.dtype, weight.dtype,
-                   None if bias is None else bias.dtype)
+        ctx.cfg = (reduction, ignore_index, label_smoothing, chunk_size, softcap, x.dtype,
+                   weight.dtype, None if bias is None else bias.dtype)
         if reduction == "none":
             loss, *_ = ops.linear_cross_entropy_forward(
                 x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
-                False, False, False)
+                False, False, False, softcap)
             ctx.save_for_backward(x, weight, bias, target)
             return _in_dtype(loss, x.dtype)
         loss, dx, dw, db = ops.linear_cross_entropy_forward(
             x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
-            need_x, need_w, need_b)
+            need_x, need_w, need_b, softcap)
         total = loss.sum()
         if num_items is not None:
             denom = num_items.to(total.dtype) if isinstance(num_items, torch.Tensor) else float(num_items)
@@ -86,16 +86,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        reduction, ignore_index, label_smoothing, chunk_size, x_dtype, w_dtype, b_dtype = ctx.cfg
+        reduction, ignore_index, label_smoothing, chunk_size, softcap, x_dtype, w_dtype, b_dtype = ctx.cfg
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if reduction == "none":
             x, weight, bias, target = ctx.saved_tensors
             cd = torch.promote_types(x.dtype, torch.float32)
             dx, dw, db = ops.linear_cross_entropy_backward(
                 grad_loss.reshape(-1).to(cd).contiguous(), x, weight, bias, target, ignore_index,
-                label_smoothing, chunk_size, need_x, need_w, need_b)
+                label_smoothing, chunk_size, need_x, need_w, need_b, softcap)
             return (dx if need_x else None, dw.to(w_dtype) if need_w else None,
-                    db.to(b_dtype) if need_b else None, None, None, None, None, None, None)
+                    db.to(b_dtype) if need_b else None, None, None, None, None, None, None, None)
         if ctx.grads is None:
             raise RuntimeError(
                 "memkern linear_cross_entropy: backward ran twice through the same graph. Its "
@@ -117,13 +117,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             out.append(g if g.dtype == dtype else g.to(dtype))
             del g
         dx = dw = db = None
-        return (*out, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          bias: torch.Tensor | None = None, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0,
                          num_items: int | torch.Tensor | None = None, *,
+                         softcap: float | None = None,
                          chunk_size: int | None = None) -> torch.Tensor:
     """``F.cross_entropy(input @ weight.T + bias, target, ...)`` computed in chunks of tokens.
 
@@ -131,6 +132,8 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
     ``num_items``: divide the summed loss by this count (an int, or a device tensor — no host
     sync) instead of by the number of non-ignored tokens: the front end's token-level
     normalisation across micro-batches. Not allowed with ``reduction="none"``.
+    ``softcap``: logit soft-capping — the loss of ``softcap * tanh(logits / softcap)`` (Gemma 2's
+    ``final_logit_softcapping``); None or 0: none.
     ``chunk_size``: tokens per chunk (default: :func:`default_chunk_size`).
     """
     where = "memkern.nn.functional.linear_cross_entropy"
@@ -141,6 +144,10 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
                          "reduction='none'")
     if not (0.0 <= label_smoothing <= 1.0):
         raise ValueError(f"{where}: label_smoothing={label_smoothing} must be in [0, 1]")
+    softcap = 0.0 if softcap is None else float(softcap)
+    if not (0.0 <= softcap < float("inf")):
+        raise ValueError(f"{where}: softcap={softcap} must be a finite number >= 0 (None or 0: "
+                         "no soft-capping)")
     if weight.dim() != 2 or input.shape[-1:] != weight.shape[1:]:
         raise ValueError(
             f"{where}: input {tuple(input.shape)} must end with the weight's in_features "
@@ -167,5 +174,5 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
         chunk_size = default_chunk_size(x.shape[0], weight.shape[0], x.shape[1], x.device)
     loss = LinearCrossEntropyFunction.apply(
         x, weight.contiguous(), None if bias is None else bias.contiguous(), t, num_items,
-        reduction, int(ignore_index), float(label_smoothing), int(chunk_size))
+        reduction, int(ignore_index), float(label_smoothing), int(chunk_size), softcap)
     return loss.view(target.shape) if reduction == "none" else loss
