@@ -12,6 +12,11 @@ What is swapped (each family can be turned off by its keyword):
   GPT-2 style ``fc -> GELU -> proj (-> dropout)`` (``transformers``' ``GPT2MLP``, and
   ``nn.Sequential(Linear, GELU/ReLU/SiLU, Linear[, Dropout])``) and Llama style
   ``down(silu(gate(x)) * up(x))`` (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``).
+* ``loss``: a ``transformers`` causal LM whose forward computes its loss from ``lm_head``
+  through ``self.loss_function`` trains through memkern's fused linear cross-entropy whenever
+  it is in training mode and ``labels`` are given: no ``[tokens, vocab]`` logits, and the
+  output's ``logits`` is None in those calls (:mod:`memkern.nn.causal_lm_loss`). Without
+  labels, or in eval mode, the model computes its logits and loss as before.
 
 How: each module's class is replaced by a memkern subclass of it (``module.__class__ = ...``),
 so the module object, its parameters (identity, values, names, dtype, device,
@@ -33,6 +38,7 @@ from torch import nn
 from memkern.nn import dropout as _dropout_mod
 from memkern.nn import linear as _linear_mod
 from memkern.nn import norm as _norm_mod
+from memkern.nn.causal_lm_loss import fuse_causal_lm_loss
 from memkern.nn.functional.linear import linear as _linear
 from memkern.nn.functional.mlp import RECOMPUTE, mlp as _mlp
 from memkern.nn.functional.norm import rms_norm as _rms_norm
@@ -231,10 +237,11 @@ def _mlp_config(m: nn.Module, recompute: str):
 
 
 def patch(model: nn.Module, *, linear: bool = True, norm: bool = True, mlp: bool = True,
-          dropout: bool = True, recompute: str = "activation", verbose: bool = False) -> nn.Module:
+          dropout: bool = True, loss: bool = True, recompute: str = "activation",
+          verbose: bool = False) -> nn.Module:
     """Swap ``model``'s layers for memkern ones in place (see the module docstring); returns
-    ``model``. ``recompute`` is the policy of the swapped MLP blocks ("none" | "activation" |
-    "full")."""
+    ``model``. ``loss``: fuse a ``transformers`` causal LM's output layer and training loss.
+    ``recompute`` is the policy of the swapped MLP blocks ("none" | "activation" | "full")."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"memkern.patch: model must be an nn.Module, got {type(model).__name__}")
     if recompute not in RECOMPUTE:
@@ -278,6 +285,11 @@ def patch(model: nn.Module, *, linear: bool = True, norm: bool = True, mlp: bool
                 _swap(m, _patched_class(t, "llama_mlp"), name, report)
             else:
                 report.skipped.append((name, f"{t.__name__}: not a silu gate/up/down MLP"))
+    fused = fuse_causal_lm_loss(model) if loss else None
+    if isinstance(fused, tuple):
+        report.swapped.append(fused)
+    elif fused is not None:
+        report.skipped.append(("", f"loss not fused: {fused}"))
     previous = model.__dict__.get("_memkern_patch_report")
     if previous is not None:  # the report accumulates the swaps of every call
         report.swapped = previous.swapped + report.swapped

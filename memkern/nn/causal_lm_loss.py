@@ -1,0 +1,237 @@
+"""The training loss of a ``transformers`` causal LM through memkern's fused linear cross-entropy.
+
+A ``transformers`` causal LM (GPT-2, Llama, Mistral, Qwen2, Gemma 2, ...) computes, in its
+``forward``::
+
+    logits = self.lm_head(hidden_states)             # [batch, seq, vocab]
+    (optional post-processing, e.g. Gemma 2's soft-capping)
+    loss = self.loss_function(logits, labels, vocab_size, **kwargs)   # ForCausalLMLoss
+
+so a training step holds the ``[tokens, vocab]`` logits, their float32 copy in the loss and
+their gradient. :func:`fuse_causal_lm_loss` routes that loss through
+:func:`memkern.nn.functional.linear_cross_entropy` without touching transformers' code:
+
+* the output layer (``model.get_output_embeddings()``) gets a memkern class whose ``forward``,
+  during a fused call, keeps its input ``hidden_states`` and returns a placeholder that takes no
+  memory (a float32 zero expanded to ``[..., vocab]``, stride 0) instead of the logits;
+* ``model.loss_function`` (transformers' public, settable attribute) becomes a
+  :class:`FusedCausalLMLoss`: given that placeholder, it computes the loss from the kept hidden
+  states and the output layer's weight (and bias) chunk by chunk; given real logits it calls
+  the model's original loss function;
+* a forward pre-hook on the model opens a fused call when the model is in training mode and
+  ``labels`` are given; a forward hook closes it and sets the output's ``logits`` to None.
+  Soft-capping (``config.final_logit_softcapping``) is folded into the fused loss, the
+  config's value being set to None for the call so that the forward does not apply it to the
+  placeholder.
+
+Semantics are those of transformers' ``ForCausalLMLoss``: labels shifted left by one (or
+``shift_labels`` used as given), ``ignore_index`` (default -100), the mean over non-ignored
+tokens, or the sum divided by ``num_items_in_batch`` when the Trainer passes it.
+
+If a model's forward does something else between ``lm_head`` and ``loss_function`` (scales the
+logits, computes its loss without ``loss_function``), the call raises a RuntimeError saying so
+rather than return a loss computed from the placeholder; ``memkern.patch(model, loss=False)``
+keeps such a model's loss unfused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from memkern.nn.functional.linear_cross_entropy import linear_cross_entropy
+from memkern.nn.linear import Linear as _MemkernLinear
+
+SOFTCAP_ATTR = "final_logit_softcapping"
+"""The config field of transformers' families that soft-cap their final logits (Gemma 2/3)."""
+
+_CALL = "_memkern_lce_call"
+_FUSED = "_memkern_lce_fused"
+
+
+@dataclasses.dataclass
+class _FusedCall:
+    """One fused forward: what the output layer kept and what the loss must know."""
+    softcap: float | None
+    hidden: torch.Tensor | None = None
+    placeholder: torch.Tensor | None = None
+    loss_computed: bool = False
+
+
+def _head_forward(self, input: torch.Tensor) -> torch.Tensor:
+    call = self.__dict__.get(_CALL)
+    if call is None or call.placeholder is not None:  # not fused, or a second use of the head
+        return type(self).__mro__[1].forward(self, input)
+    call.hidden = input
+    call.placeholder = torch.zeros((), dtype=torch.float32, device=input.device).expand(
+        *input.shape[:-1], self.out_features)
+    return call.placeholder
+
+
+class CausalLMHead(nn.Linear):
+    """An ``nn.Linear`` output layer whose training-with-labels call hands its input to the
+    fused loss instead of computing logits (see the module docstring)."""
+
+    forward = _head_forward
+
+
+class MemkernCausalLMHead(_MemkernLinear):
+    """The same for a :class:`memkern.nn.Linear` output layer."""
+
+    forward = _head_forward
+
+
+_HEADS = {nn.Linear: CausalLMHead, _MemkernLinear: MemkernCausalLMHead}
+
+
+def _shifted_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``labels[..., 1:]`` padded with ``ignore_index`` at the end: position t predicts t + 1."""
+    return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+class FusedCausalLMLoss:
+    """``model.loss_function`` of a fused model: transformers' ``ForCausalLMLoss`` signature.
+
+    ``loss = fused(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+    shift_labels=None, **kwargs)``. With the placeholder logits of a fused call it returns the
+    fused loss (in the hidden states' dtype); with any other logits, ``original(...)``.
+    """
+
+    def __init__(self, original: Callable[..., torch.Tensor], head: nn.Linear) -> None:
+        self.original = original
+        self.head = head
+
+    def __call__(self, logits, labels, vocab_size=None, num_items_in_batch=None,
+                 ignore_index: int = -100, shift_labels=None, **kwargs):
+        call = self.head.__dict__.get(_CALL)
+        if call is None or call.placeholder is None:
+            return self.original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                                 ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+        if logits is not call.placeholder:
+            raise RuntimeError(
+                "memkern.patch: this model's forward changes the logits between its output layer "
+                "and self.loss_function (e.g. scales them), which the fused loss cannot reproduce; "
+                "patch it with memkern.patch(model, loss=False) to keep its loss unfused"
+            )
+        hidden, call.hidden = call.hidden, None  # released as soon as it is consumed
+        call.loss_computed = True
+        head = self.head
+        if vocab_size is not None and vocab_size != head.out_features:
+            raise ValueError(f"memkern.patch: vocab_size={vocab_size} but the output layer has "
+                             f"{head.out_features} classes")
+        if shift_labels is None:
+            shift_labels = _shifted_labels(labels, ignore_index)
+        target = shift_labels.to(hidden.device).reshape(-1)
+        weight, bias = head.weight, head.bias
+        dtype = (torch.get_autocast_dtype(hidden.device.type)
+                 if torch.is_autocast_enabled(hidden.device.type)  # as F.linear would compute
+                 else torch.promote_types(hidden.dtype, weight.dtype))
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(hidden.device)
+        return linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype), target,
+            None if bias is None else bias.to(dtype), ignore_index=ignore_index,
+            reduction="mean" if num_items_in_batch is None else "sum",
+            num_items=num_items_in_batch, softcap=call.softcap)
+
+
+def _labels_given(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    if "labels" in kwargs:
+        return kwargs["labels"] is not None
+    if not args:
+        return False
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    except TypeError:
+        return False
+    return bound.arguments.get("labels") is not None
+
+
+def _open_call(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    head = model.get_output_embeddings()
+    fused = model.__dict__.get("_loss_function")
+    if not (model.training and isinstance(fused, FusedCausalLMLoss) and fused.head is head
+            and type(head) in _HEADS.values() and _labels_given(model, args, kwargs)):
+        return None
+    config = getattr(model, "config", None)
+    cap = getattr(config, SOFTCAP_ATTR, None)
+    call = _FusedCall(softcap=cap or None)
+    if cap is not None:
+        setattr(config, SOFTCAP_ATTR, None)  # applied by the fused loss, not to the placeholder
+    head.__dict__[_CALL] = call
+    model.__dict__[_CALL] = call
+    return None
+
+
+def _close_call(model: nn.Module, args: tuple, output: Any) -> Any:
+    call = model.__dict__.pop(_CALL, None)
+    if call is None:
+        return None
+    head = model.get_output_embeddings()
+    head.__dict__.pop(_CALL, None)
+    if call.softcap is not None:
+        setattr(model.config, SOFTCAP_ATTR, call.softcap)
+    if output is None:  # the forward raised: only restore
+        return None
+    if call.placeholder is not None and not call.loss_computed:
+        raise RuntimeError(
+            f"memkern.patch: {type(model).__name__}.forward used its output layer but did not "
+            "compute its loss through self.loss_function, so the fused loss was not applied and "
+            "its loss is wrong; patch it with memkern.patch(model, loss=False)"
+        )
+    if isinstance(output, Mapping) and output.get("logits") is call.placeholder:
+        output["logits"] = None
+    elif isinstance(output, tuple):
+        output = tuple(None if o is call.placeholder else o for o in output)
+    return output
+
+
+def _why_not_fusable(model: nn.Module) -> str | None:
+    """None if ``model`` looks like a transformers causal LM whose loss can be fused."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or type(head) not in (*_HEADS, *_HEADS.values()):
+        return "no nn.Linear output layer (get_output_embeddings)"
+    original = getattr(model, "loss_function", None)
+    if original is None:
+        return "no loss_function: this transformers version computes the loss inline (needs >= 4.46)"
+    if getattr(original, "__name__", "") != "ForCausalLMLoss" and not isinstance(original, FusedCausalLMLoss):
+        return f"its loss_function is {getattr(original, '__name__', type(original).__name__)}, not ForCausalLMLoss"
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        source = None  # no source to read: the checks at each fused call still hold
+    if source is not None and "loss_function" not in source:
+        return "its forward does not compute the loss through self.loss_function"
+    return None
+
+
+def fuse_causal_lm_loss(model: nn.Module) -> tuple[str, str, str] | str | None:
+    """Route ``model``'s training loss through the fused linear cross-entropy (in place).
+
+    Returns ``(name of the output layer, old class, new class)`` when it did, the reason when a
+    model with an output layer (``get_output_embeddings``) cannot be fused, and None when there
+    is nothing to do (no such method, or fused by an earlier call).
+    """
+    if model.__dict__.get(_FUSED) or not callable(getattr(model, "get_output_embeddings", None)):
+        return None
+    why = _why_not_fusable(model)
+    if why is not None:
+        return why
+    head = model.get_output_embeddings()
+    original = model.loss_function
+    try:
+        model.loss_function = FusedCausalLMLoss(original, head)
+    except AttributeError:
+        return "this transformers version's loss_function cannot be set (needs >= 4.46)"
+    old = type(head)
+    if old in _HEADS:
+        head.__class__ = _HEADS[old]
+    model.register_forward_pre_hook(_open_call, with_kwargs=True)
+    model.register_forward_hook(_close_call, always_call=True)
+    model.__dict__[_FUSED] = True
+    name = next(n for n, m in model.named_modules() if m is head)
+    return name, f"{old.__module__}.{old.__qualname__}", f"{__name__}.{type(head).__qualname__}"
