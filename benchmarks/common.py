@@ -18,18 +18,20 @@ import torch
 
 
 def median_seconds(fn: Callable[[], object], *, warmup: int = 2, reps: int = 7,
-                   device: torch.device | None = None) -> float:
-    """Median wall time of ``fn()`` over ``reps`` runs after ``warmup`` runs."""
+                   device: torch.device | None = None,
+                   clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median time of ``fn()`` over ``reps`` runs after ``warmup`` runs: wall time, or
+    ``clock=time.process_time`` for the process's CPU time."""
     sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn()
     sync()
     times = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = clock()
         fn()
         sync()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 

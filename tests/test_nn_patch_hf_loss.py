@@ -226,3 +226,16 @@ def test_model_changing_its_logits_before_the_loss_raises_clearly():
         model(input_ids=ids, labels=labels)
     model = mk.patch(transformers.CohereForCausalLM(cfg).train(), loss=False)
     assert torch.isfinite(model(input_ids=ids, labels=labels).loss)
+
+
+def test_positional_labels_and_tuple_output():
+    model, ref = _pair("llama")
+    ids, labels = _batch()
+    # LlamaForCausalLM.forward(input_ids, attention_mask, position_ids, past_key_values,
+    # inputs_embeds, labels, ...)
+    got = model(ids, None, None, None, None, labels)
+    assert got.logits is None
+    out = model(input_ids=ids, labels=labels, return_dict=False)
+    want = ref(input_ids=ids, labels=labels).loss.detach()
+    assert isinstance(out, tuple) and out[1] is None
+    assert rel_err(got.loss.detach(), want) < TOL and rel_err(out[0].detach(), want) < TOL

@@ -1,0 +1,285 @@
+"""Hugging Face causal LMs: plain transformers vs Liger-Kernel vs ``memkern.patch``.
+
+For each family (Llama, GPT-2, Mistral, Qwen2, Gemma 2), a model built from a config (nothing
+downloaded) trains with ``model(input_ids=x, labels=x).loss``, backward and an AdamW step:
+
+* ``plain``: transformers as it is;
+* ``liger``: ``apply_liger_kernel_to_<family>(model=model)``, when ``liger_kernel`` imports
+  (it needs a GPU) and supports the family; it patches transformers' classes for the whole
+  process, so it runs in a subprocess of its own;
+* ``memkern``: ``memkern.patch(model)`` (fused loss, RMSNorm/LayerNorm, MLPs with
+  ``recompute="activation"``); ``memkern-full``: ``memkern.patch(model, recompute="full")``.
+
+Peak of a training step: the bytes the training state holds before the step (parameters,
+optimizer state) plus the step's peak allocation above that (CPU: the profiler's allocation
+trace; GPU: ``torch.cuda.max_memory_allocated``). Peak of forward + backward (the issue's CPU
+measure): the parameters plus the peak allocation of ``model(...).loss.backward()``. Time: median step after warm-up; plain, memkern and
+memkern-full alternate step by step in one process, so their ratios share the machine's load;
+on a shared CPU the process CPU time (also reported) is the steadier measure of the work.
+GPT-2's dropout (0.1) draws different masks in torch and memkern: its losses differ slightly.
+
+RoPE (Liger fuses it): the bytes ``apply_rotary_pos_emb`` saves for backward and its share of
+the step time, measured on the Llama model, show what fusing it could gain.
+
+    python benchmarks/bench_hf.py [--size cpu|160m] [--device cpu|cuda] [--families llama,gpt2]
+                                  [--reps 3] [--save PATH]
+
+``--size cpu`` (default on a CPU): the issue's shape scaled down, width 256, 2 layers, 4 heads
+(2 KV), MLP 704, vocab 32000, batch 2 x 512, float32. ``--size 160m`` (default on a GPU): width
+1024, 8 layers, 16 heads (8 KV), MLP 2816, vocab 32000, batch 4 x 2048, bf16 parameters, fused
+AdamW. Targets: CPU forward + backward peak <= 0.5x plain's; GPU (160m Llama) peak <= 0.9x Liger's at <= 1.0x
+plain's time.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import memkern as mk  # noqa: E402
+from memkern.profile import allocation_stats, saved_bytes  # noqa: E402
+
+SIZES = {
+    "cpu": dict(width=256, layers=2, heads=4, kv_heads=2, mlp=704, vocab=32000, batch=2, seq=512,
+                dtype="float32"),
+    "160m": dict(width=1024, layers=8, heads=16, kv_heads=8, mlp=2816, vocab=32000, batch=4,
+                 seq=2048, dtype="bfloat16"),
+}
+FAMILIES = ("llama", "gpt2", "mistral", "qwen2", "gemma2")
+LIGER_FN = {"llama": "apply_liger_kernel_to_llama", "mistral": "apply_liger_kernel_to_mistral",
+            "qwen2": "apply_liger_kernel_to_qwen2", "gemma2": "apply_liger_kernel_to_gemma2"}
+TARGET_CPU_PEAK = 0.5
+TARGET_GPU_PEAK_VS_LIGER = 0.9
+
+
+def build(family: str, size: dict, device: torch.device):
+    import transformers
+
+    s = size
+    common_cfg = dict(hidden_size=s["width"], num_hidden_layers=s["layers"],
+                      num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                      intermediate_size=s["mlp"], vocab_size=s["vocab"],
+                      max_position_embeddings=s["seq"], bos_token_id=0, eos_token_id=0)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=s["width"], n_layer=s["layers"], n_head=s["heads"],
+                                      n_inner=s["mlp"], vocab_size=s["vocab"], n_positions=s["seq"],
+                                      bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+        model = transformers.GPT2LMHeadModel(cfg)
+    elif family == "gemma2":
+        cfg = transformers.Gemma2Config(**common_cfg, head_dim=s["width"] // s["heads"],
+                                        final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                                        attn_implementation="eager")
+        model = transformers.Gemma2ForCausalLM(cfg)
+    else:
+        cls = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
+        cfg = getattr(transformers, cls + "Config")(**common_cfg, attn_implementation="sdpa")
+        model = getattr(transformers, cls + "ForCausalLM")(cfg)
+    return model.to(device=device, dtype=getattr(torch, s["dtype"])).train()
+
+
+def make_configuration(name: str, base, family: str, device: torch.device):
+    model = copy.deepcopy(base)
+    if name == "memkern":
+        mk.patch(model)
+    elif name == "memkern-full":
+        mk.patch(model, recompute="full")
+    elif name == "liger":
+        from liger_kernel import transformers as liger
+
+        getattr(liger, LIGER_FN[family])(model=model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4,
+                            **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+    return model, opt
+
+
+def make_steps(model, opt, ids):
+    """(forward + backward, the whole training step)."""
+    def forward_backward():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    def step():
+        loss = forward_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return forward_backward, step
+
+
+def state_bytes(model, opt=None) -> int:
+    """Bytes held between steps: parameters and optimizer state, each storage once."""
+    seen, total = set(), 0
+    tensors = list(model.parameters()) + ([] if opt is None else [
+        v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)])
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def measure(family: str, names: list[str], size: dict, device: torch.device, reps: int) -> dict:
+    torch.manual_seed(0)
+    base = build(family, size, device)
+    ids = torch.randint(1, size["vocab"], (size["batch"], size["seq"]), device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    runs = {}
+    for name in names:
+        model, opt = make_configuration(name, base, family, device)
+        forward_backward, step = make_steps(model, opt, ids)
+        first_loss = float(step())  # also creates the optimizer state
+        sync()
+        fwd_bwd = allocation_stats(forward_backward, device=device)
+        opt.zero_grad(set_to_none=True)
+        stats = allocation_stats(step, device=device)
+        runs[name] = dict(step=step, held=state_bytes(model, opt), step_peak=stats.peak,
+                          fwd_bwd_peak=state_bytes(model) + fwd_bwd.peak,
+                          first_loss=first_loss, times=[], cpu_times=[])
+    del base
+    for _ in range(reps):  # alternate the configurations step by step
+        for r in runs.values():
+            sync()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            r["step"]()
+            sync()
+            r["times"].append(time.perf_counter() - start)
+            r["cpu_times"].append(time.process_time() - cpu_start)
+    out = {}
+    for name, r in runs.items():
+        out[name] = {"peak_bytes": r["held"] + r["step_peak"], "held_bytes": r["held"],
+                     "forward_backward_peak_bytes": r["fwd_bwd_peak"],
+                     "step_peak_bytes": r["step_peak"], "first_loss": r["first_loss"],
+                     "median_step_seconds": statistics.median(r["times"]),
+                     "all_step_seconds": r["times"],
+                     "median_step_cpu_seconds": statistics.median(r["cpu_times"]),
+                     "all_step_cpu_seconds": r["cpu_times"]}
+    return out
+
+
+def rope_share(size: dict, device: torch.device, reps: int, plain: dict) -> dict:
+    """What fusing RoPE could save on the Llama model: its saved bytes and time per step."""
+    from transformers.models.llama import modeling_llama
+
+    torch.manual_seed(0)
+    model = build("llama", size, device)
+    dtype = getattr(torch, size["dtype"])
+    b, t, h, kv = size["batch"], size["seq"], size["heads"], size["kv_heads"]
+    d = size["width"] // h
+    q = torch.randn(b, h, t, d, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, kv, t, d, device=device, dtype=dtype, requires_grad=True)
+    pos = torch.arange(t, device=device)[None].expand(b, t)
+    cos, sin = model.model.rotary_emb(q, pos)
+
+    def rope_fwd_bwd():
+        qe, ke = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+        torch.autograd.backward((qe, ke), (torch.ones_like(qe), torch.ones_like(ke)))
+
+    ids = torch.randint(1, size["vocab"], (b, t), device=device)
+    rope_saved = saved_bytes(lambda: modeling_llama.apply_rotary_pos_emb(q, k, cos, sin))
+    model_saved = saved_bytes(lambda: model(input_ids=ids, labels=ids).loss)
+    per_call = common.median_seconds(rope_fwd_bwd, reps=reps, device=device)
+    per_call_cpu = common.median_seconds(rope_fwd_bwd, reps=reps, device=device,
+                                         clock=time.process_time)
+    out = {"saved_bytes_per_layer": rope_saved, "layers": size["layers"],
+           "model_saved_bytes": model_saved,
+           "saved_share": rope_saved * size["layers"] / model_saved,
+           "fwd_bwd_seconds_per_layer": per_call,
+           "time_share_of_plain_step": per_call * size["layers"] / plain["median_step_seconds"]}
+    if device.type == "cpu":
+        out["fwd_bwd_cpu_seconds_per_layer"] = per_call_cpu
+        out["cpu_time_share_of_plain_step"] = (per_call_cpu * size["layers"]
+                                               / plain["median_step_cpu_seconds"])
+    return out
+
+
+def liger_available(family: str) -> str | None:
+    """None if Liger-Kernel can run this family here, else why not."""
+    if family not in LIGER_FN:
+        return f"Liger-Kernel has no {family} patch"
+    try:
+        from liger_kernel import transformers as liger  # noqa: F401
+    except Exception as e:  # it imports triton GPU code: any failure means 'not here'
+        return f"liger_kernel does not import here ({type(e).__name__}: {e})"
+    if not torch.cuda.is_available():
+        return "Liger-Kernel's kernels need a GPU"
+    return None
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--size", choices=list(SIZES), default=None)
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--save", metavar="PATH", default=None)
+    ap.add_argument("--only", default=None, help=argparse.SUPPRESS)  # a subprocess: 'family:conf'
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    size_name = args.size or ("160m" if device.type == "cuda" else "cpu")
+    size = SIZES[size_name]
+    if args.only:
+        family, name = args.only.split(":")
+        print("RESULT " + json.dumps(measure(family, [name], size, device, args.reps)))
+        return
+
+    families = [f for f in args.families.split(",") if f]
+    results = {"device": str(device), "size": size_name, "shape": size, "families": {}}
+    for family in families:
+        print(f"--- {family}", flush=True)
+        fam = measure(family, ["plain", "memkern", "memkern-full"], size, device, args.reps)
+        why = liger_available(family)
+        if why is None:
+            cmd = [sys.executable, os.path.abspath(__file__), "--device", args.device, "--size",
+                   size_name, "--reps", str(args.reps), "--only", f"{family}:liger"]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+            if done.returncode == 0 and line:
+                fam.update(json.loads(line[-1][len("RESULT "):]))
+            else:
+                why = f"the Liger run failed: {done.stderr.strip().splitlines()[-1:]}"
+        if why is not None:
+            print(f"liger skipped: {why}")
+            fam["liger_skipped"] = why
+        plain = fam["plain"]
+        for name, r in fam.items():
+            if not isinstance(r, dict):
+                continue
+            r["peak_vs_plain"] = r["peak_bytes"] / plain["peak_bytes"]
+            r["forward_backward_peak_vs_plain"] = (r["forward_backward_peak_bytes"]
+                                                   / plain["forward_backward_peak_bytes"])
+            r["time_vs_plain"] = r["median_step_seconds"] / plain["median_step_seconds"]
+            r["cpu_time_vs_plain"] = r["median_step_cpu_seconds"] / plain["median_step_cpu_seconds"]
+            if "liger" in fam:
+                r["peak_vs_liger"] = r["peak_bytes"] / fam["liger"]["peak_bytes"]
+            print(f"{name:>13}: step peak {r['peak_bytes'] / 2**20:7.1f} MiB ({r['peak_vs_plain']:.2f}x "
+                  f"plain)  fwd+bwd peak {r['forward_backward_peak_bytes'] / 2**20:7.1f} MiB "
+                  f"({r['forward_backward_peak_vs_plain']:.2f}x)  step {1e3 * r['median_step_seconds']:8.1f} ms ({r['time_vs_plain']:.2f}x "
+                  f"plain; process CPU time {r['cpu_time_vs_plain']:.2f}x)  first loss {r['first_loss']:.4f}",
+                  flush=True)
+        results["families"][family] = fam
+    if "llama" in results["families"]:
+        results["rope"] = rope_share(size, device, max(args.reps, 5),
+                                     results["families"]["llama"]["plain"])
+        print("rope:", results["rope"])
+    target = TARGET_CPU_PEAK if device.type == "cpu" else TARGET_GPU_PEAK_VS_LIGER
+    results["target"] = (f"forward + backward peak <= {target}x plain's" if device.type == "cpu"
+                         else f"peak <= {target}x Liger's at <= 1.0x plain's time")
+    print("target:", results["target"])
+    out = args.save or os.path.join(os.path.dirname(__file__), "results", f"{device.type}-hf.json")
+    common.save(out, results)
+
+
+if __name__ == "__main__":
+    main()
