@@ -35,7 +35,27 @@ def _load() -> CompiledInfo:
     return CompiledInfo(True, bool(_C.has_cuda()), _C.cuda_archs(), "")
 
 
+def _require(info: CompiledInfo) -> None:
+    """``MEMKERN_REQUIRE_EXT=1`` (CI): a missing extension is an error, not a fallback, so a
+    build that silently skipped the C++ code cannot pass the tests on the reference alone;
+    ``=cuda`` also requires the CUDA kernels."""
+    required = os.environ.get("MEMKERN_REQUIRE_EXT", "0").strip().lower()
+    if required in ("", "0"):
+        return
+    if required not in ("1", "cuda"):
+        raise ValueError(f"MEMKERN_REQUIRE_EXT={required!r}: use 0, 1 or cuda")
+    if not info.has_cpu:
+        raise ImportError(f"memkern: MEMKERN_REQUIRE_EXT={required} but the compiled extension "
+                          f"is not available: {info.missing_reason}. Build it (pip install "
+                          "--no-build-isolation -e . with a C++ compiler), or unset the variable.")
+    if required == "cuda" and not info.has_cuda:
+        raise ImportError("memkern: MEMKERN_REQUIRE_EXT=cuda but memkern._C was built without "
+                          "its CUDA kernels. Rebuild with MEMKERN_BUILD_CUDA=1 and a CUDA "
+                          "toolkit matching torch, or set MEMKERN_REQUIRE_EXT=1.")
+
+
 compiled = _load()
+_require(compiled)
 if not compiled.has_cpu:
     warnings.warn(
         f"memkern: the compiled extension is not available: {compiled.missing_reason}. "

@@ -1,10 +1,13 @@
-"""memkern without its compiled extension: one notice at import, and every op still runs
-(the reference is registered for the CPU dispatch key in place of the C++ kernels)."""
+"""memkern without its compiled extension: one notice at import, every op still runs (the
+reference is registered for the CPU dispatch key in place of the C++ kernels) and computes
+the right values (checked against hand-computed float64 ones); and with
+``MEMKERN_REQUIRE_EXT=1`` (what CI sets) a missing extension is an import error instead."""
 import os
 import subprocess
 import sys
 
 SCRIPT = r"""
+import math
 import warnings
 warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as caught:
@@ -16,18 +19,51 @@ assert len(notices) == 1, [str(w.message) for w in caught]
 assert not mk.compiled.has_cpu and mk.backends()["cpu"] is False
 n = 1031
 master, grads = torch.randn(n), torch.randn(n).to(torch.bfloat16)
-m, v, step = torch.zeros(n), torch.zeros(n), torch.zeros(1)
+m, v, step = torch.zeros(n), torch.zeros(n), torch.full((1,), 4.0)
 params = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+lr, beta1, beta2, eps, wd = 1e-3, 0.9, 0.999, 1e-8, 0.1
+# By hand, in float64: from zero moments at t = 5, m = (1 - b1) g, v = (1 - b2) g**2.
+g, t = grads.double(), 5
+want_m, want_v = (1 - beta1) * g, (1 - beta2) * g * g
+denom = want_v.sqrt() / math.sqrt(1 - beta2**t) + eps
+want = master.double() * (1 - lr * wd) - lr / (1 - beta1**t) * want_m / denom
 torch.ops.memkern.adamw_step_(master, m, v, grads, params, step, None, None,
-                              1e-3, 0.9, 0.999, 1e-8, 0.0)
-assert step.item() == 1.0 and torch.equal(params, master.to(torch.bfloat16))
-assert abs(mk.ops.l2_norm(grads).item() - grads.double().norm().item()) < 1e-4 * n ** 0.5
+                              lr, beta1, beta2, eps, wd)
+assert step.item() == 5.0
+for name, got, ref in (("master", master, want), ("exp_avg", m, want_m), ("exp_avg_sq", v, want_v)):
+    err = ((got.double() - ref).abs() / (ref.abs() + 1e-3 * ref.abs().mean())).max().item()
+    assert err < 1e-6, (name, err)
+assert torch.equal(params, master.to(torch.bfloat16))
+exact = math.sqrt(math.fsum(x * x for x in g.tolist()))
+assert abs(mk.ops.l2_norm(grads).item() - exact) <= 1e-6 * exact
 print("ok")
 """
 
 
+def run(script, **env):
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=dict(os.environ, MEMKERN_BACKEND="", **env), timeout=300)
+
+
 def test_without_the_extension_memkern_warns_once_and_runs_on_the_reference():
-    env = dict(os.environ, MEMKERN_DISABLE_EXT="1", MEMKERN_BACKEND="")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = run(SCRIPT, MEMKERN_DISABLE_EXT="1", MEMKERN_REQUIRE_EXT="0")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_a_required_extension_that_is_missing_fails_the_import():
+    """What CI sees when the C++ build was skipped: not a green run on the reference alone."""
+    proc = run("import memkern", MEMKERN_DISABLE_EXT="1", MEMKERN_REQUIRE_EXT="1")
+    assert proc.returncode != 0
+    assert "ImportError: memkern: MEMKERN_REQUIRE_EXT=1 but the compiled extension is not " \
+           "available: disabled by MEMKERN_DISABLE_EXT=1" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_required_cuda_kernels_match_what_was_built():
+    import memkern
+
+    proc = run("import memkern", MEMKERN_REQUIRE_EXT="cuda")
+    if memkern.compiled.has_cuda:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        assert proc.returncode != 0
+        assert "MEMKERN_REQUIRE_EXT=cuda" in proc.stderr, proc.stderr[-3000:]

@@ -8,16 +8,18 @@ continued at W=3), interrupted saves, and ranks that disagree on the parameters.
 Every launch runs this file as a script in W processes (``python tests/test_optim_distributed.py
 worker ...``), each running a list of scenarios and saving what they measured; the tests
 compare. Every collective has the process group's 60 s timeout and every launch an overall
-timeout after which its processes are killed: nothing hangs.
+timeout after which its processes are killed: nothing hangs. The processes meet through a file
+store in a fresh directory, not a TCP port, so launches from parallel pytest workers
+(``pytest -n``) cannot collide.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import os
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -288,13 +290,14 @@ SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items(
 
 def worker(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    for arg in ("rank", "world", "port", "seed"):
+    for arg in ("rank", "world", "seed"):
         parser.add_argument(f"--{arg}", type=int, required=True)
+    parser.add_argument("--store", required=True)
     parser.add_argument("--scenarios", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # W processes share 2 cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+    dist.init_process_group("gloo", init_method=f"file://{args.store}",
                             rank=args.rank, world_size=args.world,
                             timeout=timedelta(seconds=60))
     try:
@@ -306,19 +309,19 @@ def worker(argv: list[str]) -> None:
 
 
 # --------------------------------------------------------------------------------- launch
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def new_store(parent: str) -> str:
+    """A path under ``parent`` for a rendezvous file store that nothing else uses (the file
+    must not exist yet)."""
+    return os.path.join(tempfile.mkdtemp(prefix="store-", dir=parent), "store")
 
 
 def launch(world: int, scenarios: list[str], out: str, seed: int) -> dict[str, list]:
     """Runs the scenarios in ``world`` processes; returns each scenario's per-rank results."""
-    port = free_port()
+    store = new_store(out)
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
         [sys.executable, __file__, "worker", "--rank", str(r), "--world", str(world),
-         "--port", str(port), "--seed", str(seed), "--scenarios", ",".join(scenarios),
+         "--store", store, "--seed", str(seed), "--scenarios", ",".join(scenarios),
          "--out", out], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True) for r in range(world)]
     deadline = time.monotonic() + LAUNCH_TIMEOUT
@@ -510,8 +513,8 @@ def test_sharded_checkpoint_in_one_process(tmp_path, offload):
         resumed_opt.load_sharded(tmp_path / "ckpt")
 
 
-def test_bad_process_group_is_named():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+def test_bad_process_group_is_named(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{new_store(str(tmp_path))}", rank=0,
                             world_size=1, timeout=timedelta(seconds=60))
     try:
         with pytest.raises(TypeError, match="process_group must be a torch.distributed."
