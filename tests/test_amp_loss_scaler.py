@@ -127,18 +127,56 @@ def test_unscale_grad_buffer_one_kernel_per_flat_buffer(monkeypatch):
     assert scaler.unscale_(buf).item() == 1.0
 
 
-def test_unscale_tensor_list_matches_torch():
-    grads = [torch.randn(7) * 100, torch.randn(3, 5).to(torch.float16), torch.randn(1)]
-    grads[1][2, 3] = float("inf")
-    want = [g.clone() for g in grads]
-    want_found = torch.zeros(())
-    torch._amp_foreach_non_finite_check_and_unscale_(want[:1] + want[2:], want_found,
-                                                     torch.tensor(0.25))
-    torch._amp_foreach_non_finite_check_and_unscale_(want[1:2], want_found, torch.tensor(0.25))
+@pytest.mark.parametrize("poisoned", [None, 0, 1, 2], ids=["clean", "first", "middle", "last"])
+def test_unscale_grad_buffer_flags_inf_in_any_bucket(poisoned):
+    """Three buckets (float32, bfloat16, float16); an inf/NaN in one of them, the others clean:
+    the flag stays set whichever bucket comes after the poisoned one. By hand: the scale is
+    a power of two, so every unscaled value is exact."""
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3),
+                                torch.nn.Linear(3, 2))
+    model[1].to(torch.bfloat16)
+    model[2].to(torch.float16)
+    buf = mk.GradBuffer(model.parameters())
+    assert [b.grads.dtype for b in buf.buckets] == [torch.float32, torch.bfloat16, torch.float16]
+    for b in buf.buckets:
+        b.grads.normal_()
+    if poisoned is not None:
+        flat = buf.buckets[poisoned].grads
+        flat[int(torch.randint(flat.numel(), ()))] = float("nan") if poisoned % 2 else float("inf")
+    want = [(b.grads.double() / 8).to(b.grads.dtype) for b in buf.buckets]
+    found_inf = mk.LossScaler(init_scale=8.0).unscale_(buf)
+    assert found_inf.item() == (0.0 if poisoned is None else 1.0)
+    for b, w in zip(buf.buckets, want):
+        assert torch.equal(b.grads.isnan(), w.isnan())
+        assert torch.equal(b.grads.nan_to_num(), w.nan_to_num())
+
+
+def test_unscale_tensor_list_by_hand():
+    grads = [torch.randn(7) * 100, torch.randn(3, 5).to(torch.float16), torch.randn(1),
+             torch.randn(4).to(torch.bfloat16)]
+    want = [(g.double() / 4).to(g.dtype) for g in grads]  # exact: 1/4 is a power of two
     found = mk.LossScaler(init_scale=4.0).unscale_(grads)
-    assert found.item() == want_found.item() == 1.0
+    assert found.item() == 0.0
     for g, w in zip(grads, want):
         assert torch.equal(g, w)
+    grads[1][2, 3] = float("inf")  # in the first dtype group only: the later ones are clean
+    found = mk.LossScaler(init_scale=4.0).unscale_(grads)
+    assert found.item() == 1.0 and grads[1][2, 3].item() == float("inf")
+
+
+@pytest.mark.parametrize("growth_factor, top", [(2.0, 2.0**127), (1.5, 1.5 * 2.0**127)])
+def test_growth_never_leaves_float32(growth_factor, top):
+    """Near the top of float32 (max 3.4028e38 = (2 - 2**-23) * 2**127) a grown scale would
+    be inf: the scale stays where it is, finite, and keeps working (torch's rule: growth is
+    kept only if finite)."""
+    assert top * growth_factor > torch.finfo(torch.float32).max
+    scaler = mk.LossScaler(init_scale=top, growth_factor=growth_factor, growth_interval=2)
+    scaler.scale(torch.ones(()))
+    scales = run_updates(scaler, [0] * 6)
+    assert scales == [top] * 6
+    assert scaler.state_dict()["_growth_tracker"] == 0
+    assert torch.isfinite(scaler.scale(torch.ones(()))).item()
+    assert run_updates(scaler, [1, 0, 0]) == [top / 2, top / 2, top / 2 * growth_factor]
 
 
 def test_state_dict_round_trip_and_grad_scaler_state():

@@ -95,7 +95,6 @@ def sequences(lengths):
 def test_num_items_gives_the_token_mean_and_plain_backward_the_mean_of_means():
     base = make_model()
     seqs = sequences([3, 17, 6, 11])
-    tokens = sum(len(x) for x, _ in seqs)
 
     def run(feed):
         model = copy.deepcopy(base)
@@ -122,7 +121,59 @@ def test_num_items_gives_the_token_mean_and_plain_backward_the_mean_of_means():
     assert params_rel_err(with_tensor_items, token_mean) <= 1e-6
     # Without num_items each sequence weighs the same whatever its length: another gradient.
     assert params_rel_err(mean_of_means, token_mean) > 1e-3
-    assert tokens == 37
+
+
+def hand_computed_windows(opt, model, lr, accumulation, seed, rank=0, world=1, windows=5):
+    """Trains ``model`` (a ``Linear(13, 5)`` under SGD without momentum) for ``windows``
+    windows and follows it by hand in float64; returns, per window, the relative errors of
+    ``opt.grad_norm`` and of the parameters.
+
+    For a summed squared error the gradient of micro-batch (x, y) is ``2 r^T x`` (weight) and
+    ``2 sum(r)`` (bias), ``r = x W^T + b - y``. A num_items window divides the sum over every
+    rank's micro-batches by their total item count; a plain one averages the mean-loss
+    gradients of all micro-batches of all ranks. Windows alternate between the two, and every
+    micro-batch of every rank has its own length, so a count that leaks from one window into
+    the next, or a normaliser taken from the wrong count, shows. Every rank draws the same
+    data (from ``seed``) and feeds its own micro-batches."""
+    W, b = (p.detach().double().clone() for p in (model.weight, model.bias))
+    errors = []
+    for window in range(windows):
+        gen = torch.Generator().manual_seed(seed * 100 + window)
+        with_items = window % 2 == 0
+        lengths = torch.randint(1, 20, (world, accumulation), generator=gen).tolist()
+        data = [[(torch.randn(n, 13, generator=gen), torch.randn(n, 5, generator=gen))
+                 for n in row] for row in lengths]
+        gW, gb = torch.zeros_like(W), torch.zeros_like(b)
+        for r_data in data:
+            for x, y in r_data:
+                r = x.double() @ W.T + b - y.double()
+                weight = 1.0 if with_items else 1.0 / (y.numel() * accumulation * world)
+                gW += weight * 2 * r.T @ x.double()
+                gb += weight * 2 * r.sum(0)
+        if with_items:
+            items = sum(y.numel() for r_data in data for _, y in r_data)
+            gW, gb = gW / items, gb / items
+        for x, y in data[rank]:
+            loss = mse(model, x, y, "sum" if with_items else "mean")
+            opt.backward(loss, num_items=y.numel() if with_items else None)
+        assert opt.step()
+        opt.zero_grad()
+        W, b = W - lr * gW, b - lr * gb
+        norm = torch.cat([gW.flatten(), gb]).norm().item()
+        errors.append((abs(opt.grad_norm - norm) / norm,
+                       params_rel_err([model.weight.detach(), model.bias.detach()], [W, b])))
+    return errors
+
+
+@pytest.mark.parametrize("accumulation", [1, 2, 3])
+def test_windows_follow_the_hand_computed_gradient(accumulation):
+    model = torch.nn.Linear(13, 5)
+    opt = mk.optim.ShardedOptimizer(model.parameters(), "sgd", lr=0.05,
+                                    accumulation_steps=accumulation)
+    seed = int(torch.randint(2**20, ()))
+    for window, (norm_err, param_err) in enumerate(
+            hand_computed_windows(opt, model, 0.05, accumulation, seed)):
+        assert norm_err <= 1e-5 and param_err <= 1e-6, (window, norm_err, param_err)
 
 
 # ----------------------------------------------------------------------------- loss scaling
