@@ -181,13 +181,61 @@ def adamw_magnitudes(master, exp_avg, exp_avg_sq, grads, step, grad_multiplier, 
     return mag_master, mag_m, mag_v
 
 
-def sgd_magnitudes(reference, master, momentum_buffer, grads, step, grad_multiplier, hyper):
-    """Per element, the size of the terms SGD adds up: the reference itself run on absolute
-    values with ``-lr``, which turns every subtraction into an addition (float64 inputs)."""
+def sgd_magnitudes(master, momentum_buffer, grads, step, grad_multiplier, hyper):
+    """Per element, the size of the terms SGD adds up (float64 inputs before the step): each
+    sum of the update with its terms taken by absolute value."""
     lr, momentum, dampening, weight_decay, nesterov = hyper
-    mag_master = master.abs()
-    mag_buf = None if momentum_buffer is None else momentum_buffer.abs()
-    reference(mag_master, mag_buf, grads.abs(), None, step.clone(),
-              None if grad_multiplier is None else grad_multiplier.abs(), None,
-              -lr, momentum, dampening, weight_decay, nesterov)
-    return mag_master, mag_buf
+    d = grads.abs() * (1.0 if grad_multiplier is None else abs(grad_multiplier.item()))
+    d = d + weight_decay * master.abs()
+    mag_buf = None
+    if momentum != 0.0:
+        mag_buf = d if step.item() == 0 else momentum * momentum_buffer.abs() + (1 - dampening) * d
+        d = d + momentum * mag_buf if nesterov else mag_buf
+    return master.abs() + lr * d, mag_buf
+
+
+# --------------------------------------------------------------------------------------------
+# float64 oracles that share no code with memkern: torch.optim's own update rules
+
+
+def _torch_step(make_opt, master, state: dict, grads, grad_multiplier, found_inf):
+    """One step of the torch optimizer ``make_opt([p])`` in float64 from ``state``; returns the
+    new master and state, or copies of the old ones when ``found_inf`` is non-zero."""
+    p = torch.nn.Parameter(f64(master).clone())
+    if found_inf is not None and found_inf.item() != 0:
+        return p.detach(), {k: v.clone() for k, v in state.items()}
+    g = f64(grads)
+    if grad_multiplier is not None:
+        g = g * grad_multiplier.item()
+    p.grad = g
+    opt = make_opt([p])
+    opt.state[p] = {k: v.clone() for k, v in state.items()}
+    opt.step()
+    return p.detach(), opt.state[p]
+
+
+def adamw_torch(master, exp_avg, exp_avg_sq, grads, step, grad_multiplier, found_inf,
+                lr, beta1, beta2, eps, weight_decay):
+    """``[master, exp_avg, exp_avg_sq]`` (float64) and the step after one
+    ``torch.optim.AdamW`` step (single-tensor path) from the given state."""
+    state = {"step": torch.tensor(float(step.item())), "exp_avg": f64(exp_avg),
+             "exp_avg_sq": f64(exp_avg_sq)}
+    new_master, new = _torch_step(
+        lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(beta1, beta2), eps=eps,
+                                     weight_decay=weight_decay, foreach=False),
+        master, state, grads, grad_multiplier, found_inf)
+    return [new_master, new["exp_avg"], new["exp_avg_sq"]], new["step"].item()
+
+
+def sgd_torch(master, momentum_buffer, grads, step, grad_multiplier, found_inf,
+              lr, momentum, dampening, weight_decay, nesterov):
+    """``(master, momentum_buffer)`` (float64; the buffer None without momentum) after one
+    ``torch.optim.SGD`` step; memkern's ``step == 0`` is torch's "no buffer yet"."""
+    state = {}
+    if momentum != 0.0 and step.item() != 0:
+        state["momentum_buffer"] = f64(momentum_buffer)
+    new_master, new = _torch_step(
+        lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum, dampening=dampening,
+                                   weight_decay=weight_decay, nesterov=nesterov, foreach=False),
+        master, state, grads, grad_multiplier, found_inf)
+    return new_master, new.get("momentum_buffer")

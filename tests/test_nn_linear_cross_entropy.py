@@ -46,13 +46,16 @@ def test_matches_unfused_float64(reduction, smoothing, bias, chunk):
         assert rel_err(a, r) < 1e-12
 
 
+@pytest.mark.parametrize("chunk", [None, 97], ids=["default-chunk", "chunk97"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_low_precision_matches_unfused(dtype, reduction):
+def test_low_precision_matches_unfused(dtype, reduction, chunk):
+    """1023 tokens: on the CPU the default chunk covers them all, so ``chunk_size=97`` (11
+    chunks, the last one short) is what exercises the accumulation of dW across chunks."""
     x, w, b, t = _data(1023, 19, 131, dtype=dtype, bias=True, ignore=(5,))
     ref = F.cross_entropy(F.linear(x, w, b).float(), t, reduction=reduction)
-    got = lce(x, w, t, b, reduction=reduction)
+    got = lce(x, w, t, b, reduction=reduction, chunk_size=chunk)
     assert got.dtype == dtype
     assert rel_err(got, ref) < TOL[dtype]
     g = torch.randn_like(ref)
