@@ -40,7 +40,7 @@ fi
 
 "$python" -m pip install "setuptools>=64" wheel ninja numpy matplotlib
 if [ "$with_tests" = 1 ]; then
-  "$python" -m pip install "pytest>=8" pytest-xdist expecttest "triton>=3.3" transformers
+  "$python" -m pip install "pytest>=8" pytest-xdist expecttest "triton>=3.4" transformers
 fi
 "$python" -m pip install --no-build-isolation -e .
 "$python" -c 'import memkern; print("memkern", memkern.__version__, "backends:", memkern.backends())'

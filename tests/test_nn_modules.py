@@ -295,7 +295,7 @@ def _torch_mlp(m: mk.nn.MLP) -> nn.Sequential:
     ref = nn.Sequential(nn.Linear(fc1.in_features, fc1.out_features, bias=fc1.bias is not None),
                         _ACTS[m.activation](),
                         nn.Linear(fc2.in_features, fc2.out_features, bias=fc2.bias is not None))
-    ref = ref.to(fc1.weight.dtype)
+    ref = ref.to(fc1.weight.device, fc1.weight.dtype)
     ref[0].load_state_dict(fc1.state_dict())
     ref[2].load_state_dict(fc2.state_dict())
     return ref

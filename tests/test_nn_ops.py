@@ -1,7 +1,7 @@
 """The ops behind memkern.nn (memkern/ops/{activation,swiglu,dropout,norm,cross_entropy,
-linear_cross_entropy}.py): reference vs float64 torch math, Triton (under TRITON_INTERPRET=1 on
-the CPU, on the GPU when there is one) vs the reference, torch.library.opcheck on each op, and
-the argument checks.
+linear_cross_entropy}.py): reference vs float64 torch math, Triton vs the reference (each test
+twice: under TRITON_INTERPRET=1 on the CPU, and compiled for real on a GPU, marked cuda),
+torch.library.opcheck on each op, and the argument checks.
 
 Fresh random data every run (conftest prints the seed), odd sizes, outputs compared against an
 oracle computed in float64 from the very inputs the op saw.
@@ -186,13 +186,24 @@ def _triton(op, *args):
         return op(*args)
 
 
-@needs_triton
+# Every Triton test runs twice: interpreted on the CPU (CI), and compiled for real on a GPU
+# (marked cuda), so that on a GPU machine each kernel, dtype and shape is a test of its own.
+DEVICES = [pytest.param("cpu", marks=needs_triton, id="interpreted"),
+           pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")]
+# The wide shape on the GPU only: the interpreter takes seconds per call on it.
+DEVICE_SHAPES = [pytest.param("cpu", (7, 131), marks=needs_triton, id="interpreted-7x131"),
+                 pytest.param("cuda", (7, 131), marks=pytest.mark.cuda, id="cuda-7x131"),
+                 pytest.param("cuda", (37, 4099), marks=pytest.mark.cuda, id="cuda-37x4099")]
+
+
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("kind", KINDS)
-def test_triton_activation_matches_reference(kind, dtype):
-    x = (torch.randn(7, 131) * 4).to(dtype)
-    g = torch.randn(7, 131).to(dtype)
-    x[0, 0], x[3, 65], x[6, 130] = math.nan, math.inf, -math.inf
+@pytest.mark.parametrize("device, shape", DEVICE_SHAPES)
+def test_triton_activation_matches_reference(device, shape, kind, dtype):
+    x = (torch.randn(shape, device=device) * 4).to(dtype)
+    g = torch.randn(shape, device=device).to(dtype)
+    rows, cols = shape
+    x[0, 0], x[rows // 2, cols // 2], x[-1, -1] = math.nan, math.inf, -math.inf
     y = _triton(ops.act_forward, x, kind)
     ref = ops.act_forward.reference(x, kind)
     finite = torch.isfinite(ref)
@@ -207,34 +218,41 @@ def test_triton_activation_matches_reference(kind, dtype):
     assert rel_err(dx[finite], rdx[finite]) <= TRITON_TOL[dtype]
 
 
-@needs_triton
 @pytest.mark.parametrize("dtype", LOW)
-def test_triton_swiglu_matches_reference(dtype):
-    a, b, g = (torch.randn(5, 263).mul(3).to(dtype) for _ in range(3))
+@pytest.mark.parametrize("device, shape", DEVICE_SHAPES)
+def test_triton_swiglu_matches_reference(device, shape, dtype):
+    a, b, g = (torch.randn(shape, device=device).mul(3).to(dtype) for _ in range(3))
     assert rel_err(_triton(ops.swiglu_forward, a, b), ops.swiglu_forward.reference(a, b)) <= TRITON_TOL[dtype]
     for got, want in zip(_triton(ops.swiglu_backward, g, a, b), ops.swiglu_backward.reference(g, a, b)):
         assert rel_err(got, want) <= TRITON_TOL[dtype]
 
 
-@needs_triton
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("numel", [1, 7, 1023, 4099])
-def test_triton_dropout_bit_identical_to_reference(numel, dtype):
-    x = torch.randn(numel).to(dtype)
-    seed = torch.randint(0, 1 << 62, (), dtype=torch.int64)
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_dropout_bit_identical_to_reference(device, numel, dtype):
+    x = torch.randn(numel, device=device).to(dtype)
+    seed = torch.randint(0, 1 << 62, (), dtype=torch.int64, device=device)
     y = _triton(ops.dropout, x, seed, 0.37)
     assert torch.equal(y, ops.dropout.reference(x, seed, 0.37))
 
 
-@needs_triton
+@pytest.mark.parametrize("rows", ["one-per-program", "several-per-program"])
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
-def test_triton_norm_matches_reference(rms, affine, dtype):
-    x = (torch.randn(13, 67) * 2 + 1).to(dtype)
-    w = torch.randn(67) if affine else None
-    b = torch.randn(67) if affine and not rms else None
-    dy = torch.randn(13, 67).to(dtype)
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_norm_matches_reference(device, rms, affine, dtype, rows):
+    """The backward's programs each sum dW/db over a range of rows: with more rows than
+    programs (several-per-program) that accumulation runs, and the last range is short."""
+    from memkern.kernels.norm import _sm_count
+
+    programs = 4 * _sm_count(torch.empty(0, device=device))  # what norm_backward launches
+    n = 13 if rows == "one-per-program" else 3 * programs + 5
+    x = (torch.randn(n, 67, device=device) * 2 + 1).to(dtype)
+    w = torch.randn(67, device=device) if affine else None
+    b = torch.randn(67, device=device) if affine and not rms else None
+    dy = torch.randn(n, 67, device=device).to(dtype)
     y, mean, rstd = _triton(ops.norm_forward, x, w, b, 1e-5, rms)
     ry, rmean, rrstd = ops.norm_forward.reference(x, w, b, 1e-5, rms)
     assert rel_err(y, ry) <= TRITON_TOL[dtype]
@@ -248,14 +266,14 @@ def test_triton_norm_matches_reference(rms, affine, dtype):
         assert rel_err(got[1], want[1]) < 1e-5 and rel_err(got[2], want[2]) < 1e-5
 
 
-@needs_triton
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("smoothing", [0.0, 0.2])
-def test_triton_cross_entropy_rows_matches_reference(dtype, smoothing):
-    z = (torch.randn(6, 1537) * 4).to(dtype)
-    t = torch.randint(0, 1537, (6,))
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_cross_entropy_rows_matches_reference(device, dtype, smoothing):
+    z = (torch.randn(6, 1537, device=device) * 4).to(dtype)
+    t = torch.randint(0, 1537, (6,), device=device)
     t[2] = -100
-    scale = torch.randn(6)
+    scale = torch.randn(6, device=device)
     for rs in (None, scale):
         a, b = z.clone(), z.clone()
         loss = _triton(ops.cross_entropy_rows_, a, t, rs, -100, smoothing, True)
@@ -328,33 +346,3 @@ def test_every_nn_op_is_opchecked():
 def test_errors_name_the_argument(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
-
-
-# ----------------------------------------------------------------------------------------------
-# GPU: the Triton kernels compiled for real (skipped without a GPU)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", LOW)
-def test_cuda_kernels_match_reference(dtype):
-    dev = torch.device("cuda")
-    x = (torch.randn(37, 4099, device=dev) * 3).to(dtype)
-    g = torch.randn(37, 4099, device=dev).to(dtype)
-    for kind in KINDS:
-        assert rel_err(ops.act_forward(x, kind), ops.act_forward.reference(x, kind)) <= TRITON_TOL[dtype]
-        assert rel_err(ops.act_backward(g, x, kind), ops.act_backward.reference(g, x, kind)) <= TRITON_TOL[dtype]
-    for got, want in zip(ops.swiglu_backward(g, x, g), ops.swiglu_backward.reference(g, x, g)):
-        assert rel_err(got, want) <= TRITON_TOL[dtype]
-    seed = torch.randint(0, 1 << 62, (), dtype=torch.int64, device=dev)
-    assert torch.equal(ops.dropout(x, seed, 0.1), ops.dropout.reference(x, seed, 0.1))
-    w = torch.randn(4099, device=dev)
-    y, mean, rstd = ops.norm_forward(x, w, w, 1e-5, False)
-    assert rel_err(y, ops.norm_forward.reference(x, w, w, 1e-5, False)[0]) <= TRITON_TOL[dtype]
-    got = ops.norm_backward(g, x, w, mean, rstd, False)
-    want = ops.norm_backward.reference(g, x, w, mean, rstd, False)
-    assert all(rel_err(a, b) <= max(TRITON_TOL[dtype], 1e-5) for a, b in zip(got, want))
-    t = torch.randint(0, 4099, (37,), device=dev)
-    a, b = x.clone(), x.clone()
-    assert rel_err(ops.cross_entropy_rows_(a, t, None, -100, 0.1, True),
-                   ops.cross_entropy_rows_.reference(b, t, None, -100, 0.1, True)) < 1e-5
-    assert rel_err(a, b) <= 2 * TRITON_TOL[dtype]

@@ -154,8 +154,8 @@ def scenario_hand_computed(rank, world, seed, shared):
 
 
 def scenario_no_host_read(rank, world, seed, shared):
-    """test_optim_sharded's host-read spy over windows of stage 1 and stage 2 training."""
-    from test_optim_sharded import HostReadSpy
+    """The host-read spy over windows of stage 1 and stage 2 training."""
+    from host_reads import HostReadSpy
 
     reads = {}
     for mode in ("stage1", "stage2"):

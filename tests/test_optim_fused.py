@@ -8,6 +8,7 @@ import torch
 
 import memkern as mk
 from compare import params_rel_err
+from host_reads import HostReadSpy
 
 
 def make_model(dtype=torch.float32):
@@ -161,27 +162,32 @@ def test_low_precision_params_get_float32_master_weights():
     assert state_dict["state"][0]["master_param"].dtype == torch.float32
 
 
-def test_torch_grad_scaler_drives_the_fused_step_without_a_host_read():
-    """GradScaler hands a fused optimizer grad_scale and found_inf (no unscale pass, no sync);
-    results equal GradScaler + torch.optim.AdamW, including a skipped step."""
+def test_torch_grad_scaler_drives_the_fused_step_without_a_host_read(monkeypatch):
+    """GradScaler hands a fused optimizer grad_scale and found_inf; results equal GradScaler +
+    torch.optim.AdamW, including a skipped step, and the fused step reads nothing on the host
+    (torch.optim.AdamW's does: GradScaler reads found_inf to decide whether to call it)."""
     ours = make_model()
     theirs = copy.deepcopy(ours)
     data = [batch() for _ in range(8)]
-    runs = []
+    runs, reads = [], []
     for model, opt in ((ours, mk.optim.FusedAdamW(ours.parameters(), lr=1e-2)),
                        (theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2))):
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
-        scales = []
+        scales, step_reads = [], []
         for i, (x, y) in enumerate(data):
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y) * (float("inf") if i == 3 else 1.0)
             scaler.scale(loss).backward()
-            scaler.step(opt)
+            with pytest.MonkeyPatch.context() as patch, HostReadSpy(patch) as spy:
+                scaler.step(opt)
+            step_reads += spy.reads
             scaler.update()
             scales.append(scaler.get_scale())
         runs.append(scales)
+        reads.append(step_reads)
     assert runs[0] == runs[1]
     assert_params_close(ours, theirs, 1e-6)
+    assert reads[0] == [] and reads[1], reads  # the spy sees the read torch's path makes
 
 
 def test_zero_grad_keeps_the_buffer_and_groups_are_fixed():

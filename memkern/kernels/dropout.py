@@ -3,6 +3,10 @@ from ``(seed, element index)`` with ``tl.randint4x`` (Philox4x32-10), so forward
 apply the same mask without storing it. Program ``p`` handles counters ``c`` in
 ``[p * BLOCK, (p + 1) * BLOCK)`` and, for each, the four elements ``c + j * n4`` (j = 0..3),
 which use output word ``j`` of the counter — the layout the reference defines.
+
+Needs triton >= 3.4 (the floor in pyproject.toml): from 3.4.0 ``tl.randint4x`` takes an int64
+offset as the counter's low and high 32-bit words, as the reference does; 3.3 runs the 64-bit
+Philox variant on it, which gives other masks.
 """
 from __future__ import annotations
 
