@@ -164,7 +164,8 @@ def test_unscale_tensor_list_by_hand():
     assert found.item() == 1.0 and grads[1][2, 3].item() == float("inf")
 
 
-@pytest.mark.parametrize("growth_factor, top", [(2.0, 2.0**127), (1.5, 1.5 * 2.0**127)])
+@pytest.mark.parametrize("growth_factor, top", [(2.0, 2.0**127), (1.5, 1.5 * 2.0**127)],
+                         ids=["x2-from-2^127", "x1.5-from-1.5x2^127"])
 def test_growth_never_leaves_float32(growth_factor, top):
     """Near the top of float32 (max 3.4028e38 = (2 - 2**-23) * 2**127) a grown scale would
     be inf: the scale stays where it is, finite, and keeps working (torch's rule: growth is

@@ -289,11 +289,10 @@ def scenario_mismatch(rank, world, seed, shared):
             params = params[:-1]
         if rank == 1 and case == "frozen":
             params[2].requires_grad_(False)
-        start = time.monotonic()
         try:
             mk.optim.ShardedOptimizer(params, lr=1e-3)
         except ValueError as e:
-            errors[case] = (str(e), time.monotonic() - start)
+            errors[case] = str(e)
     return errors
 
 
@@ -541,14 +540,15 @@ def test_interrupted_save_never_loads_silently_wrong(runs, shared):
 
 def test_ranks_that_disagree_on_the_parameters_fail_fast(shared, seed):
     errors = launch(2, ["mismatch"], shared, seed)["mismatch"]
+    # A ValueError that names the mismatch, on every rank: not a collective that waits for its
+    # 60 s timeout (which would fail with the process group's error instead).
     for rank_errors in errors:
-        message, seconds = rank_errors["shape"]
+        message = rank_errors["shape"]
         assert "param group 0, parameter 1 is float32 of shape (33, 13) on rank 0 but " \
                "float32 of shape (34, 13) on rank 1" in message
-        assert seconds < 10
-        message, seconds = rank_errors["count"]
+        message = rank_errors["count"]
         assert "param group 0 has 5 parameters on rank 0 but 4 on rank 1" in message
-        message, seconds = rank_errors["frozen"]
+        message = rank_errors["frozen"]
         assert "rank 1 of process_group cannot use its parameters: ValueError: memkern: " \
                "params[2] (shape (33,), torch.float32) does not require grad" in message
 
