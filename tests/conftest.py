@@ -14,6 +14,15 @@ if not torch.cuda.is_available():
 import memkern  # noqa: E402  (after TRITON_INTERPRET)
 
 
+def pytest_report_header(config):
+    """Which backends the cases were generated for: a backend that is absent here (e.g. the
+    C++ one when the build was skipped) has no cases at all, so say so at the top."""
+    present = memkern.backends()
+    missing = [] if memkern.compiled.has_cpu else [f"cpu ({memkern.compiled.missing_reason})"]
+    return (f"memkern backends: {', '.join(b for b, ok in present.items() if ok)}"
+            + (f"; no cases for: {', '.join(missing)}" if missing else ""))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
