@@ -76,6 +76,22 @@ inline void check_step_args(const char* op, const at::Tensor& master, const at::
   check_scalar(op, "found_inf", found_inf, master);
 }
 
+// 8-bit optimizer state (memkern/ops/adamw8bit.py): codes of `dtype` like `master`, and one
+// float32 absmax per block of `block` elements on its device.
+inline void check_codes(const char* op, const char* name, const at::Tensor& codes,
+                        at::ScalarType dtype, const char* absmax_name, const at::Tensor& absmax,
+                        const at::Tensor& master, int64_t block) {
+  check_flat(op, name, codes, master);
+  TORCH_CHECK(codes.scalar_type() == dtype, "memkern.", op, ": ", name, " has dtype ",
+              codes.scalar_type(), "; expected ", dtype);
+  const int64_t blocks = (master.numel() + block - 1) / block;
+  TORCH_CHECK(absmax.dim() == 1 && absmax.is_contiguous() && absmax.numel() == blocks &&
+                  absmax.scalar_type() == at::kFloat && absmax.device() == master.device(),
+              "memkern.", op, ": ", absmax_name, " must be a contiguous float32 buffer of ",
+              blocks, " elements (one per block of ", block, ") on ", master.device(), ", got ",
+              absmax.scalar_type(), " of shape ", absmax.sizes(), " on ", absmax.device());
+}
+
 // SGD's momentum buffer: required (float32, like master) when momentum != 0, unused otherwise.
 inline void check_momentum_buffer(const char* op, double momentum,
                                   const std::optional<at::Tensor>& momentum_buffer,

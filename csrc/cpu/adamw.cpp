@@ -1,4 +1,4 @@
-// memkern::adamw_step_ on CPU: the AdamW math of the CPU backend lives in adamw_block below.
+// memkern::adamw_step_ on CPU: the loop over float32 state (the math: adamw_math.h).
 // Contract: memkern/ops/adamw.py.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -6,24 +6,11 @@
 #include <cmath>
 
 #include "../checks.h"
+#include "adamw_math.h"
 #include "flat_math.h"
 
 namespace memkern::cpu {
 namespace {
-
-// Per-step constants, computed once in double from the step counter as torch does.
-struct AdamWCoefficients {
-  float grad_multiplier;
-  float decay;  // 1 - lr * weight_decay
-  float one_minus_beta1;  // lerp weight
-  float beta1;
-  bool lerp_from_end;  // torch.lerp's second form, used when the weight is >= 0.5
-  float beta2;
-  float one_minus_beta2;
-  float step_size;  // lr / (1 - beta1^t)
-  float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
-  float eps;
-};
 
 // torch.optim.AdamW's update of n elements, in float32; params gets round(master).
 template <typename grad_t, typename param_t>
@@ -33,13 +20,9 @@ MEMKERN_VECTOR_CLONES void adamw_block(float* __restrict master, float* __restri
                                        param_t* __restrict params, AdamWCoefficients c,
                                        int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const float g = to_float(grads[i]) * c.grad_multiplier;
-    // torch.lerp(exp_avg, g, 1 - beta1), both of its forms (they differ for inf gradients).
-    const float m = c.lerp_from_end ? g - (g - exp_avg[i]) * c.beta1
-                                    : exp_avg[i] + c.one_minus_beta1 * (g - exp_avg[i]);
-    const float v = exp_avg_sq[i] * c.beta2 + c.one_minus_beta2 * g * g;
-    const float denom = std::sqrt(v) / c.bias_correction2_sqrt + c.eps;
-    const float w = master[i] * c.decay - c.step_size * m / denom;
+    float m = exp_avg[i];
+    float v = exp_avg_sq[i];
+    const float w = adamw_element(master[i], m, v, to_float(grads[i]), c);
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     master[i] = w;
@@ -59,17 +42,8 @@ void adamw_step_cpu(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg
   if (found_inf_set(found_inf)) return;  // a skipped step writes nothing, not even the step
 
   const double t = static_cast<double>(read_scalar(step)) + 1.0;
-  const AdamWCoefficients c{
-      grad_multiplier.has_value() ? read_scalar(*grad_multiplier) : 1.0f,
-      static_cast<float>(1.0 - lr * weight_decay),
-      static_cast<float>(1.0 - beta1),
-      static_cast<float>(beta1),
-      1.0 - beta1 >= 0.5,
-      static_cast<float>(beta2),
-      static_cast<float>(1.0 - beta2),
-      static_cast<float>(lr / (1.0 - std::pow(beta1, t))),
-      static_cast<float>(std::sqrt(1.0 - std::pow(beta2, t))),
-      static_cast<float>(eps)};
+  const AdamWCoefficients c =
+      adamw_coefficients(t, grad_multiplier, lr, beta1, beta2, eps, weight_decay);
 
   std::optional<at::ScalarType> param_dtype;
   if (params.has_value()) param_dtype = params->scalar_type();

@@ -118,6 +118,35 @@ void adamw_step_cuda(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_av
                        weight_decay, c10::cuda::getCurrentCUDAStream()));
 }
 
+void adamw8bit_step_cuda(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_absmax,
+                         at::Tensor& exp_avg_sq, at::Tensor& exp_avg_sq_absmax,
+                         const at::Tensor& grads, const std::optional<at::Tensor>& params,
+                         at::Tensor& step, const std::optional<at::Tensor>& grad_multiplier,
+                         const std::optional<at::Tensor>& found_inf, double lr, double beta1,
+                         double beta2, double eps, double weight_decay) {
+  constexpr const char* op = "adamw8bit_step_";
+  memkern::check_step_args(op, master, grads, params, step, grad_multiplier, found_inf);
+  memkern::check_codes(op, "exp_avg", exp_avg, at::kChar, "exp_avg_absmax", exp_avg_absmax,
+                       master, memkern::flat_ops::kQuantBlock);
+  memkern::check_codes(op, "exp_avg_sq", exp_avg_sq, at::kByte, "exp_avg_sq_absmax",
+                       exp_avg_sq_absmax, master, memkern::flat_ops::kQuantBlock);
+  const DType grads_dtype = kernel_dtype(op, "grads", grads);
+  const auto [params_data, params_dtype] = params_or_none(op, params, grads_dtype);
+  const float* grad_multiplier_data = optional_scalar(op, "grad_multiplier", grad_multiplier,
+                                                      master);
+  const float* found_inf_data = optional_scalar(op, "found_inf", found_inf, master);
+
+  const c10::cuda::CUDAGuard device_guard(master.device());
+  check_launch(op, memkern::flat_ops::adamw8bit_step(
+                       master.data_ptr<float>(), static_cast<int8_t*>(exp_avg.data_ptr()),
+                       exp_avg_absmax.data_ptr<float>(),
+                       static_cast<uint8_t*>(exp_avg_sq.data_ptr()),
+                       exp_avg_sq_absmax.data_ptr<float>(), grads.data_ptr(), grads_dtype,
+                       params_data, params_dtype, master.numel(), step.data_ptr<float>(),
+                       grad_multiplier_data, found_inf_data, lr, beta1, beta2, eps,
+                       weight_decay, c10::cuda::getCurrentCUDAStream()));
+}
+
 void sgd_step_cuda(at::Tensor& master, const std::optional<at::Tensor>& momentum_buffer,
                    const at::Tensor& grads, const std::optional<at::Tensor>& params,
                    at::Tensor& step, const std::optional<at::Tensor>& grad_multiplier,
@@ -150,5 +179,6 @@ TORCH_LIBRARY_IMPL(memkern, CUDA, m) {
   m.impl("unscale_", TORCH_FN(unscale_cuda));
   m.impl("l2_norm", TORCH_FN(l2_norm_cuda));
   m.impl("adamw_step_", TORCH_FN(adamw_step_cuda));
+  m.impl("adamw8bit_step_", TORCH_FN(adamw8bit_step_cuda));
   m.impl("sgd_step_", TORCH_FN(sgd_step_cuda));
 }

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/adamw.cuh"
+#include "kernels/adamw8bit.cuh"
 #include "kernels/common.cuh"
 #include "kernels/l2_norm.cuh"
 #include "kernels/sgd.cuh"
@@ -15,6 +16,7 @@ namespace memkern::flat_ops {
 namespace {
 
 using device::kThreadsPerBlock;
+static_assert(device::kQBlock == kQuantBlock, "one quantization block size for kernel and host");
 using device::kVecWidth;
 
 template <typename T>
@@ -102,6 +104,20 @@ cudaError_t launch_step(int64_t n, DType grads_dtype, const void* params, DType 
   return launch_advance_step(step, found_inf, stream);
 }
 
+device::AdamWConstants adamw_constants(double lr, double beta1, double beta2, double eps,
+                                       double weight_decay) {
+  device::AdamWConstants constants{};
+  constants.lr = lr;
+  constants.beta1 = beta1;
+  constants.beta2 = beta2;
+  constants.weight_decay_factor = static_cast<float>(1.0 - lr * weight_decay);
+  constants.exp_avg_weight = static_cast<float>(1.0 - beta1);
+  constants.beta2_f32 = static_cast<float>(beta2);
+  constants.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  constants.eps = static_cast<float>(eps);
+  return constants;
+}
+
 }  // namespace
 
 cudaError_t unscale(void* grads, DType grads_dtype, int64_t n, float* found_inf,
@@ -148,15 +164,7 @@ cudaError_t adamw_step(float* master, float* exp_avg, float* exp_avg_sq, const v
                        float* step, const float* grad_multiplier, const float* found_inf,
                        double lr, double beta1, double beta2, double eps, double weight_decay,
                        cudaStream_t stream) {
-  device::AdamWConstants constants{};
-  constants.lr = lr;
-  constants.beta1 = beta1;
-  constants.beta2 = beta2;
-  constants.weight_decay_factor = static_cast<float>(1.0 - lr * weight_decay);
-  constants.exp_avg_weight = static_cast<float>(1.0 - beta1);
-  constants.beta2_f32 = static_cast<float>(beta2);
-  constants.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  constants.eps = static_cast<float>(eps);
+  const device::AdamWConstants constants = adamw_constants(lr, beta1, beta2, eps, weight_decay);
   const auto launch = [&](auto grads_tag, auto params_tag) {
     using G = typename decltype(grads_tag)::type;
     using P = typename decltype(params_tag)::type;
@@ -171,6 +179,30 @@ cudaError_t adamw_step(float* master, float* exp_avg, float* exp_avg_sq, const v
     kernel<<<grid, kThreadsPerBlock, 0, stream>>>(
         master, exp_avg, exp_avg_sq, static_cast<const G*>(grads), static_cast<P*>(params), n,
         vectorised, step, grad_multiplier, found_inf, constants);
+    return cudaGetLastError();
+  };
+  return launch_step(n, grads_dtype, params, params_dtype, step, found_inf, stream, launch);
+}
+
+cudaError_t adamw8bit_step(float* master, int8_t* exp_avg, float* exp_avg_absmax,
+                           uint8_t* exp_avg_sq, float* exp_avg_sq_absmax, const void* grads,
+                           DType grads_dtype, void* params, DType params_dtype, int64_t n,
+                           float* step, const float* grad_multiplier, const float* found_inf,
+                           double lr, double beta1, double beta2, double eps,
+                           double weight_decay, cudaStream_t stream) {
+  const device::AdamWConstants constants = adamw_constants(lr, beta1, beta2, eps, weight_decay);
+  const auto launch = [&](auto grads_tag, auto params_tag) {
+    using G = typename decltype(grads_tag)::type;
+    using P = typename decltype(params_tag)::type;
+    const auto kernel = device::adamw8bit_step_kernel<G, P>;
+    int grid = 0;
+    if (const cudaError_t err = elementwise_grid(kernel, n, &grid); err != cudaSuccess) {
+      return err;
+    }
+    kernel<<<grid, kThreadsPerBlock, 0, stream>>>(
+        master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
+        static_cast<const G*>(grads), static_cast<P*>(params), n, step, grad_multiplier,
+        found_inf, constants);
     return cudaGetLastError();
   };
   return launch_step(n, grads_dtype, params, params_dtype, step, found_inf, stream, launch);

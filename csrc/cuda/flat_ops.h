@@ -43,6 +43,19 @@ cudaError_t adamw_step(float* master, float* exp_avg, float* exp_avg_sq, const v
                        double lr, double beta1, double beta2, double eps, double weight_decay,
                        cudaStream_t stream);
 
+// Elements per quantization block of the 8-bit optimizer state (memkern/kernels/state8bit.py).
+constexpr int64_t kQuantBlock = 64;
+
+// adamw_step with the moments stored block-wise in 8 bits (memkern/ops/adamw8bit.py): int8
+// codes of m and uint8 codes of v (n each) with one float32 absmax per 64-element block
+// (ceil(n / 64) each), all rewritten by the step.
+cudaError_t adamw8bit_step(float* master, int8_t* exp_avg, float* exp_avg_absmax,
+                           uint8_t* exp_avg_sq, float* exp_avg_sq_absmax, const void* grads,
+                           DType grads_dtype, void* params, DType params_dtype, int64_t n,
+                           float* step, const float* grad_multiplier, const float* found_inf,
+                           double lr, double beta1, double beta2, double eps,
+                           double weight_decay, cudaStream_t stream);
+
 // One torch.optim.SGD step, then *step += 1; the momentum buffer is initialised from the
 // update when *step == 0. momentum_buffer may be null when momentum == 0; params,
 // grad_multiplier and found_inf are nullable as for adamw_step.

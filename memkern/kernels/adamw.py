@@ -19,19 +19,11 @@ from memkern.kernels._common import load_splat, pow_f64, round_to
 
 
 @triton.jit
-def _adamw_kernel(
-    master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grads_ptr, params_ptr,
-    step_ptr, grad_multiplier_ptr, found_inf_ptr, n,
-    lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
-    decay, one_minus_beta1, beta2, one_minus_beta2, eps,
-    HAS_PARAMS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-    LERP_SMALL_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
-):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    if HAS_FOUND_INF:
-        mask = mask & (load_splat(found_inf_ptr, BLOCK) == 0)
-
+def adamw_update(master, m, v, g, step_ptr, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
+                 decay, one_minus_beta1, beta2, one_minus_beta2, eps,
+                 LERP_SMALL_WEIGHT: tl.constexpr):
+    """The AdamW math on float32 blocks: returns the new ``(master, m, v)``. The scalars are
+    :func:`hyper_args`'s; ``t = step + 1`` is read from ``step_ptr``."""
     # Scalars (the same in every program). t = step + 1, a whole number.
     t = (tl.load(step_ptr) + 1.0).to(tl.int64)
     lr = tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)
@@ -45,13 +37,6 @@ def _adamw_kernel(
     one_minus_beta2 = tl.cast(one_minus_beta2, tl.float32)
     eps = tl.cast(eps, tl.float32)
 
-    g = tl.load(grads_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_MULTIPLIER:
-        g = g * tl.load(grad_multiplier_ptr)
-    master = tl.load(master_ptr + offs, mask=mask, other=0.0)
-    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-
     master = master * decay
     if LERP_SMALL_WEIGHT:  # torch.lerp's two formulas, chosen by |weight| < 0.5
         m = m + w * (g - m)
@@ -60,6 +45,44 @@ def _adamw_kernel(
     v = v * beta2 + one_minus_beta2 * g * g
     denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     master = master - step_size * tl.div_rn(m, denom)
+    return master, m, v
+
+
+def hyper_args(lr: float, beta1: float, beta2: float, eps: float,
+               weight_decay: float) -> tuple[list[float], dict[str, bool]]:
+    """:func:`adamw_update`'s scalar arguments from the op's hyper-parameters, and its
+    ``LERP_SMALL_WEIGHT`` flag."""
+    w = _common.f32(1.0 - beta1)
+    scalars = [*_common.split_f64(lr), *_common.split_f64(beta1), *_common.split_f64(beta2),
+               _common.f32(1.0 - lr * weight_decay), w, _common.f32(beta2),
+               _common.f32(1.0 - beta2), _common.f32(eps)]
+    return scalars, {"LERP_SMALL_WEIGHT": abs(w) < 0.5}
+
+
+@triton.jit
+def _adamw_kernel(
+    master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grads_ptr, params_ptr,
+    step_ptr, grad_multiplier_ptr, found_inf_ptr, n,
+    lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
+    decay, one_minus_beta1, beta2, one_minus_beta2, eps,
+    HAS_PARAMS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+    LERP_SMALL_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if HAS_FOUND_INF:
+        mask = mask & (load_splat(found_inf_ptr, BLOCK) == 0)
+
+    g = tl.load(grads_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MULTIPLIER:
+        g = g * tl.load(grad_multiplier_ptr)
+    master = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+
+    master, m, v = adamw_update(master, m, v, g, step_ptr, lr_hi, lr_lo, beta1_hi, beta1_lo,
+                                beta2_hi, beta2_lo, decay, one_minus_beta1, beta2,
+                                one_minus_beta2, eps, LERP_SMALL_WEIGHT)
 
     tl.store(master_ptr + offs, master, mask=mask)
     tl.store(exp_avg_ptr + offs, m, mask=mask)
@@ -81,7 +104,7 @@ def adamw_step_(master, exp_avg, exp_avg_sq, grads, params, step, grad_multiplie
     for name, t in (("step", step), ("grad_multiplier", grad_multiplier), ("found_inf", found_inf)):
         _common.check_scalar(op, name, t, master.device)
 
-    w = _common.f32(1.0 - beta1)
+    scalars, flags = hyper_args(lr, beta1, beta2, eps, weight_decay)
     with _common.device_guard(master):
         if n > 0:
             _adamw_kernel[_common.grid(n)](
@@ -89,15 +112,12 @@ def adamw_step_(master, exp_avg, exp_avg_sq, grads, params, step, grad_multiplie
                 step,
                 grad_multiplier if grad_multiplier is not None else step,
                 found_inf if found_inf is not None else step,
-                n,
-                *_common.split_f64(lr), *_common.split_f64(beta1), *_common.split_f64(beta2),
-                _common.f32(1.0 - lr * weight_decay), w, _common.f32(beta2),
-                _common.f32(1.0 - beta2), _common.f32(eps),
+                n, *scalars,
                 HAS_PARAMS=params is not None,
                 HAS_MULTIPLIER=grad_multiplier is not None,
                 HAS_FOUND_INF=found_inf is not None,
-                LERP_SMALL_WEIGHT=abs(w) < 0.5,
                 BLOCK=_common.BLOCK,
                 num_warps=_common.NUM_WARPS,
+                **flags,
             )
         _common.advance_step_(step, found_inf)

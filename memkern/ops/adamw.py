@@ -67,9 +67,10 @@ def _fake(*args) -> None:
     _check(*args)
 
 
-def reference(master, exp_avg, exp_avg_sq, grads, params, step, grad_multiplier, found_inf,
-              lr, beta1, beta2, eps, weight_decay) -> None:
-    """Plain torch, computed in ``master.dtype`` (float64 masters make it the test oracle)."""
+def update(master, exp_avg, exp_avg_sq, grads, step, grad_multiplier, lr, beta1, beta2, eps,
+           weight_decay) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The AdamW math in plain torch, in ``master.dtype``: returns the new master, ``m`` and
+    ``v`` (nothing is written). Shared by this op's reference and the 8-bit one's."""
     compute = master.dtype
     g = grads.to(compute)
     if grad_multiplier is not None:
@@ -82,8 +83,14 @@ def reference(master, exp_avg, exp_avg_sq, grads, params, step, grad_multiplier,
     new_m = torch.lerp(exp_avg, g, 1 - beta1)
     new_v = exp_avg_sq * beta2 + (1 - beta2) * g * g
     denom = new_v.sqrt() / bias_correction2_sqrt + eps
-    new_master = new_master - step_size * new_m / denom
+    return new_master - step_size * new_m / denom, new_m, new_v
 
+
+def reference(master, exp_avg, exp_avg_sq, grads, params, step, grad_multiplier, found_inf,
+              lr, beta1, beta2, eps, weight_decay) -> None:
+    """Plain torch, computed in ``master.dtype`` (float64 masters make it the test oracle)."""
+    new_master, new_m, new_v = update(master, exp_avg, exp_avg_sq, grads, step, grad_multiplier,
+                                      lr, beta1, beta2, eps, weight_decay)
     _checks.commit_step_(found_inf, [(master, new_master), (exp_avg, new_m), (exp_avg_sq, new_v)],
                          master, params, step)
 

@@ -32,6 +32,35 @@ __device__ __forceinline__ float lerp(float start, float end, float weight) {
                               : __fmaf_rn(weight - 1.0f, end - start, end);
 }
 
+// The per-step scalars that depend on the step counter, which only the device knows.
+struct AdamWStepScalars {
+  float step_size;              // lr / (1 - beta1^t)
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
+};
+
+// Computes the step's scalars into shared memory once per block (float64 pow per thread would
+// cost real time on GPUs with slow float64); every thread of the block must call it.
+__device__ __forceinline__ void adamw_step_scalars(const float* step, const AdamWConstants& c,
+                                                   AdamWStepScalars* shared) {
+  if (threadIdx.x == 0) {
+    const double t = static_cast<double>(*step) + 1.0;
+    shared->step_size = static_cast<float>(c.lr / (1.0 - pow(c.beta1, t)));
+    shared->bias_correction2_sqrt = static_cast<float>(sqrt(1.0 - pow(c.beta2, t)));
+  }
+  __syncthreads();
+}
+
+// torch.optim.AdamW's update of one element (g already multiplied): m and v in place,
+// returns the new master weight.
+__device__ __forceinline__ float adamw_element(float w, float& m, float& v, float g,
+                                               const AdamWStepScalars& s,
+                                               const AdamWConstants& c) {
+  m = lerp(m, g, c.exp_avg_weight);
+  v = __fmul_rn(v, c.beta2_f32) + __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g);
+  const float denom = sqrtf(v) / s.bias_correction2_sqrt + c.eps;
+  return __fmul_rn(w, c.weight_decay_factor) - __fmul_rn(s.step_size, m) / denom;
+}
+
 // `params` may be null (the master is the model weight); G and P are the dtypes of grads and
 // params. Launched with kThreadsPerBlock threads.
 template <typename G, typename P>
@@ -43,16 +72,8 @@ __global__ void adamw_step_kernel(float* master, float* exp_avg, float* exp_avg_
   if (step_skipped(found_inf)) {
     return;
   }
-  // Computed once per block: float64 pow per thread would cost real time on GPUs with slow
-  // float64.
-  __shared__ float step_size;              // lr / (1 - beta1^t)
-  __shared__ float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
-  if (threadIdx.x == 0) {
-    const double t = static_cast<double>(*step) + 1.0;
-    step_size = static_cast<float>(c.lr / (1.0 - pow(c.beta1, t)));
-    bias_correction2_sqrt = static_cast<float>(sqrt(1.0 - pow(c.beta2, t)));
-  }
-  __syncthreads();
+  __shared__ AdamWStepScalars s;
+  adamw_step_scalars(step, c, &s);
   const float multiplier = grad_multiplier != nullptr ? *grad_multiplier : 1.0f;
 
   for_each_chunk(n, vectorised, [&](int64_t i, auto width) {
@@ -64,10 +85,7 @@ __global__ void adamw_step_kernel(float* master, float* exp_avg, float* exp_avg_
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const float g = __fmul_rn(to_float(g_in.v[k]), multiplier);
-      m.v[k] = lerp(m.v[k], g, c.exp_avg_weight);
-      v.v[k] = __fmul_rn(v.v[k], c.beta2_f32) + __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g);
-      const float denom = sqrtf(v.v[k]) / bias_correction2_sqrt + c.eps;
-      w.v[k] = __fmul_rn(w.v[k], c.weight_decay_factor) - __fmul_rn(step_size, m.v[k]) / denom;
+      w.v[k] = adamw_element(w.v[k], m.v[k], v.v[k], g, s, c);
     }
     store<W>(master, i, w);
     store<W>(exp_avg, i, m);

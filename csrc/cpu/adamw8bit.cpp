@@ -1,0 +1,133 @@
+// memkern::adamw8bit_step_ on CPU: AdamW with block-wise 8-bit moments, one pass per block of
+// kQBlock elements (dequantize, update, absmax, requantize). Contract and quantization map:
+// memkern/ops/adamw8bit.py; the AdamW math: adamw_math.h.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "../checks.h"
+#include "adamw_math.h"
+#include "flat_math.h"
+
+namespace memkern::cpu {
+namespace {
+
+// memkern/kernels/state8bit.py: block size and, per moment, code range and power.
+constexpr int64_t kQBlock = 64;
+constexpr float kSignedCodes = 127.0f;    // m: sign(c) * (|c| / 127)^2 * absmax
+constexpr float kUnsignedCodes = 255.0f;  // v: (c / 255)^4 * absmax
+
+inline float dequantize_m(int8_t code, float absmax) {
+  float q = std::fabs(static_cast<float>(code)) / kSignedCodes;
+  const float x = (q * q) * absmax;
+  return code < 0 ? -x : x;
+}
+
+inline float dequantize_v(uint8_t code, float absmax) {
+  const float q = static_cast<float>(code) / kUnsignedCodes;
+  const float q2 = q * q;
+  return (q2 * q2) * absmax;
+}
+
+// Codes and absmax of one block of n <= kQBlock values: NaN and zero codes when a value is
+// not finite, zero codes for an all-zero block.
+template <bool kSigned, typename code_t>
+inline void quantize_block(const float* x, int64_t n, code_t* codes, float* absmax) {
+  float amax = 0.0f;
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    const bool finite = a <= FLT_MAX;
+    bad |= !finite;
+    amax = finite && a > amax ? a : amax;
+  }
+  const bool usable = !bad && amax > 0.0f;
+  const float divisor = usable ? amax : 1.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    float r = std::sqrt(std::fabs(x[i]) / divisor);
+    if constexpr (!kSigned) r = std::sqrt(r);
+    float c = std::floor(r * (kSigned ? kSignedCodes : kUnsignedCodes) + 0.5f);
+    c = usable ? c : 0.0f;
+    if constexpr (kSigned) c = x[i] < 0.0f ? -c : c;
+    codes[i] = static_cast<code_t>(static_cast<int32_t>(c));
+  }
+  *absmax = bad ? std::numeric_limits<float>::quiet_NaN() : amax;
+}
+
+// The blocks [first, last) of an n-element buffer.
+template <typename grad_t, typename param_t>
+MEMKERN_VECTOR_CLONES void adamw8bit_blocks(float* __restrict master, int8_t* __restrict m_codes,
+                                            float* __restrict m_absmax,
+                                            uint8_t* __restrict v_codes,
+                                            float* __restrict v_absmax,
+                                            const grad_t* __restrict grads,
+                                            param_t* __restrict params, AdamWCoefficients c,
+                                            int64_t n, int64_t first, int64_t last) {
+  float m[kQBlock];
+  float v[kQBlock];
+  for (int64_t b = first; b < last; ++b) {
+    const int64_t begin = b * kQBlock;
+    const int64_t len = std::min(kQBlock, n - begin);
+    const float m_scale = m_absmax[b];
+    const float v_scale = v_absmax[b];
+    for (int64_t i = 0; i < len; ++i) {
+      const int64_t k = begin + i;
+      m[i] = dequantize_m(m_codes[k], m_scale);
+      v[i] = dequantize_v(v_codes[k], v_scale);
+      const float w = adamw_element(master[k], m[i], v[i], to_float(grads[k]), c);
+      master[k] = w;
+      store_param(params, k, w);
+    }
+    quantize_block<true>(m, len, m_codes + begin, m_absmax + b);
+    quantize_block<false>(v, len, v_codes + begin, v_absmax + b);
+  }
+}
+
+void adamw8bit_step_cpu(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_absmax,
+                        at::Tensor& exp_avg_sq, at::Tensor& exp_avg_sq_absmax,
+                        const at::Tensor& grads, const std::optional<at::Tensor>& params,
+                        at::Tensor& step, const std::optional<at::Tensor>& grad_multiplier,
+                        const std::optional<at::Tensor>& found_inf, double lr, double beta1,
+                        double beta2, double eps, double weight_decay) {
+  constexpr const char* op = "adamw8bit_step_";
+  check_step_args(op, master, grads, params, step, grad_multiplier, found_inf);
+  memkern::check_codes(op, "exp_avg", exp_avg, at::kChar, "exp_avg_absmax", exp_avg_absmax,
+                       master, kQBlock);
+  memkern::check_codes(op, "exp_avg_sq", exp_avg_sq, at::kByte, "exp_avg_sq_absmax",
+                       exp_avg_sq_absmax, master, kQBlock);
+  if (found_inf_set(found_inf)) return;  // a skipped step writes nothing, not even the step
+
+  const double t = static_cast<double>(read_scalar(step)) + 1.0;
+  const AdamWCoefficients c =
+      adamw_coefficients(t, grad_multiplier, lr, beta1, beta2, eps, weight_decay);
+  const int64_t n = master.numel();
+  const int64_t blocks = (n + kQBlock - 1) / kQBlock;
+
+  std::optional<at::ScalarType> param_dtype;
+  if (params.has_value()) param_dtype = params->scalar_type();
+  dispatch_grad_and_param(grads.scalar_type(), param_dtype, [&](auto grad_tag, auto param_tag) {
+    using grad_t = decltype(grad_tag);
+    using param_t = decltype(param_tag);
+    float* w = master.data_ptr<float>();
+    auto* m_codes = static_cast<int8_t*>(exp_avg.data_ptr());
+    auto* v_codes = static_cast<uint8_t*>(exp_avg_sq.data_ptr());
+    float* m_absmax = exp_avg_absmax.data_ptr<float>();
+    float* v_absmax = exp_avg_sq_absmax.data_ptr<float>();
+    const auto* g = static_cast<const grad_t*>(grads.const_data_ptr());
+    auto* p = data_or_null<param_t>(params);
+    at::parallel_for(0, blocks, kGrain / kQBlock, [&](int64_t first, int64_t last) {
+      adamw8bit_blocks(w, m_codes, m_absmax, v_codes, v_absmax, g, p, c, n, first, last);
+    });
+  });
+  *step.data_ptr<float>() = static_cast<float>(t);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(memkern, CPU, m) { m.impl("adamw8bit_step_", &adamw8bit_step_cpu); }
+
+}  // namespace memkern::cpu

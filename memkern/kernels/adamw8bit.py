@@ -1,0 +1,141 @@
+"""Triton kernel of ``memkern::adamw8bit_step_``: the AdamW step with block-wise 8-bit moments
+(see memkern/ops/adamw8bit.py for the contract and the quantization map).
+
+A program takes ``BLOCK`` elements as a ``[BLOCK // QBLOCK, QBLOCK]`` tile, one row per
+quantization block, so each block's absmax is a row reduction in registers: codes and absmax
+in, dequantize, :func:`~memkern.kernels.adamw.adamw_update`, absmax and codes out, master and
+the rounded params out, in one pass.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from memkern.kernels import _common
+from memkern.kernels._common import load_splat, round_to
+from memkern.kernels.adamw import adamw_update, hyper_args
+from memkern.kernels.state8bit import (QBLOCK, SIGNED_CODES, SIGNED_POWER, UNSIGNED_CODES,
+                                   UNSIGNED_POWER, num_blocks)
+
+
+@triton.jit
+def _dequantize(codes, absmax, LEVELS: tl.constexpr, POWER: tl.constexpr,
+                SIGNED: tl.constexpr):
+    c = codes.to(tl.float32)
+    q = tl.div_rn(tl.abs(c), tl.full(c.shape, LEVELS, tl.float32))
+    q = q * q
+    if POWER == 4:
+        q = q * q
+    x = q * absmax[:, None]
+    if SIGNED:
+        x = tl.where(c < 0, -x, x)
+    return x
+
+
+@triton.jit
+def _quantize(x, valid, LEVELS: tl.constexpr, POWER: tl.constexpr, SIGNED: tl.constexpr):
+    """``(codes as float32, absmax)`` of the rows of ``x`` (``valid``: the elements that
+    exist); a row with a non-finite value gets NaN and zero codes."""
+    a = tl.abs(x)
+    finite = a <= 3.4028234663852886e38  # false for inf and NaN
+    a = tl.where(valid & finite, a, 0.0)
+    scale = tl.max(a, axis=1)
+    any_bad = tl.max(tl.where(valid & (finite == 0), 1, 0), axis=1) > 0
+    usable = (any_bad == 0) & (scale > 0)
+    r = tl.sqrt_rn(tl.div_rn(a, tl.where(usable, scale, 1.0)[:, None]))
+    if POWER == 4:
+        r = tl.sqrt_rn(r)
+    c = tl.floor(r * LEVELS + 0.5)
+    c = tl.where(usable[:, None], c, 0.0)
+    if SIGNED:
+        c = tl.where(x < 0, -c, c)
+    nan = tl.full(scale.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    return c, tl.where(any_bad, nan, scale)
+
+
+@triton.jit
+def _adamw8bit_kernel(
+    master_ptr, exp_avg_ptr, exp_avg_absmax_ptr, exp_avg_sq_ptr, exp_avg_sq_absmax_ptr,
+    grads_ptr, params_ptr, step_ptr, grad_multiplier_ptr, found_inf_ptr, n, n_blocks,
+    lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
+    decay, one_minus_beta1, beta2, one_minus_beta2, eps,
+    HAS_PARAMS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+    LERP_SMALL_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
+    M_LEVELS: tl.constexpr, M_POWER: tl.constexpr, V_LEVELS: tl.constexpr,
+    V_POWER: tl.constexpr,
+):
+    ROWS: tl.constexpr = BLOCK // QBLOCK
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+    row_mask = rows < n_blocks
+    valid = offs < n
+    if HAS_FOUND_INF:
+        skip = load_splat(found_inf_ptr, ROWS) != 0
+        row_mask = row_mask & (skip == 0)
+        valid = valid & (skip[:, None] == 0)
+
+    g = tl.load(grads_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    if HAS_MULTIPLIER:
+        g = g * tl.load(grad_multiplier_ptr)
+    master = tl.load(master_ptr + offs, mask=valid, other=0.0)
+    m = _dequantize(tl.load(exp_avg_ptr + offs, mask=valid, other=0),
+                    tl.load(exp_avg_absmax_ptr + rows, mask=row_mask, other=0.0),
+                    M_LEVELS, M_POWER, True)
+    v = _dequantize(tl.load(exp_avg_sq_ptr + offs, mask=valid, other=0),
+                    tl.load(exp_avg_sq_absmax_ptr + rows, mask=row_mask, other=0.0),
+                    V_LEVELS, V_POWER, False)
+
+    master, m, v = adamw_update(master, m, v, g, step_ptr, lr_hi, lr_lo, beta1_hi, beta1_lo,
+                                beta2_hi, beta2_lo, decay, one_minus_beta1, beta2,
+                                one_minus_beta2, eps, LERP_SMALL_WEIGHT)
+
+    m_codes, m_absmax = _quantize(m, valid, M_LEVELS, M_POWER, True)
+    v_codes, v_absmax = _quantize(v, valid, V_LEVELS, V_POWER, False)
+    tl.store(master_ptr + offs, master, mask=valid)
+    tl.store(exp_avg_ptr + offs, m_codes.to(tl.int8), mask=valid)
+    tl.store(exp_avg_sq_ptr + offs, v_codes.to(tl.uint8), mask=valid)
+    tl.store(exp_avg_absmax_ptr + rows, m_absmax, mask=row_mask)
+    tl.store(exp_avg_sq_absmax_ptr + rows, v_absmax, mask=row_mask)
+    if HAS_PARAMS:
+        tl.store(params_ptr + offs, round_to(master, params_ptr.dtype.element_ty), mask=valid)
+
+
+def adamw8bit_step_(master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, grads,
+                    params, step, grad_multiplier, found_inf, lr, beta1, beta2, eps,
+                    weight_decay) -> None:
+    op = "adamw8bit_step_"
+    n = master.numel()
+    blocks = num_blocks(n)
+    _common.check_buffer(op, "master", master, _common.STATE_DTYPES)
+    _common.check_buffer(op, "exp_avg", exp_avg, (torch.int8,), n)
+    _common.check_buffer(op, "exp_avg_sq", exp_avg_sq, (torch.uint8,), n)
+    _common.check_buffer(op, "exp_avg_absmax", exp_avg_absmax, _common.STATE_DTYPES, blocks)
+    _common.check_buffer(op, "exp_avg_sq_absmax", exp_avg_sq_absmax, _common.STATE_DTYPES,
+                         blocks)
+    _common.check_buffer(op, "grads", grads, _common.GRAD_DTYPES, n)
+    if params is not None:
+        _common.check_buffer(op, "params", params, _common.GRAD_DTYPES, n)
+    for name, t in (("step", step), ("grad_multiplier", grad_multiplier), ("found_inf", found_inf)):
+        _common.check_scalar(op, name, t, master.device)
+
+    scalars, flags = hyper_args(lr, beta1, beta2, eps, weight_decay)
+    with _common.device_guard(master):
+        if n > 0:
+            _adamw8bit_kernel[_common.grid(n)](
+                master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, grads,
+                params if params is not None else master,
+                step,
+                grad_multiplier if grad_multiplier is not None else step,
+                found_inf if found_inf is not None else step,
+                n, blocks, *scalars,
+                HAS_PARAMS=params is not None,
+                HAS_MULTIPLIER=grad_multiplier is not None,
+                HAS_FOUND_INF=found_inf is not None,
+                BLOCK=_common.BLOCK, QBLOCK=QBLOCK,
+                M_LEVELS=SIGNED_CODES, M_POWER=SIGNED_POWER,
+                V_LEVELS=UNSIGNED_CODES, V_POWER=UNSIGNED_POWER,
+                num_warps=_common.NUM_WARPS,
+                **flags,
+            )
+        _common.advance_step_(step, found_inf)

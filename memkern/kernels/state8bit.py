@@ -1,0 +1,17 @@
+"""The block-wise 8-bit optimizer-state format every backend shares (constants only, no
+``triton`` import, so :mod:`memkern.ops` can read them): the map is defined and justified in
+:mod:`memkern.ops.adamw8bit`, and csrc/cpu/adamw8bit.cpp and csrc/cuda/kernels/adamw8bit.cuh
+repeat these numbers."""
+
+QBLOCK = 64
+"""Elements per quantization block (one float32 absmax each, per moment); equal to the flat
+layout's alignment, so blocks never span two parameters or two ZeRO shards."""
+SIGNED_CODES, SIGNED_POWER = 127, 2
+"""First moment: int8 codes ``c``, value ``sign(c) * (|c| / 127) ** 2 * absmax``."""
+UNSIGNED_CODES, UNSIGNED_POWER = 255, 4
+"""Second moment: uint8 codes ``c``, value ``(c / 255) ** 4 * absmax``."""
+
+
+def num_blocks(n: int) -> int:
+    """Quantization blocks (absmax entries) of an ``n``-element buffer."""
+    return -(-n // QBLOCK)

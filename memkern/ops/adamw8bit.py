@@ -1,0 +1,170 @@
+"""``memkern::adamw8bit_step_``: the fused AdamW step of ``memkern::adamw_step_`` with its two
+moments stored block-wise in 8 bits: dequantize, update, requantize, master write-back and the
+16-bit parameter copy in one pass.
+
+Arguments (1-D contiguous buffers on one device; ``n`` elements, ``B = ceil(n / QBLOCK)``)
+    master             float32 master weights (n), updated in place.
+    exp_avg            int8 codes of the first moment ``m`` (n), rewritten.
+    exp_avg_absmax     float32 (B): per block of :data:`QBLOCK` elements, ``max |m|``.
+    exp_avg_sq         uint8 codes of the second moment ``v`` (n), rewritten.
+    exp_avg_sq_absmax  float32 (B): per block, ``max v``.
+    grads, params, step, grad_multiplier, found_inf, lr, beta1, beta2, eps, weight_decay
+                       as ``memkern::adamw_step_`` (a set ``found_inf`` writes nothing).
+
+The step::
+
+    m, v   = dequantize(codes, absmax)                 (the stored moments)
+    master, m, v = AdamW(master, m, v, grads)          (memkern.ops.adamw.update, in float32)
+    codes, absmax = quantize(m), quantize(v)           (per block of QBLOCK elements)
+    params = round(master);  step = step + 1
+
+The master update uses the new ``m`` and ``v`` before they are requantized (as bitsandbytes'
+8-bit optimizers do): quantization error enters through the *stored* state only.
+
+Quantization map (the choice and why, measured with ``benchmarks/bench_8bit_state.py``):
+a *power* map on top of bitsandbytes' block-wise absmax scaling (Dettmers et al., "8-bit
+Optimizers via Block-wise Quantization", 2022, the anchor). With ``s`` a block's absmax::
+
+    m = sign(c) * (|c| / 127) ** 2 * s,   c in [-127, 127]   (int8)
+    v = (c / 255) ** 4 * s,               c in [0, 255]      (uint8)
+    quantize: c = floor(|x / s| ** (1/p) * C + 0.5), p = 2 (m) or 4 (v), C = 127 or 255
+
+Like bitsandbytes' dynamic (tree) map it is dense near zero, which a linear map is not: a
+linear map rounds every ``v`` below ``s / 510`` to 0, and a zero ``v`` under a non-zero ``m``
+turns the update ``m / (sqrt(v) + eps)`` into ``m / eps`` (the "zero-point problem" of Li et
+al., "Memory Efficient Optimizers with 4-bit States", 2023). The 4th-power map resolves ``v``
+down to ``s * 255**-4 ~ 2e-10 * s`` (``sqrt(v)`` to ``1.5e-5``); the square map resolves
+``m`` to ``6e-5 * s``, relative steps of at most 2/c and 4/c. Unlike the tree map it needs no
+table and no search: both directions are two or three square roots and products, which
+vectorise on the CPU and cost nothing on a GPU.
+
+Block size ``QBLOCK`` = 64 (:mod:`memkern.kernels.state8bit`) elements = the flat layout's alignment
+(:data:`memkern.optim.grad_buffer.ALIGN`): every parameter and every ZeRO shard starts on a
+block boundary, so a block never spans two parameters or two ranks, and the quantized state of
+a parameter does not depend on the world size. It costs 2 x 4 / 64 = 0.125 bytes of scales per
+parameter (block 256 would cost 0.03 but needs a 256-element layout alignment).
+
+Non-finite moments: a block holding a NaN or an infinite ``m`` (``v``) stores NaN as its
+absmax and 0 codes, so its moments read back as NaN from the next step on (the master of this
+step is computed from the exact values, as in ``adamw_step_``). With loss scaling such steps
+are skipped and nothing is written.
+
+No host sync: step, grad_multiplier and found_inf are read on the device.
+"""
+from __future__ import annotations
+
+import torch
+
+from memkern.kernels.state8bit import (QBLOCK, SIGNED_CODES, SIGNED_POWER, UNSIGNED_CODES,
+                                       UNSIGNED_POWER, num_blocks)
+from memkern.ops import _checks, adamw
+from memkern.ops._registry import Op
+
+SCHEMA = (
+    "(Tensor(a!) master, Tensor(b!) exp_avg, Tensor(c!) exp_avg_absmax, Tensor(d!) exp_avg_sq, "
+    "Tensor(e!) exp_avg_sq_absmax, Tensor grads, Tensor(f!)? params, Tensor(g!) step, "
+    "Tensor? grad_multiplier, Tensor? found_inf, "
+    "float lr, float beta1, float beta2, float eps, float weight_decay) -> ()"
+)
+
+
+def _check_codes(op: str, name: str, codes: torch.Tensor, dtype: torch.dtype,
+                 absmax_name: str, absmax: torch.Tensor, master: torch.Tensor) -> None:
+    _checks.flat(op, name, codes, (dtype,), like=master)
+    _checks.flat(op, absmax_name, absmax, (master.dtype,))
+    if absmax.numel() != num_blocks(master.numel()) or absmax.device != master.device:
+        raise ValueError(
+            f"memkern.{op}: {absmax_name} must hold one value per block of {QBLOCK} elements "
+            f"({num_blocks(master.numel())} for {master.numel()} elements) on {master.device}, "
+            f"got {absmax.numel()} on {absmax.device}; allocate it with "
+            "memkern.kernels.state8bit.num_blocks(n)"
+        )
+
+
+def _check(master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, grads, params, step,
+           grad_multiplier, found_inf, lr, beta1, beta2, eps, weight_decay) -> torch.device:
+    op = "adamw8bit_step_"
+    _checks.flat(op, "master", master, (torch.float32, torch.float64))
+    _check_codes(op, "exp_avg", exp_avg, torch.int8, "exp_avg_absmax", exp_avg_absmax, master)
+    _check_codes(op, "exp_avg_sq", exp_avg_sq, torch.uint8, "exp_avg_sq_absmax",
+                 exp_avg_sq_absmax, master)
+    # The rest (grads, params, scalars, hyper-parameters) as adamw_step_.
+    adamw._check(master, master, master, grads, params, step, grad_multiplier, found_inf,
+                 lr, beta1, beta2, eps, weight_decay)
+    return master.device
+
+
+def _fake(*args) -> None:
+    _check(*args)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[B, QBLOCK]`` rows, the last one padded with zeros."""
+    n = x.numel()
+    padded = x.new_zeros(num_blocks(n) * QBLOCK)
+    padded[:n] = x
+    return padded.view(-1, QBLOCK)
+
+
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The moments stored as ``codes`` (int8: ``m``; uint8: ``v``) and per-block ``absmax``,
+    in ``dtype`` (float32, or float64 for the oracle)."""
+    n = codes.numel()
+    signed = codes.dtype == torch.int8
+    levels, power = (SIGNED_CODES, SIGNED_POWER) if signed else (UNSIGNED_CODES, UNSIGNED_POWER)
+    q = _blocks(codes.to(dtype)).abs() / levels
+    q = q * q if power == 2 else (q * q) * (q * q)
+    values = q * absmax.to(dtype)[:, None]
+    if signed:
+        values = values * _blocks(codes.to(dtype)).sign()
+    return values.reshape(-1)[:n]
+
+
+def quantize(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor) -> None:
+    """Writes ``x`` (float32/float64) into ``codes`` (int8: signed ``m``; uint8: ``v >= 0``)
+    and ``absmax``, computed in ``x.dtype``; a block with a non-finite value gets NaN and
+    zero codes."""
+    n = x.numel()
+    signed = codes.dtype == torch.int8
+    levels, power = (SIGNED_CODES, SIGNED_POWER) if signed else (UNSIGNED_CODES, UNSIGNED_POWER)
+    rows = _blocks(x)
+    finite = torch.isfinite(rows).all(dim=1, keepdim=True)
+    scale = torch.where(torch.isfinite(rows), rows.abs(), 0).amax(dim=1, keepdim=True)
+    usable = finite & (scale > 0)
+    r = torch.where(usable, rows.abs() / torch.where(usable, scale, 1), 0).sqrt()
+    if power == 4:
+        r = r.sqrt()
+    c = torch.floor(r * levels + 0.5)
+    if signed:
+        c = torch.where(usable, c * rows.sign(), 0)
+    codes.copy_(c.reshape(-1)[:n].to(codes.dtype))
+    absmax.copy_(torch.where(finite, scale, torch.nan).reshape(-1))
+
+
+def reference(master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, grads, params,
+              step, grad_multiplier, found_inf, lr, beta1, beta2, eps, weight_decay) -> None:
+    """Plain torch in ``master.dtype``: with float64 master and absmax it is the oracle of the
+    quantized algorithm (dequantize, update and requantize all in float64)."""
+    compute = master.dtype
+    m = dequantize(exp_avg, exp_avg_absmax, compute)
+    v = dequantize(exp_avg_sq, exp_avg_sq_absmax, compute)
+    new_master, new_m, new_v = adamw.update(master, m, v, grads, step, grad_multiplier,
+                                            lr, beta1, beta2, eps, weight_decay)
+    m_codes, m_absmax = torch.empty_like(exp_avg), torch.empty_like(exp_avg_absmax)
+    v_codes, v_absmax = torch.empty_like(exp_avg_sq), torch.empty_like(exp_avg_sq_absmax)
+    quantize(new_m, m_codes, m_absmax)
+    quantize(new_v, v_codes, v_absmax)
+    _checks.commit_step_(found_inf, [(master, new_master), (exp_avg, m_codes),
+                                     (exp_avg_absmax, m_absmax), (exp_avg_sq, v_codes),
+                                     (exp_avg_sq_absmax, v_absmax)], master, params, step)
+
+
+adamw8bit_step_ = Op(
+    "adamw8bit_step_",
+    SCHEMA,
+    check=_check,
+    fake=_fake,
+    reference=reference,
+    triton="memkern.kernels.adamw8bit.adamw8bit_step_",
+    compiled_kernels=True,
+)
