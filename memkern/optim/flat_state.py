@@ -38,6 +38,7 @@ state dict, which holds the masters, is loaded too.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -48,6 +49,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from memkern.ops import adamw8bit
 from memkern.optim.grad_buffer import GradBuffer, aligned
 
 
@@ -74,6 +76,13 @@ class Segment:
     state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     param_states: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     step: torch.Tensor | None = None
+    quantized: bool = False
+    """Its moments are stored block-wise in 8 bits (``state_precision="8bit"``)."""
+    quantized_state: dict[str, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
+        default_factory=dict)
+    """State name -> ``(codes, absmax)`` of a quantized segment (int8/uint8 codes of the
+    segment's length, one float32 absmax per block; :mod:`memkern.ops.adamw8bit`). Such a
+    moment appears in ``state`` only while a checkpoint reads or writes it, as float32."""
 
     def __post_init__(self) -> None:
         self.low_precision = self.weights.dtype != torch.float32
@@ -100,6 +109,20 @@ class Segment:
             state[key] = view
         return flat
 
+    def drop_state(self, key: str) -> torch.Tensor | None:
+        """Removes state ``key`` (and its per-parameter views); returns it (None if absent)."""
+        for state in self.param_states:
+            state.pop(key, None)
+        return self.state.pop(key, None)
+
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of optimizer state it holds, by name (memory accounting)."""
+        stored = dict(self.state)
+        for key, (codes, absmax) in self.quantized_state.items():
+            stored.setdefault(key, codes)
+            stored[key + "_absmax"] = absmax
+        return stored
+
 
 class Algorithm(Protocol):
     """Hyper-parameters, state and kernel call of one update rule (see fused_adamw, fused_sgd)."""
@@ -110,6 +133,14 @@ class Algorithm(Protocol):
     @staticmethod
     def state_keys(group: dict[str, Any]) -> tuple[str, ...]:
         """The zero-initialised flat float32 state a segment of ``group`` needs."""
+
+    @staticmethod
+    def quantized(p: torch.Tensor, group: dict[str, Any]) -> bool:
+        """Whether ``p``'s state is kept in 8 bits (``group``: its param group's options)."""
+
+    @staticmethod
+    def zero_quantized_state(weights: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The zero 8-bit state (name -> ``(codes, absmax)``) of a quantized segment."""
 
     @staticmethod
     def update(seg: Segment, group: dict[str, Any], grad_multiplier: torch.Tensor | None,
@@ -155,6 +186,11 @@ class FlatOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, defaults: dict[str, Any], *,
                  grad_dtype: torch.dtype | None = None) -> None:
         groups = _param_groups(params)
+        # Parameters whose moments are stored in 8 bits: decided before the layout, which
+        # keeps them in runs of their own (one kernel call each).
+        self._quantized_ids = {id(p) for g in groups for p in g["params"]
+                               if self.algorithm.quantized(p, {**defaults, **g})}
+        self._float_state_depth = 0
         self.grad_buffer = self._make_grad_buffer(groups, grad_dtype)
         super().__init__(groups, defaults)
         self.grad_buffer.flat_params()
@@ -173,16 +209,20 @@ class FlatOptimizer(torch.optim.Optimizer):
         return GradBuffer([p for g in groups for p in g["params"]], dtype=grad_dtype)
 
     def _make_segments(self) -> list[Segment]:
-        """One segment per (param group, dtype): its whole run of the flat layout."""
+        """One segment per (param group, dtype): its whole run of the flat layout (with 8-bit
+        state, cut further into runs of 8-bit and of 32-bit parameters)."""
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         segments = []
         for bucket in self.grad_buffer.buckets:
             placed = list(zip(bucket.params, bucket.offsets))
-            for gi, run in itertools.groupby(placed, key=lambda po: group_of[id(po[0])]):
+            runs = itertools.groupby(
+                placed, key=lambda po: (group_of[id(po[0])], id(po[0]) in self._quantized_ids))
+            for (gi, quantized), run in runs:
                 run = list(run)
                 start, end = run[0][1], run[-1][1] + aligned(run[-1][0].numel())
                 segments.append(Segment(gi, bucket.grads[start:end], bucket.weights[start:end],
-                                        [p for p, _ in run], [o - start for _, o in run]))
+                                        [p for p, _ in run], [o - start for _, o in run],
+                                        quantized=quantized))
         return segments
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -206,9 +246,41 @@ class FlatOptimizer(torch.optim.Optimizer):
                 state["step"] = seg.step
             if seg.low_precision:
                 seg.add_state("master_param", seg.weights.float())
-            for key in self.algorithm.state_keys(group):
-                seg.add_state(key, torch.zeros_like(seg.weights, dtype=torch.float32))
+            seg.quantized_state = {}
+            if seg.quantized:
+                seg.quantized_state = self.algorithm.zero_quantized_state(seg.weights)
+            else:
+                for key in self.algorithm.state_keys(group):
+                    seg.add_state(key, torch.zeros_like(seg.weights, dtype=torch.float32))
         self._state_ready = True
+        if self._float_state_depth:
+            self._dequantize_into_state()
+
+    def _dequantize_into_state(self) -> None:
+        for seg in self._segments:
+            for key, (codes, absmax) in seg.quantized_state.items():
+                seg.add_state(key, adamw8bit.dequantize(codes, absmax, torch.float32))
+
+    @contextlib.contextmanager
+    def _float_state(self, write_back: bool):
+        """Within it, 8-bit moments are float32 state like the others (``state``, the
+        per-parameter views): what checkpoints read and write. On leaving the outermost one
+        they are dropped, after being quantized back into the 8-bit state when
+        ``write_back`` (a load). Requantizing values read from the codes gives the same codes,
+        so saving and loading is exact. Holds float32 copies of the moments meanwhile."""
+        self._float_state_depth += 1
+        if self._float_state_depth == 1 and self._state_ready:
+            self._dequantize_into_state()
+        try:
+            yield
+        finally:
+            self._float_state_depth -= 1
+            if self._float_state_depth == 0:
+                for seg in self._segments:
+                    for key, (codes, absmax) in seg.quantized_state.items():
+                        flat = seg.drop_state(key)
+                        if write_back and flat is not None:
+                            adamw8bit.quantize(flat, codes, absmax)
 
     # --------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -260,13 +332,29 @@ class FlatOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim`` format. Tensors are views of the live flat state (``torch.save`` them
         or copy), except ``step``, a fresh per-parameter CPU tensor as torch keeps it."""
-        state_dict = super().state_dict()
-        state_dict["state"] = {
-            index: {k: (v.detach().to("cpu", copy=True) if k == "step" else v)
-                    for k, v in param_state.items()}
-            for index, param_state in state_dict["state"].items()
-        }
+        with self._float_state(write_back=False):
+            state_dict = super().state_dict()
+            # New per-parameter dicts: torch's are the live ones, which lose the float32
+            # moments of 8-bit state when the context ends.
+            state_dict["state"] = {
+                index: {k: (v.detach().to("cpu", copy=True) if k == "step" else v)
+                        for k, v in param_state.items()}
+                for index, param_state in state_dict["state"].items()
+            }
+        self._mark_state_precision(state_dict["state"])
         return state_dict
+
+    def _mark_state_precision(self, states: dict[int, dict[str, Any]]) -> None:
+        """Says, per parameter index of an 8-bit param group, whether its moments were
+        stored in ``"8bit"`` or ``"32bit"`` (below the size threshold)."""
+        placed = [(p, g) for g in self.param_groups for p in g["params"]]
+        for index, state in states.items():
+            p, group = placed[index]
+            if group.get("state_precision", "32bit") != "32bit":
+                state["state_precision"] = self._state_precision_of(p)
+
+    def _state_precision_of(self, p: torch.Tensor) -> str:
+        return "8bit" if id(p) in self._quantized_ids else "32bit"
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict of this class or of the torch optimizer of the same algorithm.
@@ -283,8 +371,9 @@ class FlatOptimizer(torch.optim.Optimizer):
                 state_dict = result
         name = f"memkern.{type(self).__name__}.load_state_dict"
         id_map = self._adopt_param_groups(state_dict["param_groups"], name)
-        self._init_state()  # with the loaded hyper-parameters (e.g. SGD momentum on or off)
-        self._load_param_states(state_dict["state"], id_map, name)
+        with self._float_state(write_back=True):
+            self._init_state()  # with the loaded hyper-parameters (e.g. SGD momentum on or off)
+            self._load_param_states(state_dict["state"], id_map, name)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -299,6 +388,15 @@ class FlatOptimizer(torch.optim.Optimizer):
                 f"{name}: state_dict has param groups of sizes {saved_sizes}, this optimizer "
                 f"{sizes}; it was saved for another model or another param-group split"
             )
+        for i, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
+            saved_precision = sg.get("state_precision", "32bit")
+            precision = g.get("state_precision", "32bit")
+            if saved_precision != precision:
+                raise ValueError(
+                    f"{name}: param group {i} was saved with state_precision={saved_precision!r}"
+                    f" but this optimizer has state_precision={precision!r}; build the "
+                    f"optimizer with state_precision={saved_precision!r} to load it"
+                )
         id_map = {
             saved: p
             for sg, g in zip(saved_groups, self.param_groups)
@@ -329,7 +427,14 @@ class FlatOptimizer(torch.optim.Optimizer):
         for saved_id, p in id_map.items():
             saved = saved_state.get(saved_id, {})
             for key, value in saved.items():
-                if key == "step":
+                if key == "state_precision" and value != self._state_precision_of(p):
+                    raise ValueError(
+                        f"{name}: parameter {saved_id} was saved with {value} state, this "
+                        f"optimizer keeps it in {self._state_precision_of(p)} (another size "
+                        "threshold or another model?); load it into an optimizer built as the "
+                        "saved one was"
+                    )
+                if key in ("step", "state_precision"):
                     continue
                 if value is None:  # torch.optim.SGD's momentum_buffer before its first step
                     continue

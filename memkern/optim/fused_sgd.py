@@ -33,6 +33,10 @@ class SGD:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
     @staticmethod
+    def quantized(p: torch.Tensor, group: dict[str, Any]) -> bool:
+        return False  # 8-bit momentum is not implemented yet
+
+    @staticmethod
     def update(seg: Segment, group: dict[str, Any], grad_multiplier: torch.Tensor | None,
                found_inf: torch.Tensor | None) -> None:
         momentum = float(group["momentum"])

@@ -239,7 +239,7 @@ class ShardedOptimizer(FlatOptimizer):
         if self._shards is None:
             return super()._make_grad_buffer(groups, grad_dtype)
         self._shards.check_consistent(groups, self._settings)
-        return self._shards.make_grad_buffer(groups, grad_dtype)
+        return self._shards.make_grad_buffer(groups, grad_dtype, self._quantized_ids)
 
     def _make_segments(self) -> list[Segment]:
         if self._shards is None:
@@ -505,9 +505,11 @@ class ShardedOptimizer(FlatOptimizer):
         every rank as CPU tensors (the full state in host memory on each rank: for large
         models use :meth:`save_sharded`). In one process its tensors are views of the live
         state. Reads the device (not for the step loop)."""
-        state_dict = super().state_dict()
-        if self._shards is not None and self.world_size > 1:
-            state_dict["state"] = self._gather_param_states()
+        with self._float_state(write_back=False):
+            state_dict = super().state_dict()
+            if self._shards is not None and self.world_size > 1:
+                state_dict["state"] = self._gather_param_states()
+                self._mark_state_precision(state_dict["state"])
         num_items = self._num_items.clone()
         if self._shards is not None:
             self._shards.all_reduce(num_items)
@@ -645,10 +647,12 @@ class ShardedOptimizer(FlatOptimizer):
         and zero stage. Atomic: written to ``<path>.incomplete`` and renamed to ``path`` once
         complete (a save that dies midway leaves ``path`` as it was). See
         :mod:`memkern.optim.checkpoint`. Collective."""
-        checkpoint.save_sharded(self, path)
+        with self._float_state(write_back=False):
+            checkpoint.save_sharded(self, path)
 
     def load_sharded(self, path: str | os.PathLike) -> None:
         """Loads a checkpoint written by :meth:`save_sharded`, at any world size; each rank
         reads the parts of the saved slices it now owns. Raises if the checkpoint is
         incomplete. Collective."""
-        checkpoint.load_sharded(self, path)
+        with self._float_state(write_back=True):
+            checkpoint.load_sharded(self, path)

@@ -103,6 +103,7 @@ class Unit:
     offsets: list[int]
     shard: int
     shard_start: int
+    quantized: bool = False  # its parameters' moments are stored in 8 bits
     segment: Segment | None = None
 
     def owned(self, rank: int) -> slice:
@@ -120,11 +121,12 @@ class UnitLayout:
     Records the units it placed, per dtype, for :meth:`Shards.make_segments`."""
 
     def __init__(self, group_of: dict[int, int], world: int, unit_bytes: float,
-                 grad_dtype: torch.dtype | None) -> None:
+                 grad_dtype: torch.dtype | None, quantized_ids: set[int] = frozenset()) -> None:
         self.group_of, self.world = group_of, world
         self.unit_bytes, self.grad_dtype = unit_bytes, grad_dtype
-        # dtype -> [(group, first param index, param count, start, numel)]
-        self.placed: dict[torch.dtype, list[tuple[int, int, int, int, int]]] = {}
+        self.quantized_ids = quantized_ids  # parameters with 8-bit state: units of their own
+        # dtype -> [(group, first param index, param count, start, numel, quantized)]
+        self.placed: dict[torch.dtype, list[tuple[int, int, int, int, int, bool]]] = {}
 
     def __call__(self, params: list[torch.Tensor]) -> tuple[list[int], int]:
         item = (self.grad_dtype or params[0].dtype).itemsize
@@ -133,7 +135,8 @@ class UnitLayout:
         size = 0
         for i, p in enumerate(params):
             n = aligned(p.numel())
-            same_group = runs and self.group_of[id(params[runs[-1][0]])] == self.group_of[id(p)]
+            last = params[runs[-1][0]] if runs else None
+            same_group = last is not None and self._key(last) == self._key(p)
             if same_group and size + n <= limit:
                 runs[-1].append(i)
                 size += n
@@ -147,10 +150,14 @@ class UnitLayout:
                 offsets.append(end)
                 end += aligned(params[i].numel())
             end = aligned(end, self.world * ALIGN)
-            placed.append((self.group_of[id(params[run[0]])], run[0], len(run), start,
-                           end - start))
+            group, quantized = self._key(params[run[0]])
+            placed.append((group, run[0], len(run), start, end - start, quantized))
         self.placed[params[0].dtype] = placed
         return offsets, end
+
+    def _key(self, p: torch.Tensor) -> tuple[int, bool]:
+        """Parameters share a unit only when they share this: param group, 8-bit state."""
+        return self.group_of[id(p)], id(p) in self.quantized_ids
 
 
 def _describe(groups: list[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:
@@ -258,12 +265,14 @@ class Shards:
                     "params and arguments (in the same order)"
                 )
 
-    def make_grad_buffer(self, groups: list[dict[str, Any]],
-                         grad_dtype: torch.dtype | None) -> GradBuffer:
-        """The flat layout, cut into units; stage 2's buffer hands gradients to the hooks."""
+    def make_grad_buffer(self, groups: list[dict[str, Any]], grad_dtype: torch.dtype | None,
+                         quantized_ids: set[int]) -> GradBuffer:
+        """The flat layout, cut into units (``quantized_ids``: the parameters with 8-bit
+        state); stage 2's buffer hands gradients to the hooks."""
         params = [p for g in groups for p in g["params"]]
         group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
-        self._layout = UnitLayout(group_of, self.world, self.unit_bytes, grad_dtype)
+        self._layout = UnitLayout(group_of, self.world, self.unit_bytes, grad_dtype,
+                                  quantized_ids)
         on_grad = _weak_hook(self._on_grad) if self.zero_stage == 2 else None
         return GradBuffer(params, dtype=grad_dtype, layout=self._layout, on_grad=on_grad)
 
@@ -277,11 +286,12 @@ class Shards:
                              f"or a CUDA GPU, not on {buffer.device}; use offload=None")
         for bucket in buffer.buckets:
             shard_start = 0
-            for group, first, count, start, numel in self._layout.placed[bucket.dtype]:
+            for group, first, count, start, numel, quantized in self._layout.placed[
+                    bucket.dtype]:
                 params = bucket.params[first:first + count]
                 offsets = [o - start for o in bucket.offsets[first:first + count]]
                 unit = Unit(len(self.units), group, bucket, start, numel, params, offsets,
-                            numel // self.world, shard_start)
+                            numel // self.world, shard_start, quantized)
                 self.units.append(unit)
                 shard_start += unit.shard
                 for p, o in zip(params, offsets):
@@ -301,7 +311,8 @@ class Shards:
             # With one rank a slice is the whole unit: per-parameter state views work.
             whole = self.world == 1
             unit.segment = Segment(unit.group, grads, weights,
-                                   unit.params if whole else [], unit.offsets if whole else [])
+                                   unit.params if whole else [], unit.offsets if whole else [],
+                                   quantized=unit.quantized)
             segments.append(unit.segment)
         return segments
 

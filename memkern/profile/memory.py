@@ -76,7 +76,7 @@ def _state_tensors(optimizer: Any) -> Iterable[tuple[str, torch.Tensor]]:
     segments = getattr(optimizer, "segments", None)
     if segments is not None:
         for seg in segments:
-            yield from seg.state.items()
+            yield from seg.stored_tensors().items()
             if seg.step is not None:
                 yield "step", seg.step
         return
