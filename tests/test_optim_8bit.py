@@ -1,0 +1,294 @@
+"""``state_precision="8bit"`` on FusedAdamW and ShardedOptimizer (single process; the
+distributed cases are in test_optim_distributed.py): the fused optimizer against per-parameter
+float64 runs of the quantized algorithm and against torch.optim.AdamW, the size threshold,
+state dicts, skipped steps, loss scaling with accumulation, memory, bad input."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import memkern as mk
+from compare import params_rel_err
+from memkern.kernels.state8bit import QBLOCK, num_blocks
+from memkern.ops import adamw8bit
+from memkern.optim.fused_adamw import MIN_8BIT_NUMEL
+
+
+class Net(torch.nn.Module):
+    """Two weights above the 8-bit threshold (odd sizes, not multiples of the block), one
+    below, biases and a one-element gain (float32 state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(37, 129)   # 4773 elements: 8-bit
+        self.fc2 = torch.nn.Linear(129, 41)   # 5289: 8-bit
+        self.fc3 = torch.nn.Linear(41, 7)     # 287: float32
+        self.gain = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x))))) * self.gain
+
+
+def make_net(seed: int, dtype=torch.float32) -> Net:
+    torch.manual_seed(seed)
+    return Net().to(dtype)
+
+
+HYPER = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05)
+
+
+def gradient_steps(model: Net, steps: int) -> list[list[torch.Tensor]]:
+    """Fixed gradients spanning 4 decades, so that blocks hold values of unequal size."""
+    return [[torch.randn_like(p) * 10.0 ** torch.empty(()).uniform_(-3, 1)
+             for p in model.parameters()] for _ in range(steps)]
+
+
+def apply(model: Net, opt, grads: list[list[torch.Tensor]]) -> None:
+    for step in grads:
+        opt.zero_grad()
+        for p, g in zip(model.parameters(), step):
+            if p.grad is None:
+                p.grad = g.to(p.dtype).clone()
+            else:
+                p.grad.copy_(g)
+        opt.step()
+
+
+def assert_equal_up_to_code_flips(actual: torch.Tensor, expected: torch.Tensor, lr: float,
+                                  steps: int, what: str) -> None:
+    """Two runs of the 8-bit algorithm whose inputs differ by rounding (float32 against
+    float64, or another summation order of the gradients): now and then (~1e-5 of the codes
+    per step) a code rounds the other way near a boundary, and its element takes a slightly
+    different update (at most an AdamW step, ~lr) from then on. Every other element agrees to
+    rounding."""
+    a, b = actual.detach().reshape(-1).double(), expected.detach().reshape(-1).double()
+    err = (a - b).abs()
+    off = err > 1e-5 * b.abs().max()
+    assert int(off.sum()) <= max(2, b.numel() // 500), f"{what}: {int(off.sum())} elements off"
+    assert err.max().item() <= 3 * lr * steps, f"{what}: off by {err.max().item():.2e}"
+
+
+def test_fused_8bit_equals_per_parameter_float64_oracle():
+    """Each parameter run through the op's float64 reference on its own: the fused flat
+    optimizer (blocks laid out across parameters in one flat buffer) must give the same
+    masters; parameters below the threshold follow torch.optim.AdamW."""
+    model = make_net(0)
+    start = copy.deepcopy(model)
+    grads = gradient_steps(model, 5)
+    opt = mk.optim.FusedAdamW(model.parameters(), **HYPER, state_precision="8bit")
+    apply(model, opt, grads)
+
+    for i, (p0, p) in enumerate(zip(start.parameters(), model.parameters())):
+        w = p0.detach().double().reshape(-1).clone()
+        n = w.numel()
+        if n >= MIN_8BIT_NUMEL:
+            state = [w, torch.zeros(n, dtype=torch.int8), torch.zeros(num_blocks(n), dtype=torch.float64),
+                     torch.zeros(n, dtype=torch.uint8), torch.zeros(num_blocks(n), dtype=torch.float64)]
+            step = torch.zeros(1)
+            for g in grads:
+                mk.ops.adamw8bit_step_.reference(*state, g[i].double().reshape(-1), None, step,
+                                                 None, None, HYPER["lr"], *HYPER["betas"],
+                                                 HYPER["eps"], HYPER["weight_decay"])
+            expected = w
+        else:
+            q = torch.nn.Parameter(p0.detach().double().clone())
+            torch_opt = torch.optim.AdamW([q], **HYPER)
+            for g in grads:
+                q.grad = g[i].double()
+                torch_opt.step()
+            expected = q.detach().reshape(-1)
+        assert_equal_up_to_code_flips(p, expected, HYPER["lr"], len(grads), f"param {i}")
+
+
+def test_small_tensors_stay_32bit_and_state_dict_says_which():
+    model = make_net(1)
+    opt = mk.optim.FusedAdamW(model.parameters(), **HYPER, state_precision="8bit")
+    apply(model, opt, gradient_steps(model, 2))
+    for seg in opt.segments:  # each segment holds one kind only
+        assert {p.numel() >= MIN_8BIT_NUMEL for p in seg.params} == {seg.quantized}
+    sd = opt.state_dict()
+    precision = [sd["state"][i]["state_precision"] for i in range(len(sd["state"]))]
+    sizes = [p.numel() for p in model.parameters()]
+    assert precision == ["8bit" if n >= MIN_8BIT_NUMEL else "32bit" for n in sizes]
+    assert precision.count("8bit") == 2
+    for i, p in enumerate(model.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert sd["state"][i][key].dtype == torch.float32 and sd["state"][i][key].shape == p.shape
+        if precision[i] == "8bit":  # kept as codes, not as float32 views
+            assert "exp_avg" not in opt.state[p]
+    quantized = [seg for seg in opt.segments if seg.quantized]
+    for seg in quantized:
+        codes, absmax = seg.quantized_state["exp_avg"]
+        assert codes.dtype == torch.int8 and absmax.numel() == num_blocks(seg.weights.numel())
+
+
+def test_state_dict_round_trip_continues_bit_exactly():
+    """Saved after 3 steps (float32 values read back from the codes) and loaded into a fresh
+    optimizer (requantized): the next steps equal the uninterrupted ones bit for bit."""
+    model = make_net(2, torch.bfloat16)
+    opt = mk.optim.FusedAdamW(model.parameters(), **HYPER, state_precision="8bit")
+    grads = gradient_steps(model, 6)
+    apply(model, opt, grads[:3])
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    before = [(c.clone(), a.clone()) for seg in opt.segments
+              for c, a in seg.quantized_state.values()]
+
+    fresh = make_net(3, torch.bfloat16)
+    fresh.load_state_dict(saved_model)
+    fresh_opt = mk.optim.FusedAdamW(fresh.parameters(), **HYPER, state_precision="8bit")
+    fresh_opt.load_state_dict(saved_opt)
+    loaded = [(c, a) for seg in fresh_opt.segments for c, a in seg.quantized_state.values()]
+    for (c0, a0), (c1, a1) in zip(before, loaded):
+        assert torch.equal(c0, c1) and torch.equal(a0, a1)
+    apply(model, opt, grads[3:])
+    apply(fresh, fresh_opt, grads[3:])
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_8bit_tracks_torch_adamw_on_a_training_run():
+    """A noisy regression, a fresh batch each step, 200 steps: the 8-bit loss stays within 1%
+    of float32 torch.optim.AdamW's at every step after the first 20 (measured: 0.12%)."""
+    torch.manual_seed(4)
+    w_true = torch.randn(37, 7)
+    data = []
+    for _ in range(200):
+        x = torch.randn(64, 37)
+        data.append((x, torch.tanh(x @ w_true) + 0.3 * torch.randn(64, 7)))
+    curves = {}
+    for name in ("torch", "8bit"):
+        model = make_net(5)
+        opt = (torch.optim.AdamW(model.parameters(), **HYPER) if name == "torch" else
+               mk.optim.FusedAdamW(model.parameters(), **HYPER, state_precision="8bit"))
+        losses = []
+        for x, y in data:
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves[name] = torch.tensor(losses)
+    rel = ((curves["8bit"] - curves["torch"]).abs() / curves["torch"])[20:]
+    print(f"largest relative loss gap after warm-up: {rel.max().item():.2e}")
+    assert curves["torch"][-20:].mean() < 0.25 * curves["torch"][0]  # it trains
+    assert rel.max().item() <= 0.01
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_skipped_step_leaves_8bit_state_bit_identical(zero_stage):
+    model = make_net(6, torch.bfloat16)
+    opt = mk.optim.ShardedOptimizer(model.parameters(), lr=1e-3, state_precision="8bit",
+                                    loss_scale="dynamic", accumulation_steps=2,
+                                    max_grad_norm=1.0, zero_stage=zero_stage)
+    x = torch.randn(8, 37, dtype=torch.bfloat16)
+    for _ in range(4):
+        opt.backward(model(x).float().square().mean())
+        opt.step()
+        opt.zero_grad()
+    state = [t.clone() for seg in opt.segments for t in seg.stored_tensors().values()]
+    params = [p.detach().clone() for p in model.parameters()]
+    steps = [seg.step.clone() for seg in opt.segments]
+    opt.backward(model(x).float().square().mean())
+    opt.backward(model(x).float().square().mean() * float("inf"))
+    assert not bool(opt.step()) and opt.skipped_steps == 1
+    after = [t for seg in opt.segments for t in seg.stored_tensors().values()]
+    assert all(torch.equal(a, b) for a, b in zip(state, after))
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    assert all(torch.equal(a, seg.step) for a, seg in zip(steps, opt.segments))
+
+
+def test_sharded_8bit_with_accumulation_equals_fused_8bit_on_the_whole_batch():
+    """Two micro-batches with num_items and a loss scale against one step of FusedAdamW on
+    the summed gradient / item count: the same 8-bit algorithm, the same result."""
+    data = [(torch.randn(5, 37), torch.randn(5, 7)), (torch.randn(9, 37), torch.randn(9, 7))]
+    a, b = make_net(7), make_net(7)
+    sharded = mk.optim.ShardedOptimizer(a.parameters(), lr=1e-2, state_precision="8bit",
+                                        accumulation_steps=2, loss_scale=1024.0)
+    fused = mk.optim.FusedAdamW(b.parameters(), lr=1e-2, state_precision="8bit")
+    for _ in range(3):
+        for x, y in data:
+            sharded.backward(torch.nn.functional.mse_loss(a(x), y, reduction="sum"),
+                             num_items=y.numel())
+            sharded.step()
+        sharded.zero_grad()
+        fused.zero_grad()
+        x, y = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
+        torch.nn.functional.mse_loss(b(x), y).backward()
+        fused.step()
+    for i, (p, q) in enumerate(zip(a.parameters(), b.parameters())):
+        assert_equal_up_to_code_flips(p, q, 1e-2, 3, f"param {i}")
+
+
+def test_lr_scheduler_drives_the_8bit_step():
+    model = make_net(8)
+    opt = mk.optim.FusedAdamW(model.parameters(), lr=1e-2, state_precision="8bit")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0 if step >= 1 else 1.0)
+    apply(model, opt, gradient_steps(model, 1))
+    scheduler.step()
+    frozen = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["weight_decay"] = 0.0
+    apply(model, opt, gradient_steps(model, 2))
+    assert all(torch.equal(a, b) for a, b in zip(frozen, model.parameters()))
+
+
+def test_optimizer_state_bytes_are_a_quarter_plus_scales():
+    """bfloat16 model: float32 masters (4 B) plus 8-bit moments (2 B + 8 B per 64 elements)
+    for the quantized parameters, measured from the storages."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(torch.bfloat16)
+    opt = mk.optim.FusedAdamW(model.parameters(), lr=1e-3, state_precision="8bit")
+    model(torch.randn(4, 256, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    breakdown = mk.profile.memory_breakdown(model, opt)
+    big = sum(p.numel() for p in model.parameters() if p.numel() >= MIN_8BIT_NUMEL)
+    small = sum(p.numel() for p in model.parameters() if p.numel() < MIN_8BIT_NUMEL)
+    # each small parameter is padded to 64 elements; one float32 step counter per segment
+    expected = 2 * big + 2 * 4 * num_blocks(big) + 8 * (small + 64) + 4 * len(opt.segments)
+    assert abs(breakdown.optimizer_state - expected) <= 8 * 64
+    per_param = (breakdown.grads + breakdown.master_weights + breakdown.optimizer_state) / breakdown.num_params
+    print(f"optimizer-side bytes per parameter: {per_param:.4f}")
+    assert per_param <= 8.2
+
+
+def test_requantized_float_state_round_trip_is_exact_for_the_flat_layout():
+    """The float32 values a checkpoint holds quantize back to the codes, block by block."""
+    n = 7 * QBLOCK + 3
+    values = torch.randn(n) * torch.logspace(-4, 0, n)
+    codes, absmax = torch.empty(n, dtype=torch.int8), torch.empty(num_blocks(n))
+    adamw8bit.quantize(values, codes, absmax)
+    again = torch.empty_like(codes), torch.empty_like(absmax)
+    adamw8bit.quantize(adamw8bit.dequantize(codes, absmax, torch.float32), *again)
+    assert torch.equal(again[0], codes) and torch.equal(again[1], absmax)
+
+
+BAD = [
+    (lambda m: mk.optim.FusedAdamW(m.parameters(), state_precision="4bit"), ValueError,
+     "state_precision must be one of"),
+    (lambda m: mk.optim.ShardedOptimizer(m.parameters(), lr=1e-3, state_precision="fp8"),
+     ValueError, "state_precision must be one of"),
+    (lambda m: mk.optim.FusedAdamW([{"params": m.parameters(), "state_precision": 8}]),
+     ValueError, "state_precision=8"),
+    (lambda m: mk.optim.FusedAdamW([torch.zeros(5000, dtype=torch.int64)],
+                                   state_precision="8bit"), TypeError, "integer/bool dtype"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD)), ids=[b[2][:24] for b in BAD])
+def test_bad_input_is_named(case):
+    make, error, match = BAD[case]
+    with pytest.raises(error, match=match):
+        make(make_net(9))
+
+
+def test_checkpoint_of_another_state_precision_is_refused():
+    model = make_net(10)
+    eight = mk.optim.FusedAdamW(model.parameters(), lr=1e-3, state_precision="8bit")
+    apply(model, eight, gradient_steps(model, 1))
+    other = make_net(10)
+    thirty_two = mk.optim.FusedAdamW(other.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="saved with state_precision='8bit'.*state_precision='8bit' to load"):
+        thirty_two.load_state_dict(eight.state_dict())
+    torch_sd = torch.optim.AdamW(make_net(10).parameters()).state_dict()
+    with pytest.raises(ValueError, match="saved with state_precision='32bit'"):
+        mk.optim.FusedAdamW(make_net(10).parameters(), state_precision="8bit").load_state_dict(torch_sd)
