@@ -56,6 +56,10 @@ def test_bench_json_memkern_full_saves_memory_measured(bench_json):
     assert 14.0 <= full["optimizer_side_bytes_per_param"] < 14.2
     assert amp["optimizer_side_bytes_per_param"] == pytest.approx(16.0, abs=0.01)
     assert rows["memkern-full-ckpt"]["saved_activation_bytes"] < full["saved_activation_bytes"]
+    # 8-bit moments for the parameters of >= 4096 elements (most of the tiny model's bytes;
+    # its small ones stay float32): from the storages, well under memkern-full's 14.
+    eight = rows["memkern-full-8bit"]["optimizer_side_bytes_per_param"]
+    assert 8.0 < eight < 11.0
 
 
 def test_report_runs_and_writes_json(tmp_path):
@@ -68,6 +72,8 @@ def test_report_runs_and_writes_json(tmp_path):
     n = data["num_params"]
     assert by[("memkern ZeRO-1", 3)]["model_state_bytes"] == int((4 + 12 / 3) * n)
     assert by[("memkern ZeRO-2", 2)]["model_state_bytes"] == int((2 + 14 / 2) * n)
+    assert by[("memkern ZeRO-1 8-bit", 1)]["model_state_bytes"] == int(10.125 * n)
+    assert by[("memkern ZeRO-2 8-bit", 3)]["model_state_bytes"] == int((2 + 8.125 / 3) * n)
     assert data["activations"]["memkern-full"] < data["activations"]["torch-amp"]
 
 
@@ -138,3 +144,21 @@ def test_impossible_batch_is_refused_before_allocating(monkeypatch):
     with pytest.raises(MemoryError, match="need 2.9 GiB of host memory, 1.0 GiB are available"):
         data.Batches(corpus, 1_000_000, 127)
     data.Batches(corpus, 1000, 127)  # 3 MB: fine
+
+
+
+@pytest.mark.slow
+def test_8bit_state_loss_curve_follows_32bit():
+    """memkern-full with 8-bit optimizer state against memkern-full, 60 steps of the default
+    model (seq shortened). Both are bf16 trajectories, which drift apart like any two (see
+    above): 10-step windows held to 1%, single steps to 5%, as bf16 against fp32 above
+    (benchmarks/bench_8bit_state.py measures the 200-step curve against the issue's 1%)."""
+    default = SIZES["small"]
+    cfg = GPTConfig(default.layers, default.width, default.heads, seq=32)
+    full = torch.tensor(_loss_curve("memkern-full", cfg, 60), dtype=torch.float64)
+    eight = torch.tensor(_loss_curve("memkern-full-8bit", cfg, 60), dtype=torch.float64)
+    print(f"largest window gap {_window_error(eight, full).max().item():.2e}, step gap "
+          f"{((eight - full).abs() / full).max().item():.2e}")
+    assert full[-1] < 0.8 * full[0]
+    assert _window_error(eight, full).max() < 1e-2
+    assert ((eight - full).abs() / full).max() < 5e-2

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "../checks.h"
 #include "adamw_math.h"
@@ -21,31 +22,37 @@ constexpr int64_t kQBlock = 64;
 constexpr float kSignedCodes = 127.0f;    // m: sign(c) * (|c| / 127)^2 * absmax
 constexpr float kUnsignedCodes = 255.0f;  // v: (c / 255)^4 * absmax
 
-inline float dequantize_m(int8_t code, float absmax) {
-  float q = std::fabs(static_cast<float>(code)) / kSignedCodes;
-  const float x = (q * q) * absmax;
-  return code < 0 ? -x : x;
+// Always inlined: the callers are compiled per ISA (MEMKERN_VECTOR_CLONES) and these must be
+// compiled, and vectorised, with them.
+#define MEMKERN_INLINE [[gnu::always_inline]] inline
+
+MEMKERN_INLINE float dequantize_m(int8_t code, float absmax) {
+  const float q = std::fabs(static_cast<float>(code)) / kSignedCodes;
+  return std::copysign((q * q) * absmax, static_cast<float>(code));
 }
 
-inline float dequantize_v(uint8_t code, float absmax) {
+MEMKERN_INLINE float dequantize_v(uint8_t code, float absmax) {
   const float q = static_cast<float>(code) / kUnsignedCodes;
   const float q2 = q * q;
   return (q2 * q2) * absmax;
 }
 
 // Codes and absmax of one block of n <= kQBlock values: NaN and zero codes when a value is
-// not finite, zero codes for an all-zero block.
+// not finite, zero codes for an all-zero block. The absmax is taken on the bits of the
+// non-negative values (ordered as the floats are), which vectorises; a float max would not.
 template <bool kSigned, typename code_t>
-inline void quantize_block(const float* x, int64_t n, code_t* codes, float* absmax) {
-  float amax = 0.0f;
-  bool bad = false;
+MEMKERN_INLINE void quantize_block(const float* x, int64_t n, code_t* codes, float* absmax) {
+  uint32_t amax_bits = 0;
+  int32_t non_finite = 0;
   for (int64_t i = 0; i < n; ++i) {
     const float a = std::fabs(x[i]);
     const bool finite = a <= FLT_MAX;
-    bad |= !finite;
-    amax = finite && a > amax ? a : amax;
+    non_finite += finite ? 0 : 1;
+    const uint32_t bits = finite ? float_to_bits(a) : 0u;
+    amax_bits = bits > amax_bits ? bits : amax_bits;
   }
-  const bool usable = !bad && amax > 0.0f;
+  const float amax = bits_to_float(amax_bits);
+  const bool usable = non_finite == 0 && amax > 0.0f;
   const float divisor = usable ? amax : 1.0f;
   for (int64_t i = 0; i < n; ++i) {
     float r = std::sqrt(std::fabs(x[i]) / divisor);
@@ -55,7 +62,25 @@ inline void quantize_block(const float* x, int64_t n, code_t* codes, float* absm
     if constexpr (kSigned) c = x[i] < 0.0f ? -c : c;
     codes[i] = static_cast<code_t>(static_cast<int32_t>(c));
   }
-  *absmax = bad ? std::numeric_limits<float>::quiet_NaN() : amax;
+  *absmax = non_finite != 0 ? std::numeric_limits<float>::quiet_NaN() : amax;
+}
+
+// Dequantize, update and write back n <= kQBlock elements from `begin` into m and v.
+template <typename grad_t, typename param_t>
+MEMKERN_INLINE void update_block(float* __restrict master, const int8_t* __restrict m_codes,
+                                 const uint8_t* __restrict v_codes, float m_scale,
+                                 float v_scale, const grad_t* __restrict grads,
+                                 param_t* __restrict params, const AdamWCoefficients& c,
+                                 float* __restrict m, float* __restrict v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float mi = dequantize_m(m_codes[i], m_scale);
+    float vi = dequantize_v(v_codes[i], v_scale);
+    const float w = adamw_element(master[i], mi, vi, to_float(grads[i]), c);
+    m[i] = mi;
+    v[i] = vi;
+    master[i] = w;
+    store_param(params, i, w);
+  }
 }
 
 // The blocks [first, last) of an n-element buffer.
@@ -71,19 +96,21 @@ MEMKERN_VECTOR_CLONES void adamw8bit_blocks(float* __restrict master, int8_t* __
   float v[kQBlock];
   for (int64_t b = first; b < last; ++b) {
     const int64_t begin = b * kQBlock;
-    const int64_t len = std::min(kQBlock, n - begin);
-    const float m_scale = m_absmax[b];
-    const float v_scale = v_absmax[b];
-    for (int64_t i = 0; i < len; ++i) {
-      const int64_t k = begin + i;
-      m[i] = dequantize_m(m_codes[k], m_scale);
-      v[i] = dequantize_v(v_codes[k], v_scale);
-      const float w = adamw_element(master[k], m[i], v[i], to_float(grads[k]), c);
-      master[k] = w;
-      store_param(params, k, w);
+    param_t* p = nullptr;
+    if constexpr (!std::is_same_v<param_t, NoParams>) p = params + begin;
+    // A constant trip count for the full blocks: their loops vectorise without a tail.
+    const int64_t len = n - begin >= kQBlock ? kQBlock : n - begin;
+    if (len == kQBlock) {
+      update_block(master + begin, m_codes + begin, v_codes + begin, m_absmax[b], v_absmax[b],
+                   grads + begin, p, c, m, v, kQBlock);
+      quantize_block<true>(m, kQBlock, m_codes + begin, m_absmax + b);
+      quantize_block<false>(v, kQBlock, v_codes + begin, v_absmax + b);
+    } else {
+      update_block(master + begin, m_codes + begin, v_codes + begin, m_absmax[b], v_absmax[b],
+                   grads + begin, p, c, m, v, len);
+      quantize_block<true>(m, len, m_codes + begin, m_absmax + b);
+      quantize_block<false>(v, len, v_codes + begin, v_absmax + b);
     }
-    quantize_block<true>(m, len, m_codes + begin, m_absmax + b);
-    quantize_block<false>(v, len, v_codes + begin, v_absmax + b);
   }
 }
 

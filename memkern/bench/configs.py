@@ -10,6 +10,8 @@ memkern-full           memkern modules, bf16 parameters, the flat bf16 gradient 
                        ``ShardedOptimizer`` (dynamic loss scale, clipping, fused AdamW on fp32
                        master weights)
 memkern-full-ckpt      memkern-full with every transformer block under ``memkern.checkpoint``
+memkern-full-8bit      memkern-full with ``state_precision="8bit"`` (block-wise 8-bit Adam
+                       moments for parameters of >= 4096 elements)
 =====================  ====================================================================
 """
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 import memkern
 from memkern.bench.model import GPT, GPTConfig
 
-CONFIGS = ("torch-fp32", "torch-amp", "memkern-modules", "memkern-full", "memkern-full-ckpt")
+CONFIGS = ("torch-fp32", "torch-amp", "memkern-modules", "memkern-full", "memkern-full-ckpt",
+           "memkern-full-8bit")
 BASELINE = "torch-amp"
 LR, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-3, 0.01, 1.0
 
@@ -103,7 +106,8 @@ def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0) -> Set
     model.to(torch.bfloat16)
     optimizer = memkern.optim.ShardedOptimizer(
         model.parameters(), "adamw", lr=LR, weight_decay=WEIGHT_DECAY,
-        loss_scale="dynamic", max_grad_norm=MAX_GRAD_NORM)
+        loss_scale="dynamic", max_grad_norm=MAX_GRAD_NORM,
+        state_precision="8bit" if name == "memkern-full-8bit" else "32bit")
 
     def step(x: torch.Tensor, y: torch.Tensor, after_backward=None) -> torch.Tensor:
         loss = model(x, y)
