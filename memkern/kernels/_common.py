@@ -65,6 +65,20 @@ def check_scalar(op: str, name: str, t: torch.Tensor | None, device: torch.devic
         )
 
 
+def check_step_args(op: str, master: torch.Tensor, grads: torch.Tensor,
+                    params: torch.Tensor | None, step: torch.Tensor,
+                    grad_multiplier: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+    """What every optimizer-step launcher takes: a float32 master, gradients and the optional
+    parameter copy of its length, and the three one-element device scalars."""
+    n = master.numel()
+    check_buffer(op, "master", master, STATE_DTYPES)
+    check_buffer(op, "grads", grads, GRAD_DTYPES, n)
+    if params is not None:
+        check_buffer(op, "params", params, GRAD_DTYPES, n)
+    for name, t in (("step", step), ("grad_multiplier", grad_multiplier), ("found_inf", found_inf)):
+        check_scalar(op, name, t, master.device)
+
+
 def device_guard(t: torch.Tensor):
     """Launch on ``t``'s GPU (Triton launches on the current device)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

@@ -107,17 +107,12 @@ def adamw8bit_step_(master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absm
     op = "adamw8bit_step_"
     n = master.numel()
     blocks = num_blocks(n)
-    _common.check_buffer(op, "master", master, _common.STATE_DTYPES)
+    _common.check_step_args(op, master, grads, params, step, grad_multiplier, found_inf)
     _common.check_buffer(op, "exp_avg", exp_avg, (torch.int8,), n)
     _common.check_buffer(op, "exp_avg_sq", exp_avg_sq, (torch.uint8,), n)
     _common.check_buffer(op, "exp_avg_absmax", exp_avg_absmax, _common.STATE_DTYPES, blocks)
     _common.check_buffer(op, "exp_avg_sq_absmax", exp_avg_sq_absmax, _common.STATE_DTYPES,
                          blocks)
-    _common.check_buffer(op, "grads", grads, _common.GRAD_DTYPES, n)
-    if params is not None:
-        _common.check_buffer(op, "params", params, _common.GRAD_DTYPES, n)
-    for name, t in (("step", step), ("grad_multiplier", grad_multiplier), ("found_inf", found_inf)):
-        _common.check_scalar(op, name, t, master.device)
 
     scalars, flags = hyper_args(lr, beta1, beta2, eps, weight_decay)
     with _common.device_guard(master):
