@@ -73,7 +73,7 @@ from memkern.optim.flat_state import FlatOptimizer, Segment
 from memkern.optim.fused_adamw import AdamW
 from memkern.optim.fused_sgd import SGD
 from memkern.optim.grad_buffer import GradBuffer
-from memkern.optim.zero import Shards
+from memkern.optim.zero import Shards, _weak_hook
 
 ALGORITHMS = {"adamw": AdamW, "sgd": SGD}
 
@@ -233,6 +233,12 @@ class ShardedOptimizer(FlatOptimizer):
         self._grads_dirty = False  # the buffer holds gradients that zero_grad() has not cleared
         self._warned_unzeroed = False
         self._checked_batch_norm = accumulation_steps == 1
+        # A gradient that arrives outside backward() (a plain loss.backward(), accelerate's
+        # backward) is neither scaled nor counted: step() refuses it instead of stepping wrong.
+        self._in_backward = False
+        self._stray_grads = False
+        for p in self._params():
+            p.register_post_accumulate_grad_hook(_weak_hook(self._note_grad))
 
     def _make_grad_buffer(self, groups: list[dict[str, Any]],
                           grad_dtype: torch.dtype | None) -> GradBuffer:
@@ -294,20 +300,28 @@ class ShardedOptimizer(FlatOptimizer):
             self._checked_batch_norm = True
             self._warn_if_batch_norm(loss)
         scaled = self.scaler.scale(loss)
-        if self._shards is None:
-            scaled.backward()
-        else:
-            self._shards.begin_backward()
-            try:
+        self._in_backward = True
+        try:
+            if self._shards is None:
                 scaled.backward()
-            except BaseException:
-                self._shards.abandon_backward()
-                raise
-            self._shards.end_backward()
+            else:
+                self._shards.begin_backward()
+                try:
+                    scaled.backward()
+                except BaseException:
+                    self._shards.abandon_backward()
+                    raise
+                self._shards.end_backward()
+        finally:
+            self._in_backward = False
         self._window_mode = mode
         self._micro_batches += 1
         self._window_gradients += self.world_size
         self._grads_dirty = True
+
+    def _note_grad(self, p: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._stray_grads = True
 
     def _add_items(self, num_items: int | float | torch.Tensor) -> None:
         name = "memkern.ShardedOptimizer.backward"
@@ -369,6 +383,16 @@ class ShardedOptimizer(FlatOptimizer):
         (end of an epoch or of training); the gradient is then the mean over the micro-batches
         it has.
         """
+        if self._stray_grads:
+            raise RuntimeError(
+                "memkern.ShardedOptimizer.step: gradients were accumulated by a backward pass "
+                "that did not go through ShardedOptimizer.backward (loss.backward(), "
+                "accelerator.backward(loss), a Trainer's own backward); they are not loss-scaled "
+                "nor counted in the accumulation window, so no step was taken. Call "
+                "opt.backward(loss) on the memkern optimizer instead, then opt.zero_grad() to "
+                "drop these gradients (with transformers.Trainer use "
+                "memkern.integrations.transformers.MemkernTrainer)"
+            )
         if self._micro_batches == 0:
             if force:
                 raise RuntimeError(
@@ -470,6 +494,7 @@ class ShardedOptimizer(FlatOptimizer):
         if self._shards is not None:
             self._shards.zero_shard_grads()
         self._grads_dirty = False
+        self._stray_grads = False
 
     # -------------------------------------------------------------------------- properties
     @property
@@ -605,6 +630,7 @@ class ShardedOptimizer(FlatOptimizer):
         self._micro_batches, self._window_gradients, self._window_mode = 0, 0, None
         self._num_items.zero_()
         self._grads_dirty = False
+        self._stray_grads = False
         if not window or not window["micro_batches"]:
             return
         self._micro_batches = window["micro_batches"]
