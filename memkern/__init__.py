@@ -1,4 +1,18 @@
-"""memkern: memory-efficient training for PyTorch. The public API (contract v1) is re-exported here."""
+"""memkern: train bigger models, or bigger batches, on the memory you have.
+
+memkern swaps PyTorch layers for ones that save less for backward and recompute what is
+cheap, keeps the gradients in one flat (16-bit if you like) buffer, and folds loss scaling,
+clipping and the AdamW/SGD update into one fused step, sharded across processes (ZeRO-1/2)
+or offloaded to the CPU. Quick start:
+
+    model = memkern.patch(model)
+    opt = memkern.optim.ShardedOptimizer(model.parameters(), "adamw", lr=3e-4)
+    opt.backward(loss); opt.step(); opt.zero_grad()
+
+With Hugging Face: ``memkern.integrations.transformers.MemkernTrainer`` in place of
+``Trainer``. The public API is re-exported here; the documentation is in ``docs/`` of the
+repository (``docs/index.md``), and ``memkern --help`` lists the command-line tools.
+"""
 from memkern import ops
 from memkern._extension import compiled
 from memkern.backend import backends

@@ -1,10 +1,20 @@
-"""The ``memkern`` command.
+"""memkern: train bigger models, or bigger batches, on the memory you have.
 
-    memkern bench    train the embedded default GPT under plain torch, torch AMP and memkern
+memkern swaps PyTorch layers for ones that save less for backward, keeps gradients in one
+flat 16-bit buffer and folds loss scaling, clipping and the optimizer update into one fused
+step, sharded across processes if you like. Quick start:
+
+    model = memkern.patch(model)
+    opt = memkern.optim.ShardedOptimizer(model.parameters(), "adamw", lr=3e-4)
+    opt.backward(loss); opt.step(); opt.zero_grad()
+
+Commands:
+    memkern bench    train a small GPT under plain torch, torch AMP and memkern
                      configurations and print their memory and speed side by side
     memkern report   predicted per-rank memory of each configuration and world size
 
-Under ``torchrun`` (WORLD_SIZE > 1) every rank trains and rank 0 prints.
+Under torchrun (WORLD_SIZE > 1) every rank trains and rank 0 prints.
+Documentation: docs/ in the repository (start with docs/index.md).
 """
 from __future__ import annotations
 
@@ -28,17 +38,53 @@ class _OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive(kind: str):
+def _at_least(minimum: int, why: str = ""):
+    """A whole-number flag >= ``minimum`` (argparse names the flag in its error)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{kind} must be a whole number, got {text!r}")
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{kind} must be >= 1, got {value}")
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}{why}, got {value}")
         return value
 
     return parse
+
+
+MIN_STEPS = 3
+"""One warm-up step, one profiled for memory, at least one timed."""
+
+SPREAD_LIMIT = 0.2
+"""A configuration whose timed steps spread wider than this, (max - min) / median, gets a note
+under the bench table: its time ratios are not to be trusted."""
+
+
+def _available_devices() -> list[str]:
+    return ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def _device(text: str) -> torch.device:
+    """``--device``: cpu, cuda or cuda:N that exists on this machine."""
+    available = ", ".join(_available_devices())
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device name; available here: "
+                                         f"{available}")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: memkern bench runs on cpu or cuda; "
+                                         f"available here: {available}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            built = "" if torch.version.cuda else f", torch {torch.__version__} has no CUDA"
+            raise argparse.ArgumentTypeError(f"{text!r}: no CUDA GPU here{built}; available "
+                                             f"here: {available}")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r}: there is no GPU {device.index}; "
+                                             f"available here: {available}")
+    return device
 
 
 def _config_list(text: str) -> list[str]:
@@ -62,29 +108,35 @@ def _int_list(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _OneLineErrors(prog="memkern", description=__doc__.split("\n\n")[0])
+    parser = _OneLineErrors(prog="memkern", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrors)
 
     def model_flags(p: argparse.ArgumentParser, batch: int) -> None:
         p.add_argument("--size", choices=sorted(SIZES), default="small",
                        help="model size (default: small)")
-        p.add_argument("--seq", type=_positive("--seq"), help="sequence length (default: the "
-                       "size's, capped at 128 on CPU)")
-        p.add_argument("--batch", type=_positive("--batch"), default=batch,
+        p.add_argument("--seq", type=_at_least(1), help="sequence length (default: "
+                       "the size's, capped at 128 on CPU)")
+        p.add_argument("--batch", type=_at_least(1), default=batch,
                        help=f"sequences per step (default: {batch})")
-        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                       help="cpu or cuda[:N] (default: cuda when available)")
+        p.add_argument("--device", type=_device,
+                       default="cuda" if torch.cuda.is_available() else "cpu",
+                       help="cpu, cuda or cuda:N (default: cuda when available; here: "
+                       f"{', '.join(_available_devices())})")
         p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
     bench = sub.add_parser("bench", help="train the default GPT under each configuration")
     model_flags(bench, batch=8)
-    bench.add_argument("--steps", type=_positive("--steps"), default=20,
-                       help="optimizer steps per configuration, >= 3 (default: 20)")
+    bench.add_argument("--steps", type=_at_least(MIN_STEPS, " (one warm-up, one profiled, "
+                                                 "one timed)"), default=20,
+                       help=f"optimizer steps per configuration, >= {MIN_STEPS} (default: 20)")
     bench.add_argument("--configs", type=_config_list, default=list(CONFIGS),
                        help=f"comma-separated subset of: {', '.join(CONFIGS)}")
     bench.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of memory by "
                        "component per configuration")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0, help="seed of the model's initial "
+                       "weights and of the batches, the same for every configuration "
+                       "(default: 0)")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
 
     report = sub.add_parser("report", help="predicted per-rank memory per configuration and "
@@ -133,21 +185,24 @@ def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
           + ("(CUDA allocator)" if device.type == "cuda" else "(profiler allocation trace)")
           + ";\nopt B/param: gradients + the fp32 weights the optimizer updates (master copies, or "
           "fp32 parameters updated in place) + optimizer state, per parameter")
+    for r in rows:
+        if r.step_spread > SPREAD_LIMIT:
+            print(f"note: {r.config}'s step times varied by {r.step_spread:.0%} (min "
+                  f"{r.step_seconds_min * 1e3:.1f} ms, median {r.step_seconds * 1e3:.1f} ms, max "
+                  f"{r.step_seconds_max * 1e3:.1f} ms): the machine was busy or still warming "
+                  "up, so its times are uncertain; run again, or with more --steps")
 
 
 def _bench(args: argparse.Namespace) -> int:
     from memkern.bench.data import stdlib_corpus
     from memkern.bench.runner import run
 
-    if args.steps < 3:
-        raise ValueError(f"--steps must be >= 3 (one warm-up, one profiled, one timed), got "
-                         f"{args.steps}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError("--plot needs matplotlib: pip install matplotlib")
-    device = torch.device(args.device)
+    device = args.device
     cfg = _model_config(args, device)
     corpus = stdlib_corpus()
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -176,13 +231,13 @@ def _report(args: argparse.Namespace) -> int:
     from memkern.bench.data import stdlib_corpus
     from memkern.bench.report import measured_activations, predict
 
-    device = torch.device(args.device)
+    device = args.device
     cfg = _model_config(args, device)
     num_params, saved = measured_activations(cfg, stdlib_corpus(), args.batch, device)
     rows = predict(num_params, saved, args.world_sizes)
     print(f"memkern report: GPT {args.size} ({num_params / 1e6:.2f}M params), batch "
-          f"{args.batch} x seq {cfg.seq}; model state from DESIGN.md §3 formulas (Adam), "
-          f"activations measured on {device}")
+          f"{args.batch} x seq {cfg.seq}; model state from the per-parameter formulas of "
+          f"docs/memory.md (Adam), activations measured on {device}")
     head = (f"{'configuration':<24} {'W':>3} {'B/param':>8} {'state MiB':>10} "
             f"{'activ. MiB':>10} {'device MiB':>10} {'host MiB':>9}")
     print(head)
@@ -191,6 +246,10 @@ def _report(args: argparse.Namespace) -> int:
         print(f"{r['config']:<24} {r['world_size']:>3} {r['bytes_per_param']:>8.2f} "
               f"{_mib(r['model_state_bytes']):>10} {_mib(r['activation_bytes']):>10} "
               f"{_mib(r['device_bytes']):>10} {_mib(r['host_bytes']):>9}")
+    print("W: processes (ranks); B/param: model-state bytes per parameter on each rank's "
+          "device;\nstate MiB: B/param x params; activ. MiB: bytes one micro-batch's forward "
+          "saves for backward (measured);\ndevice MiB: state + activations per rank; host MiB: "
+          "optimizer state kept in host memory (offload)")
     if args.json:
         _write_json(args.json, {"command": "report", "size": args.size, "seq": cfg.seq,
                                 "batch": args.batch, "num_params": num_params,
@@ -228,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             import torch.distributed as dist
 
-            dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+            dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo")
         return _bench(args) if args.command == "bench" else _report(args)
     except ValueError as exc:
         print(f"memkern {args.command}: error: {exc}", file=sys.stderr)

@@ -78,10 +78,15 @@ def test_report_runs_and_writes_json(tmp_path):
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["bench", "--steps", "-3"], "--steps must be >= 1"),
+    (["bench", "--steps", "-3"], "argument --steps: must be >= 3"),
+    (["bench", "--steps", "0"], "argument --steps: must be >= 3"),
     (["bench", "--configs", "torch-fp32,warp-drive"], "unknown configuration"),
-    (["bench", "--batch", "zero"], "--batch must be a whole number"),
-    (["bench", "--size", "tiny", "--steps", "2"], "--steps must be >= 3"),
+    (["bench", "--batch", "zero"], "argument --batch: must be a whole number"),
+    (["bench", "--size", "tiny", "--steps", "2"], "argument --steps: must be >= 3"),
+    (["bench", "--device", "gpu"], "argument --device: 'gpu' is not a device name; available "
+                                   "here: cpu"),
+    (["bench", "--device", f"cuda:{torch.cuda.device_count()}"], "argument --device: 'cuda:"),
+    (["report", "--device", "tpu"], "argument --device: 'tpu'"),
     (["bench", "--size", "tiny", "--seq", "5000"], "longer than"),
     (["report", "--world-sizes", "2,0"], "world sizes must be >= 1"),
     (["bench", "--size", "tiny", "--batch", "1000000000", "--steps", "3"], "does not fit"),
@@ -92,6 +97,57 @@ def test_bad_flags_give_one_line_error(flags, needle):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA GPU")
+@pytest.mark.parametrize("command", ["bench", "report"])
+def test_cuda_without_a_gpu_is_one_line(command):
+    proc = _run_cli(command, "--device", "cuda")
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(f"memkern {command}: error: argument --device: 'cuda': no CUDA "
+                               "GPU here") and lines[0].endswith("available here: cpu")
+
+
+def test_help_starts_with_what_memkern_does_and_a_quick_start():
+    proc = _run_cli("--help")
+    assert proc.returncode == 0
+    head = proc.stdout.split("Commands:")[0]
+    assert "memkern: train bigger models" in head and "``" not in proc.stdout
+    quick = head.split("Quick start:")[1].strip().splitlines()
+    assert len(quick) == 3 and quick[0].strip().startswith("model = memkern.patch(model)")
+    import memkern
+
+    assert memkern.__doc__.strip().startswith("memkern: train bigger models")
+    assert "opt.backward(loss); opt.step(); opt.zero_grad()" in memkern.__doc__
+
+
+def _row(name: str, times_ms: tuple[float, float, float]):
+    from memkern.bench.runner import Row
+
+    low, median, high = (t / 1e3 for t in times_ms)
+    return Row(name, 3 << 20, 1 << 20, 1, 1, 1, 1, 1000, 16.0, median, 4096 / median,
+               [2.5, 2.4], step_seconds_min=low, step_seconds_max=high)
+
+
+def test_bench_notes_configurations_whose_step_times_spread(capsys):
+    """(max - min) / median over 20%: a note under the table; 19%: none."""
+    rows = [_row("torch-amp", (100.0, 110.0, 130.0)), _row("torch-fp32", (95.0, 100.0, 114.0))]
+    args = cli._parser().parse_args(["bench", "--size", "tiny", "--steps", "4"])
+    cli._print_bench(rows, SIZES["tiny"], args, torch.device("cpu"))
+    out = capsys.readouterr().out
+    notes = [ln for ln in out.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and notes[0].startswith("note: torch-amp's step times varied by 27% "
+                                                   "(min 100.0 ms, median 110.0 ms, max 130.0")
+
+
+def test_report_has_a_column_legend():
+    proc = _run_cli("report", "--size", "tiny", "--batch", "1", "--seq", "16",
+                    "--world-sizes", "1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for column in ("W:", "B/param:", "state MiB:", "activ. MiB:", "device MiB:", "host MiB:"):
+        assert column in proc.stdout
+    assert "docs/memory.md" in proc.stdout and "DESIGN" not in proc.stdout
 
 
 def _loss_curve(name: str, cfg: GPTConfig, steps: int) -> list[float]:

@@ -1,6 +1,6 @@
 """``memkern report``: predicted per-rank memory of each configuration and world size.
 
-Model-state bytes come from DESIGN.md §3's per-parameter formulas (Adam, W ranks);
+Model-state bytes come from the per-parameter formulas of docs/memory.md (Adam, W ranks);
 activations are measured: the bytes one micro-batch's forward saves for backward, for the
 torch model under bf16 autocast and for the memkern model with and without checkpointing.
 """

@@ -30,12 +30,20 @@ class Row:
     num_params: int
     optimizer_side_bytes_per_param: float
     step_seconds: float
+    """Median of the timed steps."""
     tokens_per_second: float
     losses: list[float]
+    step_seconds_min: float = 0.0
+    step_seconds_max: float = 0.0
 
     @property
     def final_loss(self) -> float:
         return self.losses[-1]
+
+    @property
+    def step_spread(self) -> float:
+        """(slowest - fastest) / median timed step: how far the step time can be trusted."""
+        return (self.step_seconds_max - self.step_seconds_min) / self.step_seconds
 
 
 class Progress:
@@ -108,4 +116,5 @@ def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: i
     return Row(name, peak, saved, breakdown.params, breakdown.grads, breakdown.master_weights,
                breakdown.optimizer_state, breakdown.num_params,
                breakdown.optimizer_side_per_param, step_seconds,
-               batch * cfg.seq / step_seconds, losses)
+               batch * cfg.seq / step_seconds, losses, step_seconds_min=min(times),
+               step_seconds_max=max(times))

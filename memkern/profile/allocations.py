@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,31 +27,49 @@ class AllocationStats:
     result: Any
 
 
+# torch's native log lines: c10's "[W1122 22:54:23.803449707 CPUAllocator.cpp:245] ..." (e.g.
+# "Memory block of unknown size was allocated before the profiling started") and kineto's
+# "USDT:2026-11-22 23:00:57 17736:17736 SyncActivityProfilerHandler.cpp:52] profiler_start".
+_NATIVE_LOG = re.compile(r"^(\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+|[A-Z]+:\d{4}-\d\d-\d\d "
+                         r"\d\d:\d\d:\d\d) .*\]")
+
+
 @contextlib.contextmanager
-def _native_stderr_silenced() -> Iterator[None]:
-    """The profiler's native layer prints a line on stderr when it starts and stops (no
-    setting turns it off); those lines would break progress bars and tables."""
+def _native_log_lines_dropped() -> Iterator[None]:
+    """Captures stderr at the file-descriptor level (where torch's native layer writes) while
+    the trace runs, then writes back everything but torch's native log lines: the profiler
+    logs when it starts and stops and for every freed block it did not see allocated (no
+    setting turns these off), and they would land inside progress bars and tables. Anything
+    else written meanwhile (Python warnings, the function's own output) still reaches stderr,
+    after the trace."""
     sys.stderr.flush()
     saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            text = capture.read().decode(errors="replace")
+            kept = [line for line in text.splitlines(keepends=True)
+                    if not _NATIVE_LOG.match(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def _cpu_trace(fn: Callable[[], Any]) -> AllocationStats:
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _native_stderr_silenced():
+    with _native_log_lines_dropped():
         prof.start()
-    try:
-        result = fn()  # its own warnings and errors still reach stderr
-    finally:
-        with _native_stderr_silenced():
+        try:
+            result = fn()
+        finally:
             prof.stop()
     # The profiler's raw records carry each allocation/free with its signed size and time;
     # the public FunctionEvent view aggregates them per op, losing the order needed for a peak.

@@ -1,0 +1,215 @@
+"""``MemkernTrainer``: Hugging Face's ``transformers.Trainer`` training through memkern.
+
+Use it where you would use ``Trainer``; the ``TrainingArguments`` keep their meaning::
+
+    from memkern.integrations.transformers import MemkernTrainer
+
+    args = TrainingArguments("out", bf16=True, gradient_accumulation_steps=4,
+                             max_grad_norm=1.0, learning_rate=3e-4, lr_scheduler_type="cosine")
+    trainer = MemkernTrainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()                       # later: trainer.train(resume_from_checkpoint=True)
+
+What changes against ``Trainer``:
+
+* the model is patched in place with :func:`memkern.patch` (``patch=False`` leaves it alone,
+  a dict passes keyword arguments to ``patch``);
+* the optimizer is a :class:`memkern.optim.ShardedOptimizer` built from the arguments:
+  ``optim`` ``"adamw_torch"``/``"adamw_torch_fused"`` (memkern's fused AdamW, the same math)
+  or ``"sgd"``, ``learning_rate``, ``weight_decay`` (not on biases and norms, as ``Trainer``
+  decides), ``adam_beta1/2``, ``adam_epsilon``; every LR scheduler of ``Trainer`` works;
+* ``gradient_accumulation_steps`` is the optimizer's accumulation window: gradients are
+  summed in the flat buffer and normalised once, in the fused step (``Trainer``'s own
+  normalisation, by the window's token count or its number of micro-batches, is kept: the
+  result is ``Trainer``'s gradient, without a second division);
+* ``max_grad_norm`` is the optimizer's clipping, folded into its step (``Trainer`` does not
+  clip on top; the logged ``grad_norm`` is the optimizer's, before clipping);
+* ``bf16=True`` / ``fp16=True`` keep the weights and the gradient buffer in bfloat16 /
+  float16 with float32 master weights in the optimizer, instead of autocast over float32
+  weights; ``fp16`` adds dynamic loss scaling (a skipped step does not advance the scheduler);
+* checkpoints hold the optimizer's full state (float32 masters, moments, loss scale), and
+  ``train(resume_from_checkpoint=...)`` restores it.
+
+One process only for now (no ``torchrun`` / DataParallel): across processes, use
+``ShardedOptimizer`` in a training loop of your own (``examples/train_gpt_zero.py``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from memkern.nn.patch import patch as patch_model
+from memkern.optim.sharded import ShardedOptimizer
+
+# TrainingArguments.optim -> ShardedOptimizer's algorithm
+ALGORITHMS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "sgd": "sgd"}
+
+
+def _argument(args: Any, name: str) -> Any:
+    value = getattr(args, name)
+    return getattr(value, "value", value)  # TrainingArguments turns some strings into enums
+
+
+class MemkernTrainer(Trainer):
+    """``transformers.Trainer`` with memkern layers and ``ShardedOptimizer`` (see the module
+    docstring for what each ``TrainingArguments`` field maps to).
+
+    Args:
+        model, args, *trainer_args, **trainer_kwargs: as for ``Trainer``; ``model`` is required
+            (``model_init`` is not supported) and is cast and patched in place.
+        patch: True: :func:`memkern.patch` the model; False: leave its layers alone; a dict:
+            keyword arguments for ``memkern.patch`` (e.g. ``{"recompute": "full"}``).
+        offload: None, or ``"cpu"``: the optimizer's masters and state in host memory
+            (``ShardedOptimizer(offload="cpu")``).
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, args: Any = None, *trainer_args: Any,
+                 patch: bool | dict[str, Any] = True, offload: str | None = None,
+                 **trainer_kwargs: Any) -> None:
+        name = "memkern MemkernTrainer"
+        if model is None:
+            raise ValueError(f"{name}: pass model=; model_init is not supported (the model is "
+                             "patched and cast once, before training)")
+        if trainer_kwargs.get("optimizer_cls_and_kwargs") is not None:
+            raise ValueError(f"{name}: optimizer_cls_and_kwargs is not supported: the optimizer "
+                             "is memkern's ShardedOptimizer (pick the algorithm with "
+                             "TrainingArguments.optim: 'adamw_torch' or 'sgd')")
+        if not isinstance(patch, (bool, dict)):
+            raise TypeError(f"{name}: patch must be True, False or a dict of memkern.patch "
+                            f"keyword arguments, got {type(patch).__name__}")
+        if args is not None:
+            if args.world_size > 1 or args.n_gpu > 1:
+                raise ValueError(
+                    f"{name}: runs in one process on one device (this run has world size "
+                    f"{args.world_size}, {args.n_gpu} GPUs visible); across processes use "
+                    "memkern.optim.ShardedOptimizer in your own loop (see "
+                    "examples/train_gpt_zero.py), or set CUDA_VISIBLE_DEVICES to one GPU")
+            dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+            if dtype is not None:
+                model.to(dtype)  # the optimizer keeps float32 masters of these weights
+        if patch:
+            patch_model(model, **(patch if isinstance(patch, dict) else {}))
+        self._memkern_offload = offload
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        self.add_callback(_SkippedStepsHoldTheScheduler(self))
+
+    # ---------------------------------------------------------------------------- optimizer
+    @property
+    def memkern_optimizer(self) -> ShardedOptimizer | None:
+        """The ``ShardedOptimizer`` (``self.optimizer`` is accelerate's wrapper of it during
+        training); None before it is built."""
+        opt = self.optimizer
+        return getattr(opt, "optimizer", opt)
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> ShardedOptimizer:
+        """Builds the ``ShardedOptimizer`` from ``self.args``, or checks the one passed as
+        ``optimizers=(opt, scheduler)`` against them."""
+        args = self.args
+        max_grad_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 \
+            else None
+        if self.optimizer is not None:
+            self._check_given_optimizer(self.optimizer, max_grad_norm)
+            return self.optimizer
+        optim = _argument(args, "optim")
+        if optim not in ALGORITHMS:
+            raise ValueError(f"memkern MemkernTrainer: TrainingArguments.optim={optim!r} has "
+                             f"no memkern equivalent; use one of {sorted(ALGORITHMS)}")
+        algorithm = ALGORITHMS[optim]
+        hyper = ({"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+                 if algorithm == "adamw" else {})
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        trainable = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in trainable if n in decay],
+                   "weight_decay": args.weight_decay},
+                  {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0}]
+        self.optimizer = ShardedOptimizer(
+            [g for g in groups if g["params"]], algorithm, lr=args.learning_rate,
+            accumulation_steps=args.gradient_accumulation_steps, max_grad_norm=max_grad_norm,
+            loss_scale="dynamic" if args.fp16 else None, offload=self._memkern_offload, **hyper)
+        return self.optimizer
+
+    def _check_given_optimizer(self, opt: Any, max_grad_norm: float | None) -> None:
+        name = "memkern MemkernTrainer"
+        opt = getattr(opt, "optimizer", opt)
+        if not isinstance(opt, ShardedOptimizer):
+            raise TypeError(f"{name}: optimizers=(opt, ...) must hold a "
+                            f"memkern.optim.ShardedOptimizer, got {type(opt).__name__}")
+        if opt.accumulation_steps != self.args.gradient_accumulation_steps:
+            raise ValueError(f"{name}: the optimizer's accumulation_steps="
+                             f"{opt.accumulation_steps} differs from TrainingArguments."
+                             f"gradient_accumulation_steps={self.args.gradient_accumulation_steps}"
+                             "; build it with the same value")
+        if opt.max_grad_norm != max_grad_norm:
+            raise ValueError(f"{name}: the optimizer's max_grad_norm={opt.max_grad_norm} differs "
+                             f"from TrainingArguments.max_grad_norm={self.args.max_grad_norm}; "
+                             "build it with the same value (None for max_grad_norm=0)")
+
+    # ------------------------------------------------------------------- backward and step
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        # The weights are already 16-bit and the optimizer scales the loss itself: accelerate's
+        # autocast would add nothing and its GradScaler would drive a torch optimizer.
+        return {**super()._build_accelerator_args(**kwargs), "mixed_precision": "no"}
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # Trainer.training_step ends in self.accelerator.backward(loss): routing that one call
+        # through ShardedOptimizer.backward keeps all of Trainer's loss handling.
+        self.accelerator.backward = self._memkern_backward
+
+    def _memkern_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if kwargs:
+            raise TypeError(f"memkern MemkernTrainer: backward options {sorted(kwargs)} are not "
+                            "supported (they serve LOMO and DeepSpeed)")
+        opt = self.memkern_optimizer
+        if opt.micro_batches == 0:
+            # A new window: as long as Trainer makes it (shorter at the end of an epoch).
+            window = getattr(self, "current_gradient_accumulation_steps",
+                             self.args.gradient_accumulation_steps)
+            opt.accumulation_steps = window
+            _point_grads_at_buffer(opt)
+        # Trainer's loss already carries the window's normalisation (÷ its token count, or ÷
+        # its micro-batches); the optimizer divides by the micro-batch count once more.
+        opt.backward(loss * opt.accumulation_steps)
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> None:
+        return None  # the optimizer clips inside its fused step
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> None:
+        return None  # known after the step: log() reads it from the optimizer
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        opt = self.memkern_optimizer
+        if "loss" in logs and isinstance(opt, ShardedOptimizer) and opt.grad_norm is not None:
+            logs = {**logs, "grad_norm": opt.grad_norm}
+        super().log(logs, *args, **kwargs)
+
+
+def _point_grads_at_buffer(opt: ShardedOptimizer) -> None:
+    """Zeroes the flat gradient buffer and makes every ``p.grad`` its view again.
+
+    ``Trainer`` zeroes gradients with ``model.zero_grad()``, which sets ``p.grad`` to None:
+    the next backward would allocate a fresh gradient per parameter beside the buffer."""
+    opt.zero_grad()
+    for bucket in opt.grad_buffer.buckets:
+        if bucket.grads_are_views:
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
+
+
+class _SkippedStepsHoldTheScheduler(TrainerCallback):
+    """``Trainer`` advances the LR scheduler unless accelerate reports a skipped step, which it
+    knows for its own GradScaler only: report the optimizer's overflow skips to it."""
+
+    def __init__(self, trainer: MemkernTrainer) -> None:
+        self.trainer = trainer
+        self.skipped = 0
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        opt = self.trainer.memkern_optimizer
+        if opt.scaler.dynamic:
+            skipped = opt.skipped_steps  # reads the device: only with loss scaling
+            # accelerate's AcceleratedOptimizer.step_was_skipped returns this attribute.
+            self.trainer.optimizer._is_overflow = skipped > self.skipped
+            self.skipped = skipped
