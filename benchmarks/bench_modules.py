@@ -1,4 +1,4 @@
-"""Memory and speed of the memkern.nn layers against torch (DESIGN.md §5).
+"""Memory and speed of the memkern.nn layers against torch.
 
 Saved-for-backward bytes (memkern.profile.saved_bytes) of the MLP, a GPT-2 block and the
 norms/dropout against their torch.nn counterparts; the linear cross-entropy's peak allocation

@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 8 examples/train_gpt_zero.py --stage 2 --bf16   # GPUs: nccl
     torchrun --nproc-per-node 2 examples/train_gpt_zero.py --offload       # state on the CPU
 
-Every rank trains on its own random windows of the standard library's sources; the
+Without torchrun it trains on one process (the same optimizer, nothing sharded). Every rank
+trains on its own random windows of the standard library's sources; the
 gradient of a step is the mean over all ranks' micro-batches. ``--save DIR`` writes a sharded
 checkpoint (model weights from rank 0, optimizer state from every rank) at the end and
 ``--resume DIR`` continues from one, at any number of processes.
@@ -38,8 +39,14 @@ def main() -> None:
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    distributed = "RANK" in os.environ  # set by torchrun
+    if distributed:
+        dist.init_process_group("nccl" if cuda else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = 0, 1
+        print("train_gpt_zero.py: not under torchrun, training on one process (shard across N "
+              "with: torchrun --nproc-per-node N examples/train_gpt_zero.py)", flush=True)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda")
@@ -74,7 +81,8 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         if step % 10 == 0 or step == first + args.steps - 1:
-            dist.all_reduce(total)  # only for printing: a host read every 10 steps
+            if distributed:
+                dist.all_reduce(total)  # only for printing: a host read every 10 steps
             if rank == 0:
                 print(f"step {step:4d}  loss {total.item() / (world * args.accumulation):.4f}  "
                       f"grad norm {opt.grad_norm:.3f}  skipped {opt.skipped_steps}", flush=True)
@@ -84,7 +92,8 @@ def main() -> None:
         if rank == 0:
             torch.save(model.state_dict(), os.path.join(args.save, "model.pt"))
             torch.save({"steps": first + args.steps}, os.path.join(args.save, "progress.pt"))
-    dist.destroy_process_group()
+    if distributed:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # Installs memkern from this checkout into the active Python environment.
 #
 #   bash scripts/install.sh          memkern and what it needs to run
-#   bash scripts/install.sh --test   also the test dependencies (pytest, triton, ...)
+#   bash scripts/install.sh --test   also the test dependencies (pytest, triton, transformers,
+#                                    accelerate, ...)
 #
 # torch: an installed torch 2.11-2.15 is kept as it is (a GPU user's CUDA build is never
 # replaced). Without one, torch==2.13.0 is installed: a pinned version, because an open range
@@ -40,7 +41,8 @@ fi
 
 "$python" -m pip install "setuptools>=64" wheel ninja numpy matplotlib
 if [ "$with_tests" = 1 ]; then
-  "$python" -m pip install "pytest>=8" pytest-xdist expecttest "triton>=3.4" transformers
+  "$python" -m pip install "pytest>=8" pytest-xdist expecttest "triton>=3.4" "transformers>=5.23" \
+    "accelerate>=1.15"
 fi
 "$python" -m pip install --no-build-isolation -e .
 "$python" -c 'import memkern; print("memkern", memkern.__version__, "backends:", memkern.backends())'

@@ -22,7 +22,7 @@ model weights                 moved into the same layout (``GradBuffer.flat_para
 ============================  ===============================================================
 
 Bytes per parameter with AdamW: 2 + 2 for bfloat16/float16 weights and gradients plus 12 for
-the float32 master, ``exp_avg`` and ``exp_avg_sq`` (16; DESIGN.md's 4 + 12/W for one
+the float32 master, ``exp_avg`` and ``exp_avg_sq`` (16; docs/memory.md's 4 + 12/W for one
 process); float32 weights: 4 + 4 + 8.
 
 ``state_dict()`` has ``torch.optim``'s format (per-parameter state, ``step`` as a CPU tensor),

@@ -25,7 +25,7 @@ optimizer state                 this rank's slices: 8 / W     same
 ==============================  ============================  ===============================
 
 With Adam and 16-bit weights and gradients that is 4 + 12/W bytes per parameter for stage 1
-and 2 + 14/W for stage 2 (DESIGN.md section 3). With ``offload="cpu"`` the master, the
+and 2 + 14/W for stage 2 (docs/memory.md). With ``offload="cpu"`` the master, the
 optimizer state and the step counters are in host memory (see :mod:`memkern.optim.offload`).
 
 Stage 1. Micro-batches accumulate locally in the full gradient buffer with no communication
@@ -53,7 +53,7 @@ ZeRO-2 choice, DeepSpeed's): the alternative, accumulating full gradients locall
 reducing on the window's last micro-batch only, keeps the full gradient alive for the whole
 window, which is exactly what stage 2 exists to avoid. The price is ``accumulation_steps``
 times the gradient traffic, overlapped with backward. It is the one exception to "no
-communication until the window's last micro-batch" (DESIGN.md section 2); stage 1 keeps it.
+communication until the window's last micro-batch" (docs/api.md); stage 1 keeps it.
 
 Every rank runs the same windows: the same number of ``backward()`` calls per window and the
 same ``step()`` calls, or the collectives do not match (and time out).

@@ -1,0 +1,63 @@
+"""Hugging Face ``Trainer`` with memkern: ``MemkernTrainer`` in place of ``Trainer``.
+
+    python examples/hf_trainer.py                     # a tiny GPT-2 built from a config
+    python examples/hf_trainer.py --bf16 --steps 60   # bf16 weights, float32 masters
+    python examples/hf_trainer.py --resume            # continue from the last checkpoint
+
+The model is built from a config (nothing is downloaded) and learns arithmetic token
+sequences. Gradient accumulation, clipping, the LR schedule and checkpoints are ``Trainer``'s
+own ``TrainingArguments``; memkern's optimizer takes them over (see docs/integrations.md).
+"""
+import argparse
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+from memkern.integrations.transformers import MemkernTrainer
+
+VOCAB, SEQ = 256, 64
+
+
+class Sequences(torch.utils.data.Dataset):
+    """``start, start + k, start + 2k, ...`` modulo the vocabulary: learnable next tokens."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        start = torch.randint(0, VOCAB, (n, 1), generator=g)
+        stride = torch.randint(1, 5, (n, 1), generator=g)
+        self.ids = (start + stride * torch.arange(SEQ)) % VOCAB
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    parser.add_argument("--bf16", action="store_true", help="bf16 weights, float32 masters")
+    parser.add_argument("--out", default="hf_trainer_out", help="checkpoint directory")
+    parser.add_argument("--resume", action="store_true", help="resume from --out's last "
+                        "checkpoint")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB,
+                                       n_positions=SEQ, bos_token_id=0, eos_token_id=0))
+    training = TrainingArguments(
+        args.out, max_steps=args.steps, per_device_train_batch_size=8,
+        gradient_accumulation_steps=2, learning_rate=3e-3, weight_decay=0.01,
+        max_grad_norm=1.0, lr_scheduler_type="cosine", warmup_steps=3, bf16=args.bf16,
+        logging_steps=10, save_steps=max(1, args.steps // 2), report_to=[],
+        use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
+    trainer = MemkernTrainer(model=model, args=training, train_dataset=Sequences(512))
+    result = trainer.train(resume_from_checkpoint=True if args.resume else None)
+    opt = trainer.memkern_optimizer
+    print(f"trained {trainer.state.global_step} steps, final loss {result.training_loss:.3f}, "
+          f"last grad norm {opt.grad_norm:.3f}, skipped steps {opt.skipped_steps}")
+
+
+if __name__ == "__main__":
+    main()
