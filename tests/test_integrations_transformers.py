@@ -263,3 +263,23 @@ def test_runs_without_transformers_installed_elsewhere():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=dict(os.environ), timeout=300)
     assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_fp16_overflow_skips_hold_the_scheduler(tmp_path):
+    """fp16 weights with dynamic loss scaling: started at a scale of 2**22, the first windows
+    overflow and are skipped (the scale halving each time); the LR scheduler advances on the
+    other steps only, as plain Trainer's GradScaler path does."""
+    torch.manual_seed(int(torch.randint(0, 2**16, ())))
+    model = tiny_gpt2()
+    trainer = MemkernTrainer(model=model, args=arguments(tmp_path, steps=10, batch=2, fp16=True,
+                                                         warmup_steps=0),
+                             train_dataset=Sequences(2 * MICRO_BATCHES_PER_EPOCH, 0, seq=16))
+    opt = trainer.create_optimizer()
+    opt.scaler.load_state_dict({**opt.scaler.state_dict(), "scale": 2.0**22})
+    with one_thread():
+        trainer.train()
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    assert opt.scaler.dynamic and 0 < opt.skipped_steps < 10
+    assert opt.loss_scale == 2.0**22 / 2**opt.skipped_steps
+    assert trainer.lr_scheduler.last_epoch == trainer.state.global_step - opt.skipped_steps
+    assert all(torch.isfinite(p).all() for p in model.parameters())
