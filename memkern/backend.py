@@ -94,13 +94,24 @@ def _warn_unusable(name: str, device_type: str, chosen: str) -> None:
 
 def select(device: torch.device) -> str:
     """The backend that runs an op whose tensors live on ``device``."""
+    # Called on every op call: only the inputs of the choice are read here (two environment
+    # lookups), the choice itself is computed once per distinct input.
+    forced = _forced[-1] if _forced else None
+    env = os.environ
+    return _select(device.type, forced, env.get(ENV_VAR), env.get("TRITON_INTERPRET"))
+
+
+@functools.cache
+def _select(device_type: str, forced: str | None, env_value: str | None,
+            interpret: str | None) -> str:
+    device = torch.device(device_type)
     wanted = requested()
     if wanted is not None and runs_on(wanted, device):
         return wanted
-    order = _DEFAULT_ORDER.get(device.type, ("reference",))
+    order = _DEFAULT_ORDER.get(device_type, ("reference",))
     chosen = next(b for b in order if runs_on(b, device))
     if wanted is not None:
-        _warn_unusable(wanted, device.type, chosen)
+        _warn_unusable(wanted, device_type, chosen)
     return chosen
 
 

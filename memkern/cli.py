@@ -137,6 +137,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0, help="seed of the model's initial "
                        "weights and of the batches, the same for every configuration "
                        "(default: 0)")
+    bench.add_argument("--compile", action="store_true",
+                       help="run the memkern configurations' forward under torch.compile")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
 
     report = sub.add_parser("report", help="predicted per-rank memory per configuration and "
@@ -209,7 +211,8 @@ def _bench(args: argparse.Namespace) -> int:
     rows = []
     for i, name in enumerate(args.configs):
         rows.append(run(name, cfg, corpus, steps=args.steps, batch=args.batch, device=device,
-                        seed=args.seed, progress=rank0 and not args.quiet))
+                        seed=args.seed, progress=rank0 and not args.quiet,
+                        compile=args.compile))
     if not rank0:
         return 0
     _print_bench(rows, cfg, args, device)

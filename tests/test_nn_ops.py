@@ -177,6 +177,30 @@ def test_philox_reference_known_answer():
     assert [int(w) for w in words] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
 
 
+@pytest.mark.skipif(not backend.runs_on("cpu", torch.device("cpu")), reason="memkern._C not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+                         ids=str)
+@pytest.mark.parametrize("numel", [1, 7, 1023, 65537])
+@pytest.mark.parametrize("p", [0.0, 0.37, 0.999, 1.0])
+def test_cpu_dropout_kernel_bit_identical_to_reference(numel, dtype, p):
+    x = torch.randn(numel).mul(3).to(dtype)
+    x[0], x[numel // 2], x[-1] = math.nan, math.inf, -math.inf
+    seed = torch.randint(0, 1 << 62, (), dtype=torch.int64)
+    y = torch.ops.memkern.dropout(x, seed, p)  # the C++ kernel (CPU dispatch key)
+    want = ops.dropout.reference(x, seed, p)
+    assert torch.equal(y.isnan(), want.isnan())  # kept NaN stays NaN, dropped NaN becomes 0
+    assert torch.equal(y.nan_to_num(0.0), want.nan_to_num(0.0))
+    # hand-written oracle: kept elements are x / (1 - p) (to the dtype's rounding), dropped 0
+    keep = keep_mask(seed, numel, p)
+    assert torch.equal(y != 0, keep & (x != 0))
+    if p < 1.0 and bool(keep.any()):
+        want_kept = x[keep].double() / (1 - p)
+        finite = torch.isfinite(want_kept)
+        assert torch.equal(y[keep].isnan(), want_kept.isnan())
+        if bool(finite.any()):
+            assert rel_err(y[keep][finite], want_kept[finite]) <= torch.finfo(dtype).eps
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton kernels (interpreted on the CPU) vs the reference
 

@@ -4,6 +4,8 @@ model and trained on the same batches.
 =====================  ====================================================================
 torch-fp32             plain torch: fp32 model, ``AdamW(fused=True)``, ``clip_grad_norm_``
 torch-amp              torch AMP: autocast(bf16) + ``GradScaler`` + clipping + fused AdamW
+torch-amp-compiled     torch-amp with the model's forward under ``torch.compile`` (the
+                       strongest plain-torch composition on a GPU)
 memkern-modules        ``memkern.patch``-ed model + fused linear cross-entropy head, fp32,
                        the same torch optimizer (modules only)
 memkern-full           memkern modules, bf16 parameters, the flat bf16 gradient buffer and
@@ -13,6 +15,9 @@ memkern-full-ckpt      memkern-full with every transformer block under ``memkern
 memkern-full-8bit      memkern-full with ``state_precision="8bit"`` (block-wise 8-bit Adam
                        moments for parameters of >= 4096 elements)
 =====================  ====================================================================
+
+``compile=True`` puts the memkern configurations' forward under ``torch.compile`` too (their
+ops are ``torch.library`` ops with fake implementations, so they compile as opaque nodes).
 """
 from __future__ import annotations
 
@@ -25,8 +30,8 @@ import torch
 import memkern
 from memkern.bench.model import GPT, GPTConfig
 
-CONFIGS = ("torch-fp32", "torch-amp", "memkern-modules", "memkern-full", "memkern-full-ckpt",
-           "memkern-full-8bit")
+CONFIGS = ("torch-fp32", "torch-amp", "torch-amp-compiled", "memkern-modules", "memkern-full",
+           "memkern-full-ckpt", "memkern-full-8bit")
 BASELINE = "torch-amp"
 LR, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-3, 0.01, 1.0
 
@@ -81,8 +86,16 @@ def _torch_step(model: GPT, optimizer: torch.optim.Optimizer, autocast, scaler=N
     return step
 
 
-def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0) -> Setup:
-    """The configuration ``name`` on ``device``, from a model initialised with ``seed``."""
+def _compile_forward(model: GPT) -> None:
+    """``torch.compile`` the model's forward (the module stays itself: its parameters, its
+    state_dict keys and what the optimizers hold are unchanged)."""
+    model.forward = torch.compile(model.forward)
+
+
+def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0, *,
+          compile: bool = False) -> Setup:
+    """The configuration ``name`` on ``device``, from a model initialised with ``seed``;
+    ``compile``: the memkern configurations' forward under ``torch.compile``."""
     if name not in CONFIGS:
         raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
     torch.manual_seed(seed)
@@ -91,9 +104,11 @@ def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0) -> Set
     if name.startswith("torch") or name == "memkern-modules":
         if name == "memkern-modules":
             _memkern_modules(model)
+        if name == "torch-amp-compiled" or (compile and name == "memkern-modules"):
+            _compile_forward(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
                                       fused=True)
-        if name == "torch-amp":
+        if name.startswith("torch-amp"):
             def autocast():
                 return torch.autocast(device.type, dtype=torch.bfloat16)
 
@@ -104,6 +119,8 @@ def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0) -> Set
 
     _memkern_modules(model, checkpoint=name == "memkern-full-ckpt")
     model.to(torch.bfloat16)
+    if compile:
+        _compile_forward(model)
     optimizer = memkern.optim.ShardedOptimizer(
         model.parameters(), "adamw", lr=LR, weight_decay=WEIGHT_DECAY,
         loss_scale="dynamic", max_grad_norm=MAX_GRAD_NORM,

@@ -25,11 +25,12 @@ class Op:
     """The Python entry of one op: checks its arguments, then runs the selected backend.
 
     ``compiled_kernels``: whether ``csrc/`` registers CPU/CUDA kernels for it (the flat-buffer
-    ops); otherwise the reference serves ``CPU`` and the Triton kernel ``CUDA``. ``triton`` is
+    ops; a tuple of device types, e.g. ``("cpu",)``, where it registers only those); otherwise the reference serves ``CPU`` and the Triton kernel ``CUDA``. ``triton`` is
     the dotted path of the Triton implementation (None: there is none, the reference runs).
 
     ``backend="cpu"``/``"cuda"`` go through ``torch.ops.memkern.<name>`` (the dispatcher
-    picks the kernel by device); ``"triton"`` and ``"reference"`` call those implementations
+    picks the kernel by device; ``"cpu"`` calls the reference directly where no compiled CPU
+    kernel exists); ``"triton"`` and ``"reference"`` call those implementations
     directly, so forcing a backend works even where a compiled kernel exists. Under
     ``torch.compile`` the registered op is called, one opaque node described by its fake.
     """
@@ -43,18 +44,24 @@ class Op:
         fake: Callable[..., Any],
         reference: Callable[..., Any],
         triton: str | None,
-        compiled_kernels: bool,
+        compiled_kernels: bool | tuple[str, ...],
     ) -> None:
         self.name = name
         self.check = check
         self.reference = reference
         self._triton_path = triton
+        self._triton_fn: Callable[..., Any] | None = None
         LIBRARY.define(name + schema)
         self.op = getattr(torch.ops.memkern, name).default
         torch.library.register_fake(f"memkern::{name}", fake, lib=LIBRARY)
-        if not (compiled_kernels and compiled.has_cpu):
+        kernels = ("cpu", "cuda") if compiled_kernels is True else tuple(compiled_kernels or ())
+        has_cpu = "cpu" in kernels and compiled.has_cpu
+        # The callable of each backend, resolved once (the Python path runs on every call).
+        self._impl = {"triton": self.triton, "reference": reference, "cuda": self.op,
+                      "cpu": self.op if has_cpu else reference}
+        if not has_cpu:
             LIBRARY.impl(name, reference, "CPU")
-        if not (compiled_kernels and compiled.has_cuda):
+        if not ("cuda" in kernels and compiled.has_cuda):
             LIBRARY.impl(name, self._triton_or_reference, "CUDA")
 
     @property
@@ -65,8 +72,10 @@ class Op:
         """The Triton implementation (imports triton on first use); the reference if none."""
         if self._triton_path is None:
             return self.reference(*args)
-        module, _, attr = self._triton_path.rpartition(".")
-        return getattr(importlib.import_module(module), attr)(*args)
+        if self._triton_fn is None:
+            module, _, attr = self._triton_path.rpartition(".")
+            self._triton_fn = getattr(importlib.import_module(module), attr)
+        return self._triton_fn(*args)
 
     def _triton_or_reference(self, *args: Any) -> Any:
         if self.has_triton and backend.runs_on("triton", torch.device("cuda")):
@@ -76,10 +85,4 @@ class Op:
     def __call__(self, *args: Any) -> Any:
         if torch.compiler.is_compiling():
             return self.op(*args)
-        device = self.check(*args)
-        chosen = backend.select(device)
-        if chosen == "triton":
-            return self.triton(*args)
-        if chosen == "reference":
-            return self.reference(*args)
-        return self.op(*args)
+        return self._impl[backend.select(self.check(*args))](*args)

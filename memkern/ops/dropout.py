@@ -14,7 +14,8 @@ The random stream is Philox4x32-10 (Salmon et al., 2011) as in ``tl.randint4x``:
 Element ``i`` is kept when that word ``r`` (as an unsigned 32-bit integer) satisfies
 ``r >= round(p * 2**32)``; kept elements are ``x * (1 / (1 - p))`` (computed in float32 for
 16-bit inputs, rounded once), dropped ones are 0 (even where ``x`` is NaN/inf, as in CUDA's
-``native_dropout``). The reference and the Triton kernel produce bit-identical masks.
+``native_dropout``). The reference, the C++ CPU kernel (``csrc/cpu/dropout.cpp``) and the Triton
+kernel produce bit-identical masks.
 """
 from __future__ import annotations
 
@@ -120,5 +121,5 @@ dropout = Op(
     fake=_fake,
     reference=reference,
     triton="memkern.kernels.dropout.dropout",
-    compiled_kernels=False,
+    compiled_kernels=("cpu",),
 )

@@ -1,7 +1,11 @@
 """Small helpers shared by the autograd Functions: the compute dtype under autocast, flattening."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+_NOTHING = contextlib.nullcontext()
 
 
 def compute_dtype(x: torch.Tensor, *params: torch.Tensor | None) -> torch.dtype:
@@ -29,5 +33,9 @@ def rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def no_autocast(device_type: str):
-    """The Functions cast explicitly; autocast must not recast inside them."""
-    return torch.autocast(device_type, enabled=False)
+    """The Functions cast explicitly; autocast must not recast inside them. (A no-op context
+    when autocast is off: building a ``torch.autocast`` costs more host time than the GEMMs of
+    a small layer.)"""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return _NOTHING

@@ -18,6 +18,7 @@ engine is going to accumulate into ``.grad`` at all (not ``torch.autograd.grad(.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 
 import torch
@@ -81,5 +82,11 @@ def weight_grad(target: GradTarget | None, a: torch.Tensor, b: torch.Tensor,
     grad = _accumulable_grad(target, a)
     if grad is not None:
         grad.addmm_(a, b)
-        return torch.zeros((), dtype=dtype, device=grad.device).expand(grad.shape)
+        return _zero(dtype, grad.device).expand(grad.shape)
     return torch.mm(a, b).to(dtype)
+
+
+@functools.cache
+def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One read-only zero per dtype and device (a fresh one would be a fill launch per call)."""
+    return torch.zeros((), dtype=dtype, device=device)

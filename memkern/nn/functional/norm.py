@@ -4,6 +4,12 @@ What is saved for backward: the input ``x``, ``mean`` (LayerNorm) and ``rstd`` �
 per row — and the weight (a parameter). Never the normalised output: the output is marked
 recomputable (:mod:`._saved`), so a memkern Linear/MLP consuming it saves ``x`` and the
 parameters instead (storage the norm already holds) and rebuilds it in backward.
+
+LayerNorm runs torch's own ``native_layer_norm`` (and its C++ autograd) wherever that saves the
+same thing — float32 statistics, never the output: float32/float64 inputs, and 16-bit inputs
+on CUDA — since that is the cheapest path on the host and on the device; it keeps the
+``memkern::norm_*`` ops for 16-bit inputs on the CPU (where torch's statistics would be 16-bit)
+and for RMSNorm (torch has no fused RMSNorm autograd on every device).
 """
 from __future__ import annotations
 
@@ -48,6 +54,23 @@ class NormFunction(torch.autograd.Function):
         return dx.view(x.shape), dweight, dbias, None, None, None
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _native_layer_norm_ok(x: torch.Tensor, weight, bias) -> bool:
+    """Whether torch's ``native_layer_norm`` saves exactly what the memkern op does."""
+    if not (x.dtype in (torch.float32, torch.float64) or (x.is_cuda and x.dtype in _HALF)):
+        return False
+    return ((weight is None or weight.dtype == x.dtype)
+            and (bias is None or bias.dtype == x.dtype))
+
+
+def _native_layer_norm(shape: tuple[int, ...], eps: float):
+    def rebuild(x, weight, bias):
+        return torch.native_layer_norm(x, shape, weight, bias, eps)[0]
+    return rebuild
+
+
 def _recompute(n_norm: int, eps: float, rms: bool):
     def rebuild(x, weight, bias):
         y, _, _ = ops.norm_forward(
@@ -71,9 +94,19 @@ def _norm(x, normalized_shape, weight, bias, eps, rms, name):
             raise ValueError(
                 f"memkern.nn.functional.{name}: {pname} has shape {tuple(p.shape)}, expected {shape}"
             )
-    y = NormFunction.apply(x, weight, bias, len(shape), float(eps), rms)
-    if torch.is_grad_enabled() and y.requires_grad:
-        _saved.mark_recomputable(y, _recompute(len(shape), float(eps), rms), (x, weight, bias))
+    eps = float(eps)
+    if not rms and _native_layer_norm_ok(x, weight, bias):
+        rebuild = _native_layer_norm(shape, eps)
+        if torch.is_autocast_enabled(x.device.type):  # autocast would save a float32 copy of x
+            with torch.autocast(x.device.type, enabled=False):
+                y = rebuild(x, weight, bias)
+        else:
+            y = rebuild(x, weight, bias)
+    else:
+        rebuild = _recompute(len(shape), eps, rms)
+        y = NormFunction.apply(x, weight, bias, len(shape), eps, rms)
+    if y.requires_grad and torch.is_grad_enabled():
+        _saved.mark_recomputable(y, rebuild, (x, weight, bias))
     return y
 
 
