@@ -123,7 +123,7 @@ def step_seconds(device: torch.device, reps: int, calls: int) -> dict[str, float
 
 # --- launch counting (runs in a child process: TRITON_INTERPRET must be set before import) --
 
-_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+_NO_KERNEL = {"promote_types", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
               "lift_fresh", "detach", "_has_compatible_shallow_copy_type", "set_", "resize_",
               "_local_scalar_dense", "is_nonzero", "sym_size", "sym_stride", "sym_numel",
               "sym_storage_offset"}
@@ -135,11 +135,14 @@ def _count_launches(fn: Callable) -> dict[str, int]:
     import triton.runtime.jit as jit
 
     counts = {"aten": 0, "triton": 0, "host_syncs": 0}
+    inside_triton = [False]  # the interpreter's own host copies are not launches
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func._schema.name.split("::")[-1]
-            if name == "_local_scalar_dense":
+            if inside_triton[0]:
+                pass
+            elif name == "_local_scalar_dense":
                 counts["host_syncs"] += 1
             elif func.namespace == "aten" and not func.is_view and name not in _NO_KERNEL:
                 counts["aten"] += 1
@@ -157,7 +160,11 @@ def _count_launches(fn: Callable) -> dict[str, int]:
         def run(self, *args, **kwargs):
             if not kwargs.get("warmup", False):
                 counts["triton"] += 1
-            return original(self, *args, **kwargs)
+            inside_triton[0] = True
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                inside_triton[0] = False
         return run
 
     for cls, original in originals.items():

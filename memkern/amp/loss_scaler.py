@@ -244,7 +244,8 @@ class LossScaler:
             scale.copy_(torch.where(back_off, backed_off, torch.where(grow, grown, scale)))
             t["growth_tracker"].copy_(torch.where(grow, 0, tracker))
             t["hysteresis_left"].copy_(torch.where(grow, self.hysteresis, hysteresis_left))
-        self._report_floor_overflow()
+        if not (found_inf.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._report_floor_overflow()  # a host read: never inside a CUDA graph capture
 
     def _report_floor_overflow(self) -> None:
         count = self._mirror.poll()

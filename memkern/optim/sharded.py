@@ -403,6 +403,15 @@ class ShardedOptimizer(FlatOptimizer):
         if self._micro_batches < self.accumulation_steps and not force:
             return False
         self.grad_buffer.claim_grads()
+        stepped = self._window_end()
+        self._micro_batches, self._window_gradients, self._window_mode = 0, 0, None
+        return stepped
+
+    def _window_end(self) -> torch.Tensor:
+        """The device work of a window's end: norm, inf check, unscale, clip, update, loss-scale
+        update. Its op sequence does not depend on any value (overflow, clipping), it reads
+        nothing on the host and writes only into tensors that persist from step to step, so
+        it can be captured in a CUDA graph (:meth:`graphed_step`)."""
         self._reduce_gradients()
         norm, num_items = self._scaled_grad_norm()
         nonfinite = ~torch.isfinite(norm)
@@ -415,8 +424,60 @@ class ShardedOptimizer(FlatOptimizer):
         self._skipped.add_(nonfinite)
         if self._window_mode == "items":
             self._num_items.zero_()
-        self._micro_batches, self._window_gradients, self._window_mode = 0, 0, None
         return ~nonfinite
+
+    def graphed_step(self) -> Any:
+        """Captures the window end in a CUDA graph and returns a ``step()`` that replays it.
+
+        Call it once a window is complete (after its last ``backward``); it closes nothing
+        itself. The returned callable is used in place of :meth:`step`: it returns False while
+        a window is open and, at a window's end, replays the graph (one launch sequence, no
+        Python per op) and returns the step's 0-dim bool result tensor (the same tensor every
+        time). What the graph bakes in, and so must not change while it is used: the
+        hyperparameters of the param groups (learning rate included — capture again after
+        changing them), the window length and normalisation (``num_items`` or not), and the
+        loss-scaler settings. The min-scale overflow warning is not issued from replays
+        (:attr:`skipped_steps` still counts every skipped window). Needs CUDA tensors, one
+        process and no offload; with the Triton backend, run one eager :meth:`step` first so
+        that its kernels are compiled before the capture.
+        """
+        where = "memkern.ShardedOptimizer.graphed_step()"
+        if self.grad_buffer.device.type != "cuda":
+            raise RuntimeError(f"{where}: CUDA graphs need CUDA tensors; the parameters are on "
+                               f"{self.grad_buffer.device}")
+        if self._shards is not None:
+            raise RuntimeError(f"{where}: supports one process without offload (world size "
+                               f"{self.world_size}, offload={self.offload!r}); use step()")
+        if self._micro_batches < self.accumulation_steps:
+            raise RuntimeError(f"{where}: call it at a window's end (after the last backward "
+                               f"of a window: {self._micro_batches} of "
+                               f"{self.accumulation_steps} micro-batches so far)")
+        # State the graph reads and writes must exist before the capture, outside its pool.
+        if not self._state_ready:
+            self._init_state()
+        self.scaler.scale_tensor(self.grad_buffer.device)
+        mode, window_gradients = self._window_mode, self._window_gradients
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad(), torch.cuda.graph(graph, stream=side):
+            stepped = self._window_end()
+        torch.cuda.current_stream().wait_stream(side)
+
+        def step(force: bool = False) -> bool | torch.Tensor:
+            if self._micro_batches < self.accumulation_steps and not force:
+                return False
+            if (self._window_mode, self._window_gradients) != (mode, window_gradients):
+                raise RuntimeError(
+                    f"{where}: this window ({self._window_gradients} gradients, mode "
+                    f"{self._window_mode!r}) differs from the captured one ({window_gradients}, "
+                    f"{mode!r}); capture again or use step()")
+            self.grad_buffer.claim_grads()
+            graph.replay()
+            self._micro_batches, self._window_gradients, self._window_mode = 0, 0, None
+            return stepped
+
+        return step
 
     def _reduce_gradients(self) -> None:
         """Stage 1 across ranks: reduce-scatter the gradient buffer, bucket by bucket (stage 2
