@@ -55,3 +55,36 @@ def _check(name):
     assert rel_err(out, eager) < 1e-6
     for a, b in zip(grads, eager_grads):
         assert rel_err(a, b) < 1e-5
+
+
+CHAINS = {
+    "LayerNorm>Linear": lambda: torch.nn.Sequential(mk.nn.LayerNorm(64), mk.nn.Linear(64, 33)),
+    "RMSNorm>Linear": lambda: torch.nn.Sequential(mk.nn.RMSNorm(64), mk.nn.Linear(64, 33)),
+    "LayerNorm>MLP": lambda: torch.nn.Sequential(mk.nn.LayerNorm(64), mk.nn.MLP(64, 160)),
+    "MLP-full": lambda: mk.nn.MLP(64, 160, activation="silu", recompute="full"),
+    "SwiGLU": lambda: mk.nn.SwiGLU(64, 160),
+    "SwiGLU-full": lambda: mk.nn.SwiGLU(64, 160, recompute="full"),
+}
+
+
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_compiled_modules_save_no_more_than_eager(name):
+    from memkern.profile import saved_bytes
+
+    torch._dynamo.reset()
+    module = CHAINS[name]()
+    x = torch.randn(3, 37, 64, requires_grad=True)
+    eager = saved_bytes(module, x)
+    compiled = torch.compile(module)
+    compiled(x)
+    assert saved_bytes(compiled, x) <= eager, "torch.compile lost a memkern memory saving"
+    # the independent bound of what eager saves: the input (fp32), per-row statistics and,
+    # for the MLPs with recompute="activation", one pre-activation (or gate and up) per row
+    rows, hidden = 3 * 37, 160
+    per_row = {"LayerNorm>MLP": hidden, "SwiGLU": 2 * hidden}.get(name, 0)
+    assert eager <= 4 * (x.numel() + rows * (2 + per_row))
+    out = compiled(x)
+    grads = torch.autograd.grad(out.square().sum(), [x, *module.parameters()])
+    want = torch.autograd.grad(module(x).square().sum(), [x, *module.parameters()])
+    for a, b in zip(grads, want):
+        assert rel_err(a, b) < 1e-5

@@ -9,16 +9,24 @@ forward and backward, by the norm or by its consumer.
 
 The recipe holds only weak references (it never keeps a tensor alive) and the tensors' version
 counters; if anything was freed or modified in place since, the consumer saves the output
-itself, as it would without this mechanism. Under ``torch.compile`` nothing is marked and
-everything is saved plainly (tensors traced by the compiler carry no Python attributes).
+itself, as it would without this mechanism.
+
+Under ``torch.compile`` tensors carry no Python attributes, and the compiler merges a
+backward's recomputation with the forward op it repeats (then keeps that op's output). There
+the functions run inside :func:`compiled_region` instead: a selective-checkpoint region
+(``torch.utils.checkpoint`` with a policy) whose "must recompute" ops the compiler's
+partitioner rebuilds in backward rather than saving — what the eager mechanism does.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
 
 _ATTR = "_memkern_recipe"
 
@@ -89,3 +97,21 @@ def load(ctx) -> list[torch.Tensor | None]:
             with torch.no_grad():
                 out.append(fn(*saved[start:start + count]))
     return out
+
+
+def _policy(recomputed: Collection | None, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if recomputed is None or op in recomputed:
+        return CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.PREFER_SAVE
+
+
+def compiled_region(fn: Callable[..., torch.Tensor], *args,
+                    recomputed: Collection | None = None) -> torch.Tensor:
+    """``fn(*args)``; under ``torch.compile``, inside a selective-checkpoint region where the
+    ops in ``recomputed`` (``torch.ops`` overloads; None: every op) are recomputed in
+    backward instead of saved. Outside compilation it is a plain call."""
+    if not torch.compiler.is_compiling():
+        return fn(*args)
+    context = functools.partial(create_selective_checkpoint_contexts,
+                                functools.partial(_policy, recomputed))
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=context)

@@ -109,7 +109,11 @@ def mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None
             f"fc1's in_features={in_features}"
         )
     if x.dim() == 1:
-        return MLPFunction.apply(x.unsqueeze(0), fc1_weight, fc1_bias, fc2_weight, fc2_bias,
-                                 activation, recompute, transposed).squeeze(0)
-    return MLPFunction.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation,
-                             recompute, transposed)
+        return mlp(x.unsqueeze(0), fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+                   activation=activation, recompute=recompute, transposed=transposed).squeeze(0)
+    args = (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recompute, transposed)
+    if recompute == "none":
+        return MLPFunction.apply(*args)
+    # compiled: what the Function recomputes in backward, recomputed ("full": every op)
+    recomputed = {torch.ops.memkern.act_forward.default} if recompute == "activation" else None
+    return _saved.compiled_region(MLPFunction.apply, *args, recomputed=recomputed)

@@ -94,7 +94,11 @@ def _norm(x, normalized_shape, weight, bias, eps, rms, name):
             raise ValueError(
                 f"memkern.nn.functional.{name}: {pname} has shape {tuple(p.shape)}, expected {shape}"
             )
-    eps = float(eps)
+    # compiled: the whole norm recomputed in backward (a consumer never saves its output)
+    return _saved.compiled_region(_norm_saving_input, x, shape, weight, bias, float(eps), rms)
+
+
+def _norm_saving_input(x, shape, weight, bias, eps, rms):
     if not rms and _native_layer_norm_ok(x, weight, bias):
         rebuild = _native_layer_norm(shape, eps)
         if torch.is_autocast_enabled(x.device.type):  # autocast would save a float32 copy of x

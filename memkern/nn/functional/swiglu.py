@@ -96,7 +96,12 @@ def swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
             f"gate_proj's in_features={gate_weight.shape[1]}"
         )
     if x.dim() == 1:
-        return SwiGLUFunction.apply(x.unsqueeze(0), gate_weight, gate_bias, up_weight, up_bias,
-                                    down_weight, down_bias, recompute).squeeze(0)
-    return SwiGLUFunction.apply(x, gate_weight, gate_bias, up_weight, up_bias, down_weight,
-                                down_bias, recompute)
+        return swiglu(x.unsqueeze(0), gate_weight, up_weight, down_weight, gate_bias, up_bias,
+                      down_bias, recompute=recompute).squeeze(0)
+    args = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, recompute)
+    if recompute == "none":
+        return SwiGLUFunction.apply(*args)
+    # compiled: what the Function recomputes in backward, recomputed ("full": every op)
+    recomputed = ({torch.ops.memkern.swiglu_forward.default} if recompute == "activation"
+                  else None)
+    return _saved.compiled_region(SwiGLUFunction.apply, *args, recomputed=recomputed)
