@@ -60,6 +60,11 @@ def mark_recomputable(out: torch.Tensor, fn: Callable[..., torch.Tensor],
     setattr(out, _ATTR, _Recipe(fn, refs, versions))
 
 
+def has_recipe(t: torch.Tensor) -> bool:
+    """Whether ``t`` was marked recomputable (a consumer would save the recipe instead)."""
+    return getattr(t, _ATTR, None) is not None
+
+
 class Saver:
     """Collects what one Function saves; ``add`` returns the slot to read back in backward."""
 
