@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     quick_front = ["--params", "4000037", "--reps", "3"] if args.quick else []
     quick_modules = ["--reps", "1"] if args.quick else []
     quick_bench = ["--size", "tiny", "--steps", "4"] if args.quick else []
+    quick_overhead = ["--reps", "3", "--calls", "50"] if args.quick else []
     runs = [
         [sys.executable, os.path.join(HERE, "bench_kernels.py"), "--device", device,
          "--save", out("kernels"), *quick_kernels],
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
          "--save", out("front-end"), *quick_front],
         [sys.executable, os.path.join(HERE, "bench_modules.py"), "--device", device,
          "--save", out("modules"), *quick_modules],
+        [sys.executable, os.path.join(HERE, "bench_overhead.py"), "--device", device,
+         "--save", out("overhead"), *quick_overhead],
         [sys.executable, "-m", "memkern.cli", "bench", "--device", device, "--json",
          out("bench"), "--plot", out("bench", "png"), *quick_bench],
     ]

@@ -25,8 +25,9 @@ class Op:
     """The Python entry of one op: checks its arguments, then runs the selected backend.
 
     ``compiled_kernels``: whether ``csrc/`` registers CPU/CUDA kernels for it (the flat-buffer
-    ops; a tuple of device types, e.g. ``("cpu",)``, where it registers only those); otherwise the reference serves ``CPU`` and the Triton kernel ``CUDA``. ``triton`` is
-    the dotted path of the Triton implementation (None: there is none, the reference runs).
+    ops; a tuple of device types, e.g. ``("cpu",)``, where it registers only those); otherwise
+    the reference serves ``CPU`` and the Triton kernel ``CUDA``. ``triton`` is the dotted path
+    of the Triton implementation (None: there is none, the reference runs).
 
     ``backend="cpu"``/``"cuda"`` go through ``torch.ops.memkern.<name>`` (the dispatcher
     picks the kernel by device; ``"cpu"`` calls the reference directly where no compiled CPU
