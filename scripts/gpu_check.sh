@@ -58,8 +58,10 @@ else
   parallel=()
   echo "gpu_check.sh: pytest-xdist is not installed, the suite runs serially"
 fi
+# MEMKERN_REQUIRE_EXT=cuda: a build whose CUDA kernels failed to load fails the suite instead
+# of falling back to Triton unnoticed.
 step suite "grep -E '(passed|failed|error)' \"$logs/suite.log\"" -- \
-  "$python" -m pytest -q -p no:cacheprovider "${parallel[@]}" tests
+  env MEMKERN_REQUIRE_EXT=cuda "$python" -m pytest -q -p no:cacheprovider "${parallel[@]}" tests
 
 sanitizer=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
 if [ -x "$sanitizer" ]; then
