@@ -1,69 +1,19 @@
 // memkern::adamw8bit_step_ on CPU: AdamW with block-wise 8-bit moments, one pass per block of
 // kQBlock elements (dequantize, update, absmax, requantize). Contract and quantization map:
-// memkern/ops/adamw8bit.py; the AdamW math: adamw_math.h.
+// memkern/ops/adamw8bit.py; the AdamW math: adamw_math.h; the 8-bit format: state8bit.h.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <cfloat>
-#include <cmath>
 #include <cstdint>
-#include <limits>
 #include <type_traits>
 
 #include "../checks.h"
 #include "adamw_math.h"
 #include "flat_math.h"
+#include "state8bit.h"
 
 namespace memkern::cpu {
 namespace {
-
-// memkern/kernels/state8bit.py: block size and, per moment, code range and power.
-constexpr int64_t kQBlock = 64;
-constexpr float kSignedCodes = 127.0f;    // m: sign(c) * (|c| / 127)^2 * absmax
-constexpr float kUnsignedCodes = 255.0f;  // v: (c / 255)^4 * absmax
-
-// Always inlined: the callers are compiled per ISA (MEMKERN_VECTOR_CLONES) and these must be
-// compiled, and vectorised, with them.
-#define MEMKERN_INLINE [[gnu::always_inline]] inline
-
-MEMKERN_INLINE float dequantize_m(int8_t code, float absmax) {
-  const float q = std::fabs(static_cast<float>(code)) / kSignedCodes;
-  return std::copysign((q * q) * absmax, static_cast<float>(code));
-}
-
-MEMKERN_INLINE float dequantize_v(uint8_t code, float absmax) {
-  const float q = static_cast<float>(code) / kUnsignedCodes;
-  const float q2 = q * q;
-  return (q2 * q2) * absmax;
-}
-
-// Codes and absmax of one block of n <= kQBlock values: NaN and zero codes when a value is
-// not finite, zero codes for an all-zero block. The absmax is taken on the bits of the
-// non-negative values (ordered as the floats are), which vectorises; a float max would not.
-template <bool kSigned, typename code_t>
-MEMKERN_INLINE void quantize_block(const float* x, int64_t n, code_t* codes, float* absmax) {
-  uint32_t amax_bits = 0;
-  int32_t non_finite = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const float a = std::fabs(x[i]);
-    const bool finite = a <= FLT_MAX;
-    non_finite += finite ? 0 : 1;
-    const uint32_t bits = finite ? float_to_bits(a) : 0u;
-    amax_bits = bits > amax_bits ? bits : amax_bits;
-  }
-  const float amax = bits_to_float(amax_bits);
-  const bool usable = non_finite == 0 && amax > 0.0f;
-  const float divisor = usable ? amax : 1.0f;
-  for (int64_t i = 0; i < n; ++i) {
-    float r = std::sqrt(std::fabs(x[i]) / divisor);
-    if constexpr (!kSigned) r = std::sqrt(r);
-    float c = std::floor(r * (kSigned ? kSignedCodes : kUnsignedCodes) + 0.5f);
-    c = usable ? c : 0.0f;
-    if constexpr (kSigned) c = x[i] < 0.0f ? -c : c;
-    codes[i] = static_cast<code_t>(static_cast<int32_t>(c));
-  }
-  *absmax = non_finite != 0 ? std::numeric_limits<float>::quiet_NaN() : amax;
-}
 
 // Dequantize, update and write back n <= kQBlock elements from `begin` into m and v.
 template <typename grad_t, typename param_t>
@@ -73,8 +23,8 @@ MEMKERN_INLINE void update_block(float* __restrict master, const int8_t* __restr
                                  param_t* __restrict params, const AdamWCoefficients& c,
                                  float* __restrict m, float* __restrict v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    float mi = dequantize_m(m_codes[i], m_scale);
-    float vi = dequantize_v(v_codes[i], v_scale);
+    float mi = dequantize(m_codes[i], m_scale);
+    float vi = dequantize(v_codes[i], v_scale);
     const float w = adamw_element(master[i], mi, vi, to_float(grads[i]), c);
     m[i] = mi;
     v[i] = vi;
@@ -103,13 +53,13 @@ MEMKERN_VECTOR_CLONES void adamw8bit_blocks(float* __restrict master, int8_t* __
     if (len == kQBlock) {
       update_block(master + begin, m_codes + begin, v_codes + begin, m_absmax[b], v_absmax[b],
                    grads + begin, p, c, m, v, kQBlock);
-      quantize_block<true>(m, kQBlock, m_codes + begin, m_absmax + b);
-      quantize_block<false>(v, kQBlock, v_codes + begin, v_absmax + b);
+      quantize_block(m, kQBlock, m_codes + begin, m_absmax + b);
+      quantize_block(v, kQBlock, v_codes + begin, v_absmax + b);
     } else {
       update_block(master + begin, m_codes + begin, v_codes + begin, m_absmax[b], v_absmax[b],
                    grads + begin, p, c, m, v, len);
-      quantize_block<true>(m, len, m_codes + begin, m_absmax + b);
-      quantize_block<false>(v, len, v_codes + begin, v_absmax + b);
+      quantize_block(m, len, m_codes + begin, m_absmax + b);
+      quantize_block(v, len, v_codes + begin, v_absmax + b);
     }
   }
 }

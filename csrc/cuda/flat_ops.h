@@ -43,7 +43,8 @@ cudaError_t adamw_step(float* master, float* exp_avg, float* exp_avg_sq, const v
                        double lr, double beta1, double beta2, double eps, double weight_decay,
                        cudaStream_t stream);
 
-// Elements per quantization block of the 8-bit optimizer state (memkern/kernels/state8bit.py).
+// Elements per quantization block of the 8-bit optimizer state (memkern/kernels/state8bit.py,
+// kernels/state8bit.cuh).
 constexpr int64_t kQuantBlock = 64;
 
 // adamw_step with the moments stored block-wise in 8 bits (memkern/ops/adamw8bit.py): int8

@@ -2,9 +2,9 @@
 (see memkern/ops/adamw8bit.py for the contract and the quantization map).
 
 A program takes ``BLOCK`` elements as a ``[BLOCK // QBLOCK, QBLOCK]`` tile, one row per
-quantization block, so each block's absmax is a row reduction in registers: codes and absmax
-in, dequantize, :func:`~memkern.kernels.adamw.adamw_update`, absmax and codes out, master and
-the rounded params out, in one pass.
+quantization block (the format's helpers: :mod:`memkern.kernels.quantize8bit`): codes and
+absmax in, dequantize, :func:`~memkern.kernels.adamw.adamw_update`, absmax and codes out,
+master and the rounded params out, in one pass.
 """
 from __future__ import annotations
 
@@ -15,43 +15,8 @@ import triton.language as tl
 from memkern.kernels import _common
 from memkern.kernels._common import load_splat, round_to
 from memkern.kernels.adamw import adamw_update, hyper_args
-from memkern.kernels.state8bit import (QBLOCK, SIGNED_CODES, SIGNED_POWER, UNSIGNED_CODES,
-                                   UNSIGNED_POWER, num_blocks)
-
-
-@triton.jit
-def _dequantize(codes, absmax, LEVELS: tl.constexpr, POWER: tl.constexpr,
-                SIGNED: tl.constexpr):
-    c = codes.to(tl.float32)
-    q = tl.div_rn(tl.abs(c), tl.full(c.shape, LEVELS, tl.float32))
-    q = q * q
-    if POWER == 4:
-        q = q * q
-    x = q * absmax[:, None]
-    if SIGNED:
-        x = tl.where(c < 0, -x, x)
-    return x
-
-
-@triton.jit
-def _quantize(x, valid, LEVELS: tl.constexpr, POWER: tl.constexpr, SIGNED: tl.constexpr):
-    """``(codes as float32, absmax)`` of the rows of ``x`` (``valid``: the elements that
-    exist); a row with a non-finite value gets NaN and zero codes."""
-    a = tl.abs(x)
-    finite = a <= 3.4028234663852886e38  # false for inf and NaN
-    a = tl.where(valid & finite, a, 0.0)
-    scale = tl.max(a, axis=1)
-    any_bad = tl.max(tl.where(valid & (finite == 0), 1, 0), axis=1) > 0
-    usable = (any_bad == 0) & (scale > 0)
-    r = tl.sqrt_rn(tl.div_rn(a, tl.where(usable, scale, 1.0)[:, None]))
-    if POWER == 4:
-        r = tl.sqrt_rn(r)
-    c = tl.floor(r * LEVELS + 0.5)
-    c = tl.where(usable[:, None], c, 0.0)
-    if SIGNED:
-        c = tl.where(x < 0, -c, c)
-    nan = tl.full(scale.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-    return c, tl.where(any_bad, nan, scale)
+from memkern.kernels.quantize8bit import dequantize, quantize
+from memkern.kernels.state8bit import QBLOCK, num_blocks
 
 
 @triton.jit
@@ -62,8 +27,6 @@ def _adamw8bit_kernel(
     decay, one_minus_beta1, beta2, one_minus_beta2, eps,
     HAS_PARAMS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
     LERP_SMALL_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
-    M_LEVELS: tl.constexpr, M_POWER: tl.constexpr, V_LEVELS: tl.constexpr,
-    V_POWER: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK // QBLOCK
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -79,19 +42,17 @@ def _adamw8bit_kernel(
     if HAS_MULTIPLIER:
         g = g * tl.load(grad_multiplier_ptr)
     master = tl.load(master_ptr + offs, mask=valid, other=0.0)
-    m = _dequantize(tl.load(exp_avg_ptr + offs, mask=valid, other=0),
-                    tl.load(exp_avg_absmax_ptr + rows, mask=row_mask, other=0.0),
-                    M_LEVELS, M_POWER, True)
-    v = _dequantize(tl.load(exp_avg_sq_ptr + offs, mask=valid, other=0),
-                    tl.load(exp_avg_sq_absmax_ptr + rows, mask=row_mask, other=0.0),
-                    V_LEVELS, V_POWER, False)
+    m = dequantize(tl.load(exp_avg_ptr + offs, mask=valid, other=0),
+                   tl.load(exp_avg_absmax_ptr + rows, mask=row_mask, other=0.0), True)
+    v = dequantize(tl.load(exp_avg_sq_ptr + offs, mask=valid, other=0),
+                   tl.load(exp_avg_sq_absmax_ptr + rows, mask=row_mask, other=0.0), False)
 
     master, m, v = adamw_update(master, m, v, g, step_ptr, lr_hi, lr_lo, beta1_hi, beta1_lo,
                                 beta2_hi, beta2_lo, decay, one_minus_beta1, beta2,
                                 one_minus_beta2, eps, LERP_SMALL_WEIGHT)
 
-    m_codes, m_absmax = _quantize(m, valid, M_LEVELS, M_POWER, True)
-    v_codes, v_absmax = _quantize(v, valid, V_LEVELS, V_POWER, False)
+    m_codes, m_absmax = quantize(m, valid, True)
+    v_codes, v_absmax = quantize(v, valid, False)
     tl.store(master_ptr + offs, master, mask=valid)
     tl.store(exp_avg_ptr + offs, m_codes.to(tl.int8), mask=valid)
     tl.store(exp_avg_sq_ptr + offs, v_codes.to(tl.uint8), mask=valid)
@@ -128,8 +89,6 @@ def adamw8bit_step_(master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absm
                 HAS_MULTIPLIER=grad_multiplier is not None,
                 HAS_FOUND_INF=found_inf is not None,
                 BLOCK=_common.BLOCK, QBLOCK=QBLOCK,
-                M_LEVELS=SIGNED_CODES, M_POWER=SIGNED_POWER,
-                V_LEVELS=UNSIGNED_CODES, V_POWER=UNSIGNED_POWER,
                 num_warps=_common.NUM_WARPS,
                 **flags,
             )

@@ -1,6 +1,7 @@
 """The block-wise 8-bit optimizer-state format every backend shares (constants only, no
 ``triton`` import, so :mod:`memkern.ops` can read them): the map is defined and justified in
-:mod:`memkern.ops.adamw8bit`, and csrc/cpu/adamw8bit.cpp and csrc/cuda/kernels/adamw8bit.cuh
+:mod:`memkern.ops.adamw8bit`; the backends' shared helpers of the format
+(:mod:`memkern.kernels.quantize8bit`, csrc/cpu/state8bit.h, csrc/cuda/kernels/state8bit.cuh)
 repeat these numbers."""
 
 QBLOCK = 64

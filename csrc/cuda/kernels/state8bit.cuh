@@ -1,0 +1,81 @@
+// The block-wise 8-bit optimizer-state format on the CUDA backend, shared by every 8-bit
+// optimizer kernel (adamw8bit.cuh, ...): the block size, the two code maps and the quantizer
+// of one block held by one warp. Format and map, defined and justified:
+// memkern/ops/adamw8bit.py; constants: memkern/kernels/state8bit.py.
+//
+// Each rounding follows the reference's separate torch ops (_rn intrinsics, never contracted
+// into an FMA).
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+#include <type_traits>
+
+namespace memkern::device {
+
+constexpr int64_t kQBlock = 64;
+constexpr int kQPerLane = kQBlock / 32;   // elements of a block per lane of its warp
+constexpr float kSignedCodes = 127.0f;    // int8:  sign(c) * (|c| / 127)^2 * absmax
+constexpr float kUnsignedCodes = 255.0f;  // uint8: (c / 255)^4 * absmax
+
+// The value of a signed code (first moments, momentum).
+__device__ __forceinline__ float dequantize(int8_t code, float absmax) {
+  const float q = __fdiv_rn(fabsf(static_cast<float>(code)), kSignedCodes);
+  const float x = __fmul_rn(__fmul_rn(q, q), absmax);
+  return code < 0 ? -x : x;
+}
+
+// The value of an unsigned code (second moments, >= 0).
+__device__ __forceinline__ float dequantize(uint8_t code, float absmax) {
+  const float q = __fdiv_rn(static_cast<float>(code), kUnsignedCodes);
+  const float q2 = __fmul_rn(q, q);
+  return __fmul_rn(__fmul_rn(q2, q2), absmax);
+}
+
+// Codes of the warp's block (x[k] of element `first + lane + 32 k`, `valid[k]` when it exists)
+// and its absmax (int8 codes: any sign; uint8: >= 0): NaN and zero codes when a value is not
+// finite, zero codes when all are 0. Every lane of the warp must call it.
+template <typename code_t>
+__device__ __forceinline__ void quantize_block(const float (&x)[kQPerLane],
+                                               const bool (&valid)[kQPerLane], code_t* codes,
+                                               float* absmax, int64_t first, int lane) {
+  constexpr bool kSigned = std::is_same<code_t, int8_t>::value;
+  static_assert(kSigned || std::is_same<code_t, uint8_t>::value, "codes are int8 or uint8");
+  float amax = 0.0f;
+  bool bad = false;
+#pragma unroll
+  for (int k = 0; k < kQPerLane; ++k) {
+    const float a = valid[k] ? fabsf(x[k]) : 0.0f;
+    const bool finite = a <= FLT_MAX;
+    bad |= !finite;
+    amax = finite ? fmaxf(amax, a) : amax;
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  }
+  bad = __any_sync(0xffffffffu, bad);
+  const bool usable = !bad && amax > 0.0f;
+  const float divisor = usable ? amax : 1.0f;
+#pragma unroll
+  for (int k = 0; k < kQPerLane; ++k) {
+    if (!valid[k]) {
+      continue;
+    }
+    float r = __fsqrt_rn(__fdiv_rn(fabsf(x[k]), divisor));
+    if constexpr (!kSigned) {
+      r = __fsqrt_rn(r);
+    }
+    float c = floorf(__fadd_rn(__fmul_rn(r, kSigned ? kSignedCodes : kUnsignedCodes), 0.5f));
+    c = usable ? c : 0.0f;
+    if constexpr (kSigned) {
+      c = x[k] < 0.0f ? -c : c;
+    }
+    codes[first + lane + 32 * k] = static_cast<code_t>(static_cast<int>(c));
+  }
+  if (lane == 0) {
+    *absmax = bad ? __int_as_float(0x7fc00000) : amax;
+  }
+}
+
+}  // namespace memkern::device

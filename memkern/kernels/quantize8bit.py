@@ -1,0 +1,65 @@
+"""Triton side of the block-wise 8-bit optimizer-state format (:mod:`memkern.kernels.state8bit`;
+map defined and justified in :mod:`memkern.ops.adamw8bit`), shared by every 8-bit optimizer
+kernel: a program holds its elements as a ``[rows, QBLOCK]`` tile, one row per quantization
+block, so a block's absmax is a row reduction in registers.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from memkern.kernels.state8bit import (SIGNED_CODES, SIGNED_POWER, UNSIGNED_CODES,
+                                       UNSIGNED_POWER)
+
+_SIGNED_CODES = tl.constexpr(SIGNED_CODES)
+_SIGNED_POWER = tl.constexpr(SIGNED_POWER)
+_UNSIGNED_CODES = tl.constexpr(UNSIGNED_CODES)
+_UNSIGNED_POWER = tl.constexpr(UNSIGNED_POWER)
+
+
+@triton.jit
+def _power_of(q, POWER: tl.constexpr):
+    q = q * q
+    if POWER == 4:
+        q = q * q
+    return q
+
+
+@triton.jit
+def dequantize(codes, absmax, SIGNED: tl.constexpr):
+    """float32 values of a ``[rows, QBLOCK]`` tile of ``codes`` (int8 when ``SIGNED``, else
+    uint8) with one ``absmax`` per row."""
+    c = codes.to(tl.float32)
+    if SIGNED:
+        q = _power_of(tl.div_rn(tl.abs(c), tl.full(c.shape, _SIGNED_CODES, tl.float32)),
+                      _SIGNED_POWER)
+    else:
+        q = _power_of(tl.div_rn(c, tl.full(c.shape, _UNSIGNED_CODES, tl.float32)),
+                      _UNSIGNED_POWER)
+    x = q * absmax[:, None]
+    if SIGNED:
+        x = tl.where(c < 0, -x, x)
+    return x
+
+
+@triton.jit
+def quantize(x, valid, SIGNED: tl.constexpr):
+    """``(codes as float32, absmax)`` of the rows of the float32 tile ``x`` (``valid``: the
+    elements that exist; ``x >= 0`` unless ``SIGNED``); a row with a non-finite value gets NaN
+    and zero codes, an all-zero row zero codes."""
+    a = tl.abs(x)
+    finite = a <= 3.4028234663852886e38  # false for inf and NaN
+    a = tl.where(valid & finite, a, 0.0)
+    scale = tl.max(a, axis=1)
+    any_bad = tl.max(tl.where(valid & (finite == 0), 1, 0), axis=1) > 0
+    usable = (any_bad == 0) & (scale > 0)
+    r = tl.sqrt_rn(tl.div_rn(a, tl.where(usable, scale, 1.0)[:, None]))
+    if SIGNED:
+        c = tl.floor(r * _SIGNED_CODES + 0.5)
+    else:
+        c = tl.floor(tl.sqrt_rn(r) * _UNSIGNED_CODES + 0.5)
+    c = tl.where(usable[:, None], c, 0.0)
+    if SIGNED:
+        c = tl.where(x < 0, -c, c)
+    nan = tl.full(scale.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    return c, tl.where(any_bad, nan, scale)
