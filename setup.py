@@ -87,7 +87,8 @@ def extensions() -> tuple[list, dict]:
         return [], {}
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
-    cpp_sources = sources("csrc/memkern.cpp") + sources("csrc/cpu/*.cpp")
+    cpp_sources = (sources("csrc/memkern.cpp") + sources("csrc/cpu/*.cpp")
+                   + sources("csrc/autograd/*.cpp"))
     if want_cuda():
         archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         defines = ["-DMEMKERN_WITH_CUDA", f'-DMEMKERN_CUDA_ARCHS="{archs}"']

@@ -55,24 +55,54 @@ def _input(shape, dtype, scale=1.0):
 # Linear
 
 
+@pytest.fixture(params=["cpp", "python"])
+def linear_autograd(request, monkeypatch):
+    """Linear's two implementations of one algorithm: the C++ autograd of ``memkern::linear``
+    (extension built) and the Python ``LinearFunction`` (no extension, autocast, compile)."""
+    import dataclasses
+    import sys
+
+    from memkern._extension import compiled
+    functional_linear = sys.modules["memkern.nn.functional.linear"]  # the module, not the function
+    if request.param == "cpp" and not compiled.has_cpu:
+        pytest.skip("the compiled extension is not built")
+    if request.param == "python":
+        monkeypatch.setattr(functional_linear, "compiled",
+                            dataclasses.replace(compiled, has_cpu=False))
+    return request.param
+
+
+def test_linear_with_a_grad_runs_the_cpp_autograd(linear_autograd):
+    """The routing itself: with ``.grad`` present (the training case) the C++ node runs when
+    the extension is built; under autocast the Python Function does."""
+    m = mk.nn.Linear(13, 7)
+    m.weight.grad = torch.zeros_like(m.weight)
+    name = m(torch.randn(3, 13)).grad_fn.name()
+    assert ("CppNode" in name) == (linear_autograd == "cpp") and "LinearFunction" in name
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert "CppNode" not in m(torch.randn(3, 13)).grad_fn.name()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_matches_torch(shape, dtype, bias):
+def test_linear_matches_torch(shape, dtype, bias, linear_autograd):
     ref = nn.Linear(shape[-1], 11, bias=bias).to(dtype)
     m = mk.nn.Linear(shape[-1], 11, bias=bias).to(dtype)
     m.load_state_dict(ref.state_dict())
+    assert_same(m, ref, _input(shape, dtype), tol=TOL[dtype])  # no .grad: F.linear
+    m.weight.grad = torch.zeros_like(m.weight)  # memkern's own autograd (not accumulating here)
     assert_same(m, ref, _input(shape, dtype), tol=TOL[dtype])
 
 
-def test_linear_unbatched_input_and_state_dict_keys():
+def test_linear_unbatched_input_and_state_dict_keys(linear_autograd):
     ref, m = nn.Linear(9, 5), mk.nn.Linear(9, 5)
     assert list(m.state_dict()) == list(ref.state_dict())
     m.load_state_dict(ref.state_dict())
     assert_same(m, ref, _input((9,), torch.float32), tol=1e-6)
 
 
-def test_conv1d_matches_transposed_linear():
+def test_conv1d_matches_transposed_linear(linear_autograd):
     m = mk.nn.Conv1D(11, 13)
     with torch.no_grad():
         m.bias.normal_()
@@ -114,7 +144,7 @@ class _NewStorages(TorchDispatchMode):
     pytest.param(lambda: mk.nn.MLP(301, 203, recompute="activation"), id="MLP"),
     pytest.param(lambda: mk.nn.SwiGLU(301, 203, recompute="full"), id="SwiGLU"),
 ])
-def test_weight_grad_accumulates_into_grad_buffer(make):
+def test_weight_grad_accumulates_into_grad_buffer(make, linear_autograd):
     """With the front end's GradBuffer, weight-gradient GEMMs add into p.grad (beta = 1): no
     op creates a weight-sized tensor during backward, p.grad stays the buffer's view, the
     post-accumulate hooks fire once per backward, and the values are torch's."""
@@ -144,7 +174,7 @@ def test_weight_grad_accumulates_into_grad_buffer(make):
     assert all(float(p.grad.abs().max()) == 0 for p in m.parameters())
 
 
-def test_linear_without_existing_grad_behaves_as_torch():
+def test_linear_without_existing_grad_behaves_as_torch(linear_autograd):
     """No .grad yet: the gradient is computed and handed to autograd as nn.Linear's is."""
     m, ref = mk.nn.Linear(13, 7), nn.Linear(13, 7)
     m.load_state_dict(ref.state_dict())
@@ -157,7 +187,7 @@ def test_linear_without_existing_grad_behaves_as_torch():
     assert rel_err(m.weight.grad, ref.weight.grad) < 1e-6
 
 
-def test_linear_leaves_grad_alone_for_autograd_grad_and_inputs_subset():
+def test_linear_leaves_grad_alone_for_autograd_grad_and_inputs_subset(linear_autograd):
     m = mk.nn.Linear(13, 7)
     m.weight.grad = torch.randn(7, 13)
     before = m.weight.grad.clone()
@@ -171,7 +201,7 @@ def test_linear_leaves_grad_alone_for_autograd_grad_and_inputs_subset():
     assert rel_err(x.grad, g @ m.weight.detach()) < 1e-6
 
 
-def test_linear_tensor_hooks_see_the_real_gradient():
+def test_linear_tensor_hooks_see_the_real_gradient(linear_autograd):
     m = mk.nn.Linear(13, 7)
     m.weight.grad = torch.zeros(7, 13)
     seen = []
@@ -182,7 +212,7 @@ def test_linear_tensor_hooks_see_the_real_gradient():
     assert rel_err(m.weight.grad, 2 * g.t() @ x) < 1e-6
 
 
-def test_linear_under_autocast_matches_torch():
+def test_linear_under_autocast_matches_torch(linear_autograd):
     ref, m = nn.Linear(13, 11), mk.nn.Linear(13, 11)
     m.load_state_dict(ref.state_dict())
     x = torch.randn(7, 13, requires_grad=True)

@@ -8,9 +8,12 @@ backward instead of being kept). Nothing else.
 ``transposed=True`` takes the weight stored ``[in, out]`` (GPT-2's ``Conv1D``), computing
 ``x @ weight + bias``.
 
-Where none of that applies — no ``weight.grad`` yet, an input that is not a norm's
-recomputable output, no autocast, one dtype — memkern's Linear saves and computes exactly
-what torch's does, and runs as ``F.linear`` (torch's C++ autograd: less host time per call).
+Host time per call: with one dtype, no autocast and an input that is not a norm's recomputable
+output, the call runs with C++ autograd — as ``F.linear`` when there is no ``weight.grad`` yet
+(memkern's Linear then saves and computes exactly what torch's does), else as the
+``memkern::linear`` op (:mod:`memkern.ops.linear`, this algorithm in C++) when the extension is
+built. The Python Function below serves the rest (autocast, recomputable inputs, mixed dtypes,
+``torch.compile``, no extension).
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from memkern import ops
+from memkern._extension import compiled
 from memkern.nn.functional import _common, _grad, _saved
 
 
@@ -77,10 +82,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             f"memkern.nn.functional.linear: input has {x.shape[-1] if x.dim() else 'no'} features "
             f"(shape {tuple(x.shape)}) but the weight {tuple(weight.shape)} expects {in_features}"
         )
-    if (not transposed and weight.grad is None and x.dtype == weight.dtype
-            and (bias is None or bias.dtype == x.dtype)
+    if (x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
             and not torch.is_autocast_enabled(x.device.type) and not _saved.has_recipe(x)):
-        return F.linear(x, weight, bias)
+        if not transposed and weight.grad is None:
+            return F.linear(x, weight, bias)
+        if compiled.has_cpu and not torch.compiler.is_compiling():
+            return ops.linear(x, weight, bias, transposed)
     if x.dim() == 1:
         return LinearFunction.apply(x.unsqueeze(0), weight, bias, transposed).squeeze(0)
     return LinearFunction.apply(x, weight, bias, transposed)

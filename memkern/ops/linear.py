@@ -1,0 +1,26 @@
+"""``memkern::linear``: memkern's Linear (``x @ W^T + b``; ``x @ W + b`` with ``transposed``)
+as one op whose autograd is C++ (csrc/autograd/linear.cpp): the weight gradient is added
+straight into ``W.grad`` when that exists (see :mod:`memkern.nn.functional._grad`), at the host
+cost of ``nn.Linear``'s call.
+
+Only the compiled extension registers its kernels (``Autograd`` and, below autograd,
+``CompositeExplicitAutograd``); without it :mod:`memkern.nn.functional.linear` runs the same
+algorithm as a Python ``autograd.Function``. Callers pass one dtype for ``x``, ``W`` and ``b``
+and no autocast (the Python Function handles those).
+"""
+from __future__ import annotations
+
+import torch
+
+from memkern.ops._registry import LIBRARY
+
+LIBRARY.define("linear(Tensor x, Tensor weight, Tensor? bias, bool transposed) -> Tensor")
+
+
+@torch.library.register_fake("memkern::linear", lib=LIBRARY)
+def _fake(x, weight, bias, transposed):
+    out_features = weight.shape[1] if transposed else weight.shape[0]
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+linear = torch.ops.memkern.linear.default
