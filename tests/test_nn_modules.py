@@ -56,29 +56,30 @@ def _input(shape, dtype, scale=1.0):
 
 
 @pytest.fixture(params=["cpp", "python"])
-def linear_autograd(request, monkeypatch):
-    """Linear's two implementations of one algorithm: the C++ autograd of ``memkern::linear``
-    (extension built) and the Python ``LinearFunction`` (no extension, autocast, compile)."""
+def layer_autograd(request, monkeypatch):
+    """The two implementations of Linear's and Dropout's algorithms: C++ autograd
+    (``memkern::linear``, ``memkern::dropout_layer``; extension built) and the Python
+    ``autograd.Function``s (no extension, autocast, compile, ...)."""
     import dataclasses
     import sys
 
     from memkern._extension import compiled
-    functional_linear = sys.modules["memkern.nn.functional.linear"]  # the module, not the function
     if request.param == "cpp" and not compiled.has_cpu:
         pytest.skip("the compiled extension is not built")
     if request.param == "python":
-        monkeypatch.setattr(functional_linear, "compiled",
-                            dataclasses.replace(compiled, has_cpu=False))
+        for name in ("linear", "dropout"):  # the modules, not the functions of these names
+            monkeypatch.setattr(sys.modules[f"memkern.nn.functional.{name}"], "compiled",
+                                dataclasses.replace(compiled, has_cpu=False))
     return request.param
 
 
-def test_linear_with_a_grad_runs_the_cpp_autograd(linear_autograd):
+def test_linear_with_a_grad_runs_the_cpp_autograd(layer_autograd):
     """The routing itself: with ``.grad`` present (the training case) the C++ node runs when
     the extension is built; under autocast the Python Function does."""
     m = mk.nn.Linear(13, 7)
     m.weight.grad = torch.zeros_like(m.weight)
     name = m(torch.randn(3, 13)).grad_fn.name()
-    assert ("CppNode" in name) == (linear_autograd == "cpp") and "LinearFunction" in name
+    assert ("CppNode" in name) == (layer_autograd == "cpp") and "LinearFunction" in name
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert "CppNode" not in m(torch.randn(3, 13)).grad_fn.name()
 
@@ -86,7 +87,7 @@ def test_linear_with_a_grad_runs_the_cpp_autograd(linear_autograd):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_matches_torch(shape, dtype, bias, linear_autograd):
+def test_linear_matches_torch(shape, dtype, bias, layer_autograd):
     ref = nn.Linear(shape[-1], 11, bias=bias).to(dtype)
     m = mk.nn.Linear(shape[-1], 11, bias=bias).to(dtype)
     m.load_state_dict(ref.state_dict())
@@ -95,14 +96,14 @@ def test_linear_matches_torch(shape, dtype, bias, linear_autograd):
     assert_same(m, ref, _input(shape, dtype), tol=TOL[dtype])
 
 
-def test_linear_unbatched_input_and_state_dict_keys(linear_autograd):
+def test_linear_unbatched_input_and_state_dict_keys(layer_autograd):
     ref, m = nn.Linear(9, 5), mk.nn.Linear(9, 5)
     assert list(m.state_dict()) == list(ref.state_dict())
     m.load_state_dict(ref.state_dict())
     assert_same(m, ref, _input((9,), torch.float32), tol=1e-6)
 
 
-def test_conv1d_matches_transposed_linear(linear_autograd):
+def test_conv1d_matches_transposed_linear(layer_autograd):
     m = mk.nn.Conv1D(11, 13)
     with torch.no_grad():
         m.bias.normal_()
@@ -144,7 +145,7 @@ class _NewStorages(TorchDispatchMode):
     pytest.param(lambda: mk.nn.MLP(301, 203, recompute="activation"), id="MLP"),
     pytest.param(lambda: mk.nn.SwiGLU(301, 203, recompute="full"), id="SwiGLU"),
 ])
-def test_weight_grad_accumulates_into_grad_buffer(make, linear_autograd):
+def test_weight_grad_accumulates_into_grad_buffer(make, layer_autograd):
     """With the front end's GradBuffer, weight-gradient GEMMs add into p.grad (beta = 1): no
     op creates a weight-sized tensor during backward, p.grad stays the buffer's view, the
     post-accumulate hooks fire once per backward, and the values are torch's."""
@@ -174,7 +175,7 @@ def test_weight_grad_accumulates_into_grad_buffer(make, linear_autograd):
     assert all(float(p.grad.abs().max()) == 0 for p in m.parameters())
 
 
-def test_linear_without_existing_grad_behaves_as_torch(linear_autograd):
+def test_linear_without_existing_grad_behaves_as_torch(layer_autograd):
     """No .grad yet: the gradient is computed and handed to autograd as nn.Linear's is."""
     m, ref = mk.nn.Linear(13, 7), nn.Linear(13, 7)
     m.load_state_dict(ref.state_dict())
@@ -187,7 +188,7 @@ def test_linear_without_existing_grad_behaves_as_torch(linear_autograd):
     assert rel_err(m.weight.grad, ref.weight.grad) < 1e-6
 
 
-def test_linear_leaves_grad_alone_for_autograd_grad_and_inputs_subset(linear_autograd):
+def test_linear_leaves_grad_alone_for_autograd_grad_and_inputs_subset(layer_autograd):
     m = mk.nn.Linear(13, 7)
     m.weight.grad = torch.randn(7, 13)
     before = m.weight.grad.clone()
@@ -201,7 +202,7 @@ def test_linear_leaves_grad_alone_for_autograd_grad_and_inputs_subset(linear_aut
     assert rel_err(x.grad, g @ m.weight.detach()) < 1e-6
 
 
-def test_linear_tensor_hooks_see_the_real_gradient(linear_autograd):
+def test_linear_tensor_hooks_see_the_real_gradient(layer_autograd):
     m = mk.nn.Linear(13, 7)
     m.weight.grad = torch.zeros(7, 13)
     seen = []
@@ -212,7 +213,7 @@ def test_linear_tensor_hooks_see_the_real_gradient(linear_autograd):
     assert rel_err(m.weight.grad, 2 * g.t() @ x) < 1e-6
 
 
-def test_linear_under_autocast_matches_torch(linear_autograd):
+def test_linear_under_autocast_matches_torch(layer_autograd):
     ref, m = nn.Linear(13, 11), mk.nn.Linear(13, 11)
     m.load_state_dict(ref.state_dict())
     x = torch.randn(7, 13, requires_grad=True)
@@ -273,7 +274,7 @@ def test_norms_over_several_dims_and_default_eps():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
-def test_dropout_masks_forward_equal_backward(p, dtype):
+def test_dropout_masks_forward_equal_backward(p, dtype, layer_autograd):
     x = (torch.randn(3, 1025) + 5).to(dtype).requires_grad_()  # no zeros in x
     d = mk.nn.Dropout(p)
     y = d(x)
@@ -291,7 +292,7 @@ def test_dropout_masks_forward_equal_backward(p, dtype):
     assert not torch.equal(y2 != 0, kept), "each call draws a new mask"
 
 
-def test_dropout_reproducible_from_manual_seed_and_eval_identity():
+def test_dropout_reproducible_from_manual_seed_and_eval_identity(layer_autograd):
     d = mk.nn.Dropout(0.3)
     x = torch.randn(7, 13)
     torch.manual_seed(3)
@@ -301,6 +302,24 @@ def test_dropout_reproducible_from_manual_seed_and_eval_identity():
     d.eval()
     assert d(x) is x
     assert mk.nn.Dropout(0.0)(x) is x
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_mask_is_the_reference_mask_of_the_drawn_seed(p, layer_autograd):
+    """Under one RNG state the module draws the seed ``draw_seed`` draws, and its mask is the
+    reference's Philox mask of that seed (an oracle apart from the C++ and Triton kernels);
+    so both implementations give the same runs, and checkpoint replays them."""
+    from memkern.nn.functional.dropout import draw_seed
+    from memkern.ops.dropout import reference
+    x = torch.randn(3, 333) + 5
+    torch.manual_seed(11)
+    expected = reference(x, draw_seed(x.device), p)
+    torch.manual_seed(11)
+    y = mk.nn.Dropout(p)(x.requires_grad_())
+    assert ("CppNode" in y.grad_fn.name()) == (layer_autograd == "cpp")
+    assert torch.equal(y, expected)
+    (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert torch.equal(gx != 0, expected != 0)
 
 
 def test_dropout_inplace():

@@ -18,6 +18,7 @@ __all__ = ["ALL", "adamw8bit_step_", "adamw_step_", "force", "l2_norm", "sgd_ste
 from memkern.ops.activation import act_backward, act_forward  # noqa: E402
 from memkern.ops.cross_entropy import cross_entropy_rows_  # noqa: E402
 from memkern.ops.dropout import dropout  # noqa: E402
+from memkern.ops.dropout_layer import dropout_layer  # noqa: E402
 from memkern.ops.linear import linear  # noqa: E402
 from memkern.ops.linear_cross_entropy import (  # noqa: E402
     linear_cross_entropy_backward,
@@ -29,6 +30,7 @@ from memkern.ops.swiglu import swiglu_backward, swiglu_forward  # noqa: E402
 NN_OPS = (act_forward, act_backward, swiglu_forward, swiglu_backward, dropout, norm_forward,
           norm_backward, cross_entropy_rows_, linear_cross_entropy_forward,
           linear_cross_entropy_backward)
-__all__ += ["NN_OPS", "act_backward", "act_forward", "cross_entropy_rows_", "dropout", "linear",
-            "linear_cross_entropy_backward", "linear_cross_entropy_forward", "norm_backward",
-            "norm_forward", "swiglu_backward", "swiglu_forward"]
+__all__ += ["NN_OPS", "act_backward", "act_forward", "cross_entropy_rows_", "dropout",
+            "dropout_layer", "linear", "linear_cross_entropy_backward",
+            "linear_cross_entropy_forward", "norm_backward", "norm_forward", "swiglu_backward",
+            "swiglu_forward"]

@@ -1,0 +1,70 @@
+// memkern::dropout_layer: mk.nn.Dropout's autograd in C++ (torch::autograd::Function), so a
+// layer call costs what nn.Dropout's does on the host: no Python autograd.Function per call.
+//
+// Forward draws an int64 seed from torch's generator of x's device (when none is given: the
+// same draw as memkern.nn.functional.dropout.draw_seed, so both paths give the same masks) and
+// runs memkern::dropout; saves the seed only (8 bytes); backward runs memkern::dropout on the
+// gradient with that seed, regenerating the forward's mask. memkern::dropout is called through
+// the dispatcher: the C++ CPU kernel, or on CUDA whatever kernel is registered there.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <optional>
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr int64_t kSeedHigh = int64_t{1} << 62;  // memkern.nn.functional.dropout._SEED_HIGH
+
+at::Tensor masked(const at::Tensor& x, const at::Tensor& seed, double p) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("memkern::dropout", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(x.contiguous(), seed, p);
+}
+
+at::Tensor seed_or_draw(const at::Tensor& x, const std::optional<at::Tensor>& seed) {
+  if (seed.has_value() && seed->defined()) {
+    return *seed;
+  }
+  return at::randint(0, kSeedHigh, {}, x.options().dtype(at::kLong));
+}
+
+struct DropoutFunction : public torch::autograd::Function<DropoutFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
+                            const std::optional<at::Tensor>& seed, double p) {
+    const at::Tensor s = seed_or_draw(x, seed);
+    ctx->save_for_backward({s});
+    ctx->saved_data["p"] = p;
+    return masked(x, s, p);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const at::Tensor seed = ctx->get_saved_variables()[0];
+    return {masked(grad_outputs[0], seed, ctx->saved_data["p"].toDouble()), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+at::Tensor dropout_layer_autograd(const at::Tensor& x, const std::optional<at::Tensor>& seed,
+                                  double p) {
+  return DropoutFunction::apply(x, seed, p);
+}
+
+at::Tensor dropout_layer_forward(const at::Tensor& x, const std::optional<at::Tensor>& seed,
+                                 double p) {
+  return masked(x, seed_or_draw(x, seed), p);
+}
+
+}  // namespace
+
+// The schema is defined in memkern/ops/dropout_layer.py.
+TORCH_LIBRARY_IMPL(memkern, Autograd, m) { m.impl("dropout_layer", dropout_layer_autograd); }
+// Below autograd (inference mode, or tensors that never need gradients).
+TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
+  m.impl("dropout_layer", dropout_layer_forward);
+}
