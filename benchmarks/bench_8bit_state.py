@@ -22,8 +22,13 @@ Usage: python benchmarks/bench_8bit_state.py [--device cpu|cuda] [--params N] [-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import statistics
 import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 
 import torch
 
@@ -31,7 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import memkern  # noqa: E402
-from memkern.bench.configs import build  # noqa: E402
+from memkern import backend  # noqa: E402
+from memkern.bench.configs import LR, build  # noqa: E402
 from memkern.bench.data import Batches, stdlib_corpus  # noqa: E402
 from memkern.bench.model import SIZES, GPTConfig  # noqa: E402
 from memkern.kernels.state8bit import num_blocks  # noqa: E402
@@ -130,67 +136,183 @@ def map_ablation(cfg: GPTConfig, device: torch.device) -> dict[str, float]:
     return out
 
 
-def loss_curves(cfg: GPTConfig, device: torch.device, steps: int) -> dict[str, object]:
+QUALITY_VARIANTS = {"32bit": ("32bit", False), "32bit rounding twin": ("32bit", True),
+                    "8bit": ("8bit", False)}
+"""name: (state_precision, optimizer step on the reference backend). The rounding twin is the
+32-bit algorithm in plain torch ops instead of the C++ kernel: the same float32 arithmetic
+rounded in another order (a quarter of the master weights differ by an ulp after one step), so
+its gap to "32bit" is the noise floor that any change of rounding meets."""
+WARMUP, WINDOW = 20, 10
+FINETUNE_LR = 1e-4
+
+
+def _memkern_run(cfg: GPTConfig, device: torch.device, seed: int, dtype: torch.dtype,
+                 precision: str, weights: dict[str, torch.Tensor] | None = None):
+    """memkern-full's model and optimizer (memkern layers, ShardedOptimizer with dynamic loss
+    scale and clipping) with ``dtype`` parameters (memkern-full: bfloat16) and
+    ``precision`` state; ``weights``: a state_dict loaded before the first step (which makes
+    the float32 masters from the weights)."""
+    setup = build("memkern-full-8bit" if precision == "8bit" else "memkern-full", cfg, device,
+                  seed, param_dtype=dtype)
+    if weights is not None:
+        setup.model.load_state_dict(weights)
+    return setup.model, setup.optimizer
+
+
+def _train(model, opt, batches: Batches, steps: int, reference_step: bool) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        loss = model(*batches.next())
+        opt.backward(loss)
+        with backend.force("reference") if reference_step else contextlib.nullcontext():
+            opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _gap(curve: list[float], reference: list[float], warmup: int) -> dict[str, float]:
+    """Relative loss gaps ``|curve - reference| / reference`` after ``warmup`` steps: per step
+    and of the means of 10-step windows."""
+    a, b = torch.tensor(curve, dtype=torch.float64), torch.tensor(reference, dtype=torch.float64)
+    rel = ((a - b).abs() / b)[warmup:]
+    n = (a.numel() - warmup) // WINDOW * WINDOW
+    wa, wb = (t[warmup:warmup + n].view(-1, WINDOW).mean(1) for t in (a, b))
+    return {"max_step": rel.max().item(), "median_step": rel.median().item(),
+            "steps_over_1pct": int((rel > 0.01).sum()), "steps_compared": rel.numel(),
+            "max_window": ((wa - wb).abs() / wb).max().item()}
+
+
+def _variant(cfg: GPTConfig, device: torch.device, seed: int, dtype: torch.dtype, name: str,
+             batch: int, steps: int, lr: float, shifted: bool,
+             weights: dict[str, torch.Tensor] | None = None):
+    """One variant's loss curve over ``steps`` steps at ``lr`` and its final weights. Data:
+    windows of the corpus' first 4 MiB (the ``memkern bench`` corpus), or with ``shifted``
+    of its next 4 MiB (other modules of the standard library: text the model has not seen)."""
+    precision, reference_step = QUALITY_VARIANTS[name]
+    model, opt = _memkern_run(cfg, device, seed, dtype, precision, weights)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    corpus = stdlib_corpus(8 << 20)
+    corpus = corpus[4 << 20:] if shifted else corpus[:4 << 20]
+    losses = _train(model, opt, Batches(corpus, batch, cfg.seq, seed=seed, device=device), steps,
+                    reference_step)
+    return losses, {k: t.detach().cpu() for k, t in model.state_dict().items()}
+
+
+def quality(cfg: GPTConfig, device: torch.device, dtype: torch.dtype, steps: int,
+            finetune_steps: int, seed: int, batch: int) -> dict[str, object]:
+    """The three variants trained ``steps`` steps from the seeded model; then fine-tuning:
+    from the 32-bit run's final weights, ``finetune_steps`` steps at lr 1e-4 on shifted text,
+    fresh optimizer state, the three variants again. The variants of each phase run side by
+    side in processes of their own (start with OMP_NUM_THREADS=1 on a small CPU)."""
     curves, finetune = {}, {}
-    start = None
-    for name in ("memkern-full", "memkern-full-8bit"):
-        setup = build(name, cfg, device, seed=0)
-        batches = Batches(stdlib_corpus(), 4, cfg.seq, device=device, seed=0)
-        curves[name] = [setup.train_step(*batches.next()).item() for _ in range(steps)]
-        if name == "memkern-full":
-            start = {k: t.detach().clone() for k, t in setup.model.state_dict().items()}
-    a, b = (torch.tensor(curves[n]) for n in curves)
-    gap = ((b - a).abs() / a)[20:]
-    # Fine-tuning: pretrained-like weights (the 32-bit run's), a small learning rate.
-    for name in ("memkern-full", "memkern-full-8bit"):
-        setup = build(name, cfg, device, seed=0)
-        setup.model.load_state_dict(start)
-        for group in setup.optimizer.param_groups:
-            group["lr"] = 1e-4
-        batches = Batches(stdlib_corpus(), 4, cfg.seq, device=device, seed=1)
-        finetune[name] = [setup.train_step(*batches.next()).item() for _ in range(steps // 2)]
-    fa, fb = (torch.tensor(finetune[n]) for n in finetune)
-    fgap = ((fb - fa).abs() / fa)
-    return {"steps": steps, "max_rel_gap_after_warmup": gap.max().item(),
-            "mean_rel_gap_after_warmup": gap.mean().item(), "target": 0.01,
-            "final_loss_32bit": curves["memkern-full"][-1],
-            "final_loss_8bit": curves["memkern-full-8bit"][-1],
-            "finetune_max_rel_gap": fgap.max().item(),
-            "finetune_final_loss_32bit": finetune["memkern-full"][-1],
-            "finetune_final_loss_8bit": finetune["memkern-full-8bit"][-1]}
+    with ProcessPoolExecutor(len(QUALITY_VARIANTS), mp_context=get_context("spawn")) as pool:
+        jobs = {name: pool.submit(_variant, cfg, device, seed, dtype, name, batch, steps, LR,
+                                  False) for name in QUALITY_VARIANTS}
+        for name, job in jobs.items():
+            curves[name], weights = job.result()
+            print(f"  {name}: final loss {curves[name][-1]:.4f}", flush=True)
+            if name == "32bit":
+                pretrained = weights
+        jobs = {name: pool.submit(_variant, cfg, device, seed, dtype, name, batch, finetune_steps,
+                                  FINETUNE_LR, True, pretrained) for name in QUALITY_VARIANTS}
+        for name, job in jobs.items():
+            finetune[name] = job.result()[0]
+            print(f"  fine-tuned {name}: final loss {finetune[name][-1]:.4f}", flush=True)
+    out: dict[str, object] = {"dtype": str(dtype).removeprefix("torch."), "seed": seed,
+                              "steps": steps, "finetune_steps": finetune_steps, "seq": cfg.seq,
+                              "batch": batch, "warmup": WARMUP, "target": 0.01}
+    for label, runs in (("pretrain", curves), ("finetune", finetune)):
+        out[label] = {"curves": runs,
+                      "8bit vs 32bit": _gap(runs["8bit"], runs["32bit"], WARMUP),
+                      "rounding twin vs 32bit": _gap(runs["32bit rounding twin"], runs["32bit"],
+                                                     WARMUP)}
+    return out
 
 
-def peers(device: torch.device, n: int) -> dict[str, object]:
-    shape = (n // 1024, 1024)
-    out = {}
+def ci_distribution(cfg: GPTConfig, device: torch.device, dtype: torch.dtype, seeds: list[int],
+                    steps: int, batch: int) -> dict[str, object]:
+    """The CI test's runs (tests/test_cli.py::test_8bit_state_loss_curve_follows_32bit:
+    memkern-full's model and optimizer with ``dtype`` parameters, ``steps`` steps, model and
+    data seeded alike) for several seeds: the statistics it asserts (10-step windows from
+    step 0, and single steps) of 8-bit state and of the rounding twin against 32-bit state."""
+    per_seed = []
+    for seed in seeds:
+        runs = {}
+        for name in QUALITY_VARIANTS:
+            runs[name] = _variant(cfg, device, seed, dtype, name, batch, steps, LR, False)[0]
+        row = {"seed": seed, "curves": runs}
+        for name in ("8bit", "32bit rounding twin"):
+            row[f"{name} vs 32bit"] = _gap(runs[name], runs["32bit"], 0)
+        per_seed.append(row)
+        print(f"CI run, {dtype} parameters, seed {seed}: " + "; ".join(
+            f"{k}: largest window gap {row[k]['max_window']:.3%}, step gap "
+            f"{row[k]['max_step']:.3%}" for k in ("8bit vs 32bit", "32bit rounding twin vs 32bit")),
+            flush=True)
+    return {"dtype": str(dtype).removeprefix("torch."), "steps": steps, "seq": cfg.seq,
+            "batch": batch, "per_seed": per_seed}
 
-    def run(name, make):
-        p = torch.nn.Parameter(torch.randn(shape, device=device))
-        opt = make([p])
-        p.grad = torch.randn_like(p)
-        opt.step()  # the first step creates the state (and compiles torchao's)
-        t = common.median_seconds(opt.step, warmup=1, reps=3, device=device)
-        state_bytes = sum(_nbytes(t) for t in _state_tensors(opt))
-        out[name] = {"step_ms": t * 1e3, "state_bytes_per_param": state_bytes / p.numel()}
 
-    run("memkern FusedAdamW 8bit", lambda ps: memkern.optim.FusedAdamW(ps, lr=1e-3, state_precision="8bit"))
-    run("memkern FusedAdamW 32bit", lambda ps: memkern.optim.FusedAdamW(ps, lr=1e-3))
+def _peer_optimizers() -> dict[str, object]:
+    """name: a constructor of the optimizer from a parameter list, for the importable peers
+    (a line says why for each one skipped)."""
+    makers = {
+        "memkern FusedAdamW 32bit": lambda ps: memkern.optim.FusedAdamW(ps, lr=1e-3),
+        "memkern FusedAdamW 8bit": lambda ps: memkern.optim.FusedAdamW(ps, lr=1e-3,
+                                                                      state_precision="8bit"),
+        "torch AdamW(fused=True)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    }
     try:
         from torchao.optim import AdamW8bit as TorchaoAdamW8bit
     except ImportError as e:
         print(f"skipping torchao's AdamW8bit: {e} (pip install torchao)")
     else:
-        run("torchao AdamW8bit", lambda ps: TorchaoAdamW8bit(ps, lr=1e-3))
+        makers["torchao AdamW8bit"] = lambda ps: TorchaoAdamW8bit(ps, lr=1e-3)
     try:
         import bitsandbytes as bnb
     except ImportError as e:
-        print(f"skipping bitsandbytes' AdamW8bit: {e} (pip install bitsandbytes, on a GPU)")
+        print(f"skipping bitsandbytes' AdamW8bit: {e} (pip install bitsandbytes)")
     else:
-        if device.type == "cuda":
-            run("bitsandbytes AdamW8bit", lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3))
-        else:
-            print("skipping bitsandbytes' AdamW8bit: needs a CUDA device")
-    return out
+        makers["bitsandbytes AdamW8bit"] = lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3)
+    return makers
+
+
+def peers(device: torch.device, n: int, reps: int = 9) -> dict[str, object]:
+    """Each optimizer on its own float32 parameter of ``n`` elements (``[n / 1024, 1024]``,
+    the same values for all): state bytes from the storages after two steps, then ``reps``
+    rounds that time one step of each in turn (interleaved, so a busy machine slows all
+    alike); median step time and its ratio to memkern's 32-bit step."""
+    shape = (n // 1024, 1024)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    opts, out = {}, {}
+    for name, make in _peer_optimizers().items():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(shape, device=device))
+        p.grad = torch.randn_like(p)
+        try:
+            opt = make([p])
+            for _ in range(2):  # the first step creates the state (and compiles torchao's)
+                opt.step()
+        except Exception as e:  # a peer without a kernel for this device
+            print(f"skipping {name}: {type(e).__name__}: {str(e).splitlines()[0]}")
+            continue
+        opts[name] = opt
+        out[name] = {"state_bytes_per_param": sum(_nbytes(t) for t in _state_tensors(opt)) / p.numel()}
+    times = {name: [] for name in opts}
+    for _ in range(reps):
+        for name, opt in opts.items():
+            sync()
+            start = time.perf_counter()
+            opt.step()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["memkern FusedAdamW 32bit"])
+    for name, t in times.items():
+        out[name].update(step_ms=statistics.median(t) * 1e3, step_ms_min=min(t) * 1e3,
+                         step_ms_max=max(t) * 1e3,
+                         ratio_to_memkern_32bit=statistics.median(t) / base)
+    return {"elements": shape[0] * shape[1], "reps": reps, "optimizers": out}
 
 
 def _state_tensors(opt) -> list[torch.Tensor]:
@@ -209,46 +331,94 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
+SECTIONS = ("step", "bytes", "ablation", "quality", "ci", "peers")
+
+
+def _print_gaps(label: str, result: dict[str, object]) -> None:
+    for name in ("8bit vs 32bit", "rounding twin vs 32bit"):
+        g = result[name]
+        print(f"  {label}, {name}: largest step gap {g['max_step']:.2%} (median "
+              f"{g['median_step']:.2%}, {g['steps_over_1pct']}/{g['steps_compared']} steps over "
+              f"1%), largest 10-step window gap {g['max_window']:.2%}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated, from {', '.join(SECTIONS)} (default: all)")
     parser.add_argument("--params", type=int, default=None,
                         help="elements of the step benchmark (default: 8M on CPU, 100M on GPU)")
     parser.add_argument("--steps", type=int, default=200, help="steps of the loss curves")
+    parser.add_argument("--finetune-steps", type=int, default=100,
+                        help="steps of the fine-tuning curves")
+    parser.add_argument("--seq", type=int, default=None,
+                        help="sequence length of the loss curves (default: 128 on CPU, the "
+                             "model's 256 on GPU)")
+    parser.add_argument("--batch", type=int, default=4, help="batch of the loss curves")
+    parser.add_argument("--dtypes", default="bfloat16,float32",
+                        help="parameter dtypes of the quality runs (bfloat16: memkern-full)")
+    parser.add_argument("--seeds", default="0", help="seeds of the quality runs")
+    parser.add_argument("--ci-seeds", default="0,1,2,3,4,5,6,7",
+                        help="seeds of the CI test's run (60 steps, seq 32; the test's own: 0)")
+    parser.add_argument("--ci-dtype", default="float32",
+                        help="parameter dtype of the CI test's run")
     parser.add_argument("--save", default=None)
     args = parser.parse_args(argv)
+    sections = args.sections.split(",")
+    if unknown := set(sections) - set(SECTIONS):
+        parser.error(f"argument --sections: unknown {sorted(unknown)}; choose from {SECTIONS}")
     device = torch.device(args.device)
     n = args.params or (8_000_011 if device.type == "cpu" else 100_000_007)
     small = SIZES["small"]
-    cfg = GPTConfig(small.layers, small.width, small.heads,
-                    seq=min(small.seq, 128) if device.type == "cpu" else small.seq,
-                    vocab=small.vocab)
+    seq = args.seq or (min(small.seq, 128) if device.type == "cpu" else small.seq)
+    cfg = GPTConfig(small.layers, small.width, small.heads, seq=seq, vocab=small.vocab)
     results = {}
 
-    results["step"] = step = bench_step(n, device)
-    print(f"step over {n} elements: 32-bit state {step['fp32_state_ms']:.2f} ms, 8-bit "
-          f"{step['int8_state_ms']:.2f} ms = {step['ratio_8bit_to_32bit']:.2f}x (target <= 1.1x); "
-          f"{step['int8_state_fraction_of_copy']:.0%} of copy bandwidth "
-          f"({step['copy_bandwidth_GBps']:.1f} GB/s) counting the bytes it moves")
+    if "step" in sections:
+        results["step"] = step = bench_step(n, device)
+        print(f"step over {n} elements: 32-bit state {step['fp32_state_ms']:.2f} ms, 8-bit "
+              f"{step['int8_state_ms']:.2f} ms = {step['ratio_8bit_to_32bit']:.2f}x (target <= "
+              f"1.1x); {step['int8_state_fraction_of_copy']:.0%} of copy bandwidth "
+              f"({step['copy_bandwidth_GBps']:.1f} GB/s) counting the bytes it moves")
 
-    results["bytes_per_param"] = bpp = bytes_per_param(cfg, device)
-    for name, value in bpp.items():
-        print(f"optimizer-side bytes/param, {name}: {value:.3f}")
+    if "bytes" in sections:
+        results["bytes_per_param"] = bpp = bytes_per_param(cfg, device)
+        for name, value in bpp.items():
+            print(f"optimizer-side bytes/param, {name}: {value:.3f}")
 
-    results["map_ablation"] = ablation = map_ablation(cfg, device)
-    for name, value in ablation.items():
-        print(f"update-direction error, {name}: {value:.3e}")
+    if "ablation" in sections:
+        results["map_ablation"] = ablation = map_ablation(cfg, device)
+        for name, value in ablation.items():
+            print(f"update-direction error, {name}: {value:.3e}")
 
-    results["quality"] = quality = loss_curves(cfg, device, args.steps)
-    print(f"{args.steps} steps of the bench model: 8-bit loss within "
-          f"{quality['max_rel_gap_after_warmup']:.2%} of 32-bit after 20 warm-up steps (target "
-          f"<= 1%); final {quality['final_loss_8bit']:.4f} vs {quality['final_loss_32bit']:.4f}; "
-          f"fine-tuning run: within {quality['finetune_max_rel_gap']:.2%}")
+    if "quality" in sections:
+        results["quality"] = runs = []
+        for dtype in args.dtypes.split(","):
+            for seed in (int(x) for x in args.seeds.split(",")):
+                runs.append(r := quality(cfg, device, getattr(torch, dtype), args.steps,
+                                         args.finetune_steps, seed, args.batch))
+                print(f"{dtype} parameters, seed {seed}, seq {cfg.seq}, batch {args.batch}: "
+                      f"{args.steps} steps after {WARMUP} warm-up steps, then fine-tuning "
+                      f"{args.finetune_steps} steps at lr {FINETUNE_LR} (target: every step within "
+                      "1%)", flush=True)
+                _print_gaps("training", r["pretrain"])
+                _print_gaps("fine-tuning", r["finetune"])
 
-    results["peers"] = peer = peers(device, min(n, 4_194_304))
-    for name, r in peer.items():
-        print(f"{name}: {r['step_ms']:.1f} ms per step, {r['state_bytes_per_param']:.3f} "
-              "state bytes/param")
+    if "ci" in sections:
+        ci_cfg = GPTConfig(small.layers, small.width, small.heads, seq=32, vocab=small.vocab)
+        results["ci"] = ci_distribution(ci_cfg, device, getattr(torch, args.ci_dtype),
+                                        [int(x) for x in args.ci_seeds.split(",")], 60, 4)
+
+    if "peers" in sections:
+        results["peers"] = peer = peers(device, min(n, 4_194_304))
+        print(f"AdamW on one float32 parameter of {peer['elements']} elements, {peer['reps']} "
+              "interleaved rounds:")
+        for name, r in peer["optimizers"].items():
+            print(f"  {name}: {r['state_bytes_per_param']:.3f} state bytes/param, "
+                  f"{r['step_ms']:.1f} ms per step (median; min {r['step_ms_min']:.1f}, max "
+                  f"{r['step_ms_max']:.1f}) = {r['ratio_to_memkern_32bit']:.2f}x memkern's "
+                  "32-bit step")
     if args.save:
         common.save(args.save, results)
     return 0

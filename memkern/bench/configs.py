@@ -93,9 +93,11 @@ def _compile_forward(model: GPT) -> None:
 
 
 def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0, *,
-          compile: bool = False) -> Setup:
+          compile: bool = False, param_dtype: torch.dtype = torch.bfloat16) -> Setup:
     """The configuration ``name`` on ``device``, from a model initialised with ``seed``;
-    ``compile``: the memkern configurations' forward under ``torch.compile``."""
+    ``compile``: the memkern configurations' forward under ``torch.compile``;
+    ``param_dtype``: the memkern-full configurations' parameter dtype (float32 takes bfloat16's
+    rounding out of a comparison of their optimizers)."""
     if name not in CONFIGS:
         raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
     torch.manual_seed(seed)
@@ -118,7 +120,7 @@ def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0, *,
         return Setup(name, model, optimizer, _torch_step(model, optimizer, nothing), nothing)
 
     _memkern_modules(model, checkpoint=name == "memkern-full-ckpt")
-    model.to(torch.bfloat16)
+    model.to(param_dtype)
     if compile:
         _compile_forward(model)
     optimizer = memkern.optim.ShardedOptimizer(
