@@ -150,8 +150,9 @@ def test_report_has_a_column_legend():
     assert "docs/memory.md" in proc.stdout and "DESIGN" not in proc.stdout
 
 
-def _loss_curve(name: str, cfg: GPTConfig, steps: int) -> list[float]:
-    setup = build(name, cfg, torch.device("cpu"), seed=0)
+def _loss_curve(name: str, cfg: GPTConfig, steps: int,
+                param_dtype: torch.dtype = torch.bfloat16) -> list[float]:
+    setup = build(name, cfg, torch.device("cpu"), seed=0, param_dtype=param_dtype)
     batches = Batches(stdlib_corpus(), 4, cfg.seq, seed=0)
     return [setup.train_step(*batches.next()).item() for _ in range(steps)]
 
@@ -205,16 +206,31 @@ def test_impossible_batch_is_refused_before_allocating(monkeypatch):
 
 @pytest.mark.slow
 def test_8bit_state_loss_curve_follows_32bit():
-    """memkern-full with 8-bit optimizer state against memkern-full, 60 steps of the default
-    model (seq shortened). Both are bf16 trajectories, which drift apart like any two (see
-    above): 10-step windows held to 1%, single steps to 5%, as bf16 against fp32 above
-    (benchmarks/bench_8bit_state.py measures the 200-step curve against the issue's 1%)."""
+    """memkern-full with 8-bit against 32-bit optimizer state, 60 steps of the default model
+    (seq shortened), on float32 parameters: there the two runs differ only by the state's
+    quantization. (With bfloat16 parameters the weights' own rounding drives the two runs apart
+    as fast as a change of rounding order does: benchmarks/NOTES.md measures the 200-step
+    bfloat16 curves against the issue's 1%.)
+
+    Bounds from this run for seeds 0-7 (``python benchmarks/bench_8bit_state.py --sections
+    ci``, benchmarks/results/cpu-8bit-ci-bound.json): the largest step gap in the first 20
+    steps was 0.002-0.005% for seven seeds and 0.069% for one (the 32-bit step with another
+    rounding order: 0.00002%); the largest gap of 10-step window means 0.007-0.66%, of single
+    steps 0.07-6.0% (seed 0, this test's, is the largest of both). Held to 0.2%, 1.5% and 12%.
+    A wrong requantization (codes truncated instead of rounded) gave 0.55% in the first 20
+    steps (window 0.36%, step 7.7%: only the first bound sees it); ``v`` requantized with
+    ``m``'s square map made the loss explode."""
     default = SIZES["small"]
     cfg = GPTConfig(default.layers, default.width, default.heads, seq=32)
-    full = torch.tensor(_loss_curve("memkern-full", cfg, 60), dtype=torch.float64)
-    eight = torch.tensor(_loss_curve("memkern-full-8bit", cfg, 60), dtype=torch.float64)
-    print(f"largest window gap {_window_error(eight, full).max().item():.2e}, step gap "
-          f"{((eight - full).abs() / full).max().item():.2e}")
+    full = torch.tensor(_loss_curve("memkern-full", cfg, 60, torch.float32), dtype=torch.float64)
+    eight = torch.tensor(_loss_curve("memkern-full-8bit", cfg, 60, torch.float32),
+                         dtype=torch.float64)
+    step_gap = (eight - full).abs() / full
+    early, window, step = (step_gap[:20].max().item(), _window_error(eight, full).max().item(),
+                           step_gap.max().item())
+    print(f"largest step gap in the first 20 steps {early:.4%}, window gap {window:.3%}, step "
+          f"gap {step:.3%}")
     assert full[-1] < 0.8 * full[0]
-    assert _window_error(eight, full).max() < 1e-2
-    assert ((eight - full).abs() / full).max() < 5e-2
+    assert early < 2e-3
+    assert window < 1.5e-2
+    assert step < 12e-2
