@@ -278,7 +278,7 @@ def _peer_optimizers() -> dict[str, object]:
     return makers
 
 
-def peers(device: torch.device, n: int, reps: int = 9) -> dict[str, object]:
+def peers(device: torch.device, n: int, reps: int) -> dict[str, object]:
     """Each optimizer on its own float32 parameter of ``n`` elements (``[n / 1024, 1024]``,
     the same values for all): state bytes from the storages after two steps, then ``reps``
     rounds that time one step of each in turn (interleaved, so a busy machine slows all
@@ -363,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seeds of the CI test's run (60 steps, seq 32; the test's own: 0)")
     parser.add_argument("--ci-dtype", default="float32",
                         help="parameter dtype of the CI test's run")
+    parser.add_argument("--peer-reps", type=int, default=21,
+                        help="interleaved rounds of the peers' step times")
     parser.add_argument("--save", default=None)
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
@@ -411,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                                         [int(x) for x in args.ci_seeds.split(",")], 60, 4)
 
     if "peers" in sections:
-        results["peers"] = peer = peers(device, min(n, 4_194_304))
+        results["peers"] = peer = peers(device, min(n, 4_194_304), args.peer_reps)
         print(f"AdamW on one float32 parameter of {peer['elements']} elements, {peer['reps']} "
               "interleaved rounds:")
         for name, r in peer["optimizers"].items():
