@@ -10,14 +10,18 @@
 3. The quantization map and block size, on real Adam state (the moments after 100 steps of
    the bench model in float32): error of the update direction ``m / sqrt(v)`` read back from
    the codes, for a linear map and the power map, blocks of 64 to 2048.
-4. Quality: the embedded ``memkern bench`` model trained 200 steps with 32-bit and 8-bit state
-   (largest relative loss gap after 20 warm-up steps; target <= 1%), and a fine-tuning-shaped
-   run: from the 32-bit run's weights, 100 more steps at lr 1e-4 both ways.
-5. Peers, when importable: torchao's and bitsandbytes' AdamW8bit, state bytes and step time
-   next to memkern's on one large parameter (skipped with a message otherwise).
+4. Quality (``quality``): the embedded ``memkern bench`` model trained 200 steps with 32-bit
+   state, 8-bit state and the 32-bit step in another rounding order (the noise floor), in
+   bfloat16 and float32 parameters; per-step and 10-step-window loss gaps after 20 warm-up
+   steps (target: every step within 1%); then fine-tuning from the 32-bit weights at lr 1e-4
+   on text the model has not seen. ``ci``: the CI test's statistics over several seeds.
+5. Peers, when importable: torchao's and bitsandbytes' AdamW8bit and torch's fused AdamW,
+   state bytes from the storages and step times in interleaved rounds, next to memkern's
+   8-bit and 32-bit steps (skipped with a message otherwise).
 
-Usage: python benchmarks/bench_8bit_state.py [--device cpu|cuda] [--params N] [--steps S]
-       [--save PATH]
+Usage: python benchmarks/bench_8bit_state.py [--device cpu|cuda] [--sections LIST]
+       [--params N] [--steps S] [--seq L] [--dtypes LIST] [--save PATH] (see --help;
+       benchmarks/NOTES.md has the commands behind the saved results)
 """
 from __future__ import annotations
 
