@@ -26,7 +26,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -39,39 +38,8 @@ import memkern as mk  # noqa: E402
 LR, BETAS, EPS, WD, MAX_NORM, SCALE = 1e-4, (0.9, 0.999), 1e-8, 0.01, 1.0, 2.0**16
 
 
-def shapes(n: int) -> list[int]:
-    """Four odd tensor sizes adding up to n."""
-    sizes = [n // 2 + 1, n // 4 - 3, n // 8 + 7]
-    return sizes + [n - sum(sizes)]
-
-
-def interleaved(cases: dict[str, tuple[Callable[[], None], Callable[[], object]]], *,
-                warmup: int, reps: int, device: torch.device) -> dict[str, float]:
-    """Median seconds of each case's step, each run after its untimed prepare.
-
-    The cases take turns within every repetition, so that load from other processes on a
-    shared machine falls on all of them alike rather than on whichever ran last.
-    """
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for i in range(warmup + reps):
-        for name, (prepare, step) in cases.items():
-            prepare()
-            sync()
-            start = time.perf_counter()
-            step()
-            sync()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def nothing() -> None:
-    pass
-
-
 def bench(n: int, device: torch.device, warmup: int, reps: int) -> dict[str, float]:
-    sizes = shapes(n)
+    sizes = common.odd_sizes(n)
     weights = [torch.randn(s, device=device) * 0.02 for s in sizes]
     grads = [(torch.randn(s, device=device) * 1e-3 * SCALE).to(torch.bfloat16) for s in sizes]
     cases = {}
@@ -100,7 +68,7 @@ def bench(n: int, device: torch.device, warmup: int, reps: int) -> dict[str, flo
     step = torch.zeros((), device=device)
     multiplier = torch.full((), 1 / SCALE, device=device)
     found_inf = torch.zeros((), device=device)
-    cases["bare_kernel_s"] = (nothing, lambda: mk.ops.adamw_step_(
+    cases["bare_kernel_s"] = (common.nothing, lambda: mk.ops.adamw_step_(
         master, exp_avg, exp_avg_sq, flat_grads, model_weights, step, multiplier, found_inf,
         LR, *BETAS, EPS, WD))
 
@@ -112,7 +80,8 @@ def bench(n: int, device: torch.device, warmup: int, reps: int) -> dict[str, flo
             print(f"  (torch AdamW {flavour}=True unavailable: {exc})")
 
     result: dict[str, float] = {"params": n}
-    result.update(interleaved(cases, warmup=warmup, reps=reps, device=device))
+    times = common.interleaved_times(cases, warmup=warmup, reps=reps, device=device)
+    result.update({name: statistics.median(t) for name, t in times.items()})
     assert opt.skipped_steps == 0
     result["torch_s"] = min(v for k, v in result.items() if k.startswith("torch_"))
     result["front_end_over_bare"] = result["front_end_s"] / result["bare_kernel_s"]
@@ -141,7 +110,7 @@ def torch_composition(weights: list[torch.Tensor], grads: list[torch.Tensor], fl
         scaler.update()
         torch._foreach_copy_(bf16_weights, masters)  # cast the masters back
 
-    return nothing, step
+    return common.nothing, step
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,38 @@ def median_seconds(fn: Callable[[], object], *, warmup: int = 2, reps: int = 7,
     return statistics.median(times)
 
 
+def interleaved_times(cases: dict[str, tuple[Callable[[], None], Callable[[], object]]], *,
+                      warmup: int, reps: int, device: torch.device) -> dict[str, list[float]]:
+    """Seconds of each case's step in every timed repetition, each run after its untimed
+    prepare.
+
+    The cases take turns within every repetition, so that load from other processes on a
+    shared machine falls on all of them alike rather than on whichever ran last.
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for i in range(warmup + reps):
+        for name, (prepare, step) in cases.items():
+            prepare()
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def nothing() -> None:
+    """The prepare step of a case that needs none."""
+
+
+def odd_sizes(n: int) -> list[int]:
+    """Four odd tensor sizes adding up to n."""
+    sizes = [n // 2 + 1, n // 4 - 3, n // 8 + 7]
+    return sizes + [n - sum(sizes)]
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 29) -> float:
     """Measured bytes/s of a large copy on ``device`` (read + write counted).
 
