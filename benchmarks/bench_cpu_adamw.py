@@ -5,7 +5,7 @@ falls on all of them alike); each is reported as median / min / max, and every r
 median of the per-repetition ratios with their range.
 
 fp32: N float32 parameters (default 20M) in four tensors whose sizes are multiples of 64 (with
-``--odd-sizes``, four odd sizes: DeepSpeedCPUAdam then takes about 2.5x as long, see
+``--odd-sizes``, four odd sizes: DeepSpeedCPUAdam then took 2-2.7x as long here, see
 benchmarks/NOTES.md, so by default no peer pays for a remainder), float32 gradients.
 1. ``memkern.optim.FusedAdamW.step()`` (the front end: one ``adamw_step_`` call).
 2. ``memkern.ops.adamw_step_`` alone on flat buffers of N (the bare kernel).
@@ -25,7 +25,7 @@ bf16 with fp32 masters: N bfloat16 parameters and gradients.
    gradients cast in, ``AdamW(fused=True)``, the masters cast back into the bf16 weights.
 
 Usage: python benchmarks/bench_cpu_adamw.py [--params N] [--reps R] [--warmup W]
-                                            [--threads T] [--save PATH]
+                                            [--threads T] [--odd-sizes] [--save PATH]
 """
 from __future__ import annotations
 
