@@ -1,24 +1,14 @@
-// memkern::sgd_step_ on CPU: the SGD math of the CPU backend lives in sgd_block below.
+// memkern::sgd_step_ on CPU: the SGD math of the CPU backend lives in sgd_math.h.
 // Contract: memkern/ops/sgd.py.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include "../checks.h"
 #include "flat_math.h"
+#include "sgd_math.h"
 
 namespace memkern::cpu {
 namespace {
-
-struct SgdCoefficients {
-  float grad_multiplier;
-  float lr;
-  float momentum;
-  float one_minus_dampening;
-  float weight_decay;
-  bool use_momentum;
-  bool first_step;  // torch initialises the momentum buffer with d on the first step
-  bool nesterov;
-};
 
 // torch.optim.SGD's update of n elements, in float32; params gets round(master).
 template <typename grad_t, typename param_t>
@@ -26,14 +16,9 @@ MEMKERN_VECTOR_CLONES void sgd_block(float* __restrict master, float* __restrict
                                      const grad_t* __restrict grads, param_t* __restrict params,
                                      SgdCoefficients c, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    float d = to_float(grads[i]) * c.grad_multiplier + c.weight_decay * master[i];
-    if (c.use_momentum) {
-      const float buf = c.first_step ? d
-                                     : c.momentum * momentum_buffer[i] + c.one_minus_dampening * d;
-      momentum_buffer[i] = buf;
-      d = c.nesterov ? d + c.momentum * buf : buf;
-    }
-    const float w = master[i] - c.lr * d;
+    float buf = c.use_momentum ? momentum_buffer[i] : 0.0f;
+    const float w = sgd_element(master[i], buf, to_float(grads[i]), c);
+    if (c.use_momentum) momentum_buffer[i] = buf;
     master[i] = w;
     store_param(params, i, w);
   }
@@ -51,14 +36,8 @@ void sgd_step_cpu(at::Tensor& master, const std::optional<at::Tensor>& momentum_
   if (found_inf_set(found_inf)) return;  // a skipped step writes nothing, not even the step
 
   const float step_before = read_scalar(step);
-  const SgdCoefficients c{grad_multiplier.has_value() ? read_scalar(*grad_multiplier) : 1.0f,
-                          static_cast<float>(lr),
-                          static_cast<float>(momentum),
-                          static_cast<float>(1.0 - dampening),
-                          static_cast<float>(weight_decay),
-                          use_momentum,
-                          step_before == 0.0f,
-                          nesterov};
+  const SgdCoefficients c = sgd_coefficients(step_before, grad_multiplier, lr, momentum,
+                                             dampening, weight_decay, nesterov);
 
   std::optional<at::ScalarType> param_dtype;
   if (params.has_value()) param_dtype = params->scalar_type();

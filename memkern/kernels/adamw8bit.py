@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from memkern.kernels import _common
-from memkern.kernels._common import load_splat, round_to
+from memkern.kernels._common import round_to
 from memkern.kernels.adamw import adamw_update, hyper_args
-from memkern.kernels.quantize8bit import dequantize, quantize
+from memkern.kernels.quantize8bit import block_tile, dequantize, quantize
 from memkern.kernels.state8bit import QBLOCK, num_blocks
 
 
@@ -29,14 +29,8 @@ def _adamw8bit_kernel(
     LERP_SMALL_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK // QBLOCK
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    offs = rows[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
-    row_mask = rows < n_blocks
-    valid = offs < n
-    if HAS_FOUND_INF:
-        skip = load_splat(found_inf_ptr, ROWS) != 0
-        row_mask = row_mask & (skip == 0)
-        valid = valid & (skip[:, None] == 0)
+    rows, offs, row_mask, valid = block_tile(n, n_blocks, found_inf_ptr, HAS_FOUND_INF, ROWS,
+                                             QBLOCK)
 
     g = tl.load(grads_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     if HAS_MULTIPLIER:

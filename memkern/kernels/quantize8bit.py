@@ -8,6 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from memkern.kernels._common import load_splat
 from memkern.kernels.state8bit import (SIGNED_CODES, SIGNED_POWER, UNSIGNED_CODES,
                                        UNSIGNED_POWER)
 
@@ -15,6 +16,23 @@ _SIGNED_CODES = tl.constexpr(SIGNED_CODES)
 _SIGNED_POWER = tl.constexpr(SIGNED_POWER)
 _UNSIGNED_CODES = tl.constexpr(UNSIGNED_CODES)
 _UNSIGNED_POWER = tl.constexpr(UNSIGNED_POWER)
+
+
+@triton.jit
+def block_tile(n, n_blocks, found_inf_ptr, HAS_FOUND_INF: tl.constexpr, ROWS: tl.constexpr,
+               QBLOCK: tl.constexpr):
+    """This program's ``ROWS`` quantization blocks: ``(rows, offs, row_mask, valid)``, the
+    block indices, the ``[ROWS, QBLOCK]`` element offsets, the blocks and the elements that
+    exist; both masks are off when ``found_inf`` is set (a skipped step writes nothing)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+    row_mask = rows < n_blocks
+    valid = offs < n
+    if HAS_FOUND_INF:
+        skip = load_splat(found_inf_ptr, ROWS) != 0
+        row_mask = row_mask & (skip == 0)
+        valid = valid & (skip[:, None] == 0)
+    return rows, offs, row_mask, valid
 
 
 @triton.jit

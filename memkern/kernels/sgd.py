@@ -15,6 +15,26 @@ from memkern.kernels._common import load_splat, round_to
 
 
 @triton.jit
+def sgd_update(master, buf, d, first, lr, momentum, one_minus_dampening, weight_decay,
+               HAS_MOMENTUM: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
+               NESTEROV: tl.constexpr):
+    """torch.optim.SGD's update of float32 ``master`` from ``d`` (the multiplied gradient):
+    returns the new master and momentum buffer (``buf`` unchanged without momentum; ``first``:
+    the step counter is 0, when torch starts the buffer from ``d``). Shared with the 8-bit
+    kernel (memkern/kernels/sgd8bit.py)."""
+    if HAS_WEIGHT_DECAY:
+        d = d + tl.cast(weight_decay, tl.float32) * master
+    if HAS_MOMENTUM:
+        momentum = tl.cast(momentum, tl.float32)
+        buf = tl.where(first, d, momentum * buf + tl.cast(one_minus_dampening, tl.float32) * d)
+        if NESTEROV:
+            d = d + momentum * buf
+        else:
+            d = buf
+    return master - tl.cast(lr, tl.float32) * d, buf
+
+
+@triton.jit
 def _sgd_kernel(
     master_ptr, momentum_buffer_ptr, grads_ptr, params_ptr,
     step_ptr, grad_multiplier_ptr, found_inf_ptr, n,
@@ -27,25 +47,19 @@ def _sgd_kernel(
     mask = offs < n
     if HAS_FOUND_INF:
         mask = mask & (load_splat(found_inf_ptr, BLOCK) == 0)
-    lr = tl.cast(lr, tl.float32)
 
     d = tl.load(grads_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_MULTIPLIER:
         d = d * tl.load(grad_multiplier_ptr)
     master = tl.load(master_ptr + offs, mask=mask, other=0.0)
-    if HAS_WEIGHT_DECAY:
-        d = d + tl.cast(weight_decay, tl.float32) * master
+    buf = master  # a placeholder without momentum: sgd_update neither reads nor changes it
+    first = load_splat(step_ptr, BLOCK) == 0
     if HAS_MOMENTUM:
-        momentum = tl.cast(momentum, tl.float32)
-        first = load_splat(step_ptr, BLOCK) == 0
         buf = tl.load(momentum_buffer_ptr + offs, mask=mask, other=0.0)
-        buf = tl.where(first, d, momentum * buf + tl.cast(one_minus_dampening, tl.float32) * d)
+    master, buf = sgd_update(master, buf, d, first, lr, momentum, one_minus_dampening,
+                             weight_decay, HAS_MOMENTUM, HAS_WEIGHT_DECAY, NESTEROV)
+    if HAS_MOMENTUM:
         tl.store(momentum_buffer_ptr + offs, buf, mask=mask)
-        if NESTEROV:
-            d = d + momentum * buf
-        else:
-            d = buf
-    master = master - lr * d
 
     tl.store(master_ptr + offs, master, mask=mask)
     if HAS_PARAMS:

@@ -63,22 +63,32 @@ def _fake(*args) -> None:
     _check(*args)
 
 
-def reference(master, momentum_buffer, grads, params, step, grad_multiplier, found_inf,
-              lr, momentum, dampening, weight_decay, nesterov) -> None:
-    """Plain torch, computed in ``master.dtype`` (float64 masters make it the test oracle)."""
+def update(master, momentum_buffer, grads, step, grad_multiplier, lr, momentum, dampening,
+           weight_decay, nesterov) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The SGD math in plain torch, in ``master.dtype``: returns the new master and momentum
+    buffer (None without momentum); nothing is written. Shared by this op's reference and the
+    8-bit one's."""
     compute = master.dtype
     d = grads.to(compute)
     if grad_multiplier is not None:
         d = d * grad_multiplier.reshape(()).to(compute)
     if weight_decay != 0.0:
         d = d + weight_decay * master
-    updates = []
+    new_buf = None
     if momentum != 0.0:
         first = step.reshape(()) == 0
         new_buf = torch.where(first, d, momentum * momentum_buffer + (1 - dampening) * d)
         d = d + momentum * new_buf if nesterov else new_buf
-        updates.append((momentum_buffer, new_buf))
-    updates.append((master, master - lr * d))
+    return master - lr * d, new_buf
+
+
+def reference(master, momentum_buffer, grads, params, step, grad_multiplier, found_inf,
+              lr, momentum, dampening, weight_decay, nesterov) -> None:
+    """Plain torch, computed in ``master.dtype`` (float64 masters make it the test oracle)."""
+    new_master, new_buf = update(master, momentum_buffer, grads, step, grad_multiplier, lr,
+                                 momentum, dampening, weight_decay, nesterov)
+    updates = [] if new_buf is None else [(momentum_buffer, new_buf)]
+    updates.append((master, new_master))
     _checks.commit_step_(found_inf, updates, master, params, step)
 
 

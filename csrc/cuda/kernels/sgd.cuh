@@ -25,6 +25,22 @@ struct SGDConstants {
   bool nesterov;
 };
 
+// torch.optim.SGD's update of one element from g (the multiplied gradient): the momentum
+// buffer `buf` in place (untouched without momentum), returns the new master weight.
+// Shared with sgd8bit.cuh.
+__device__ __forceinline__ float sgd_element(float w, float& buf, float g, bool first_step,
+                                             const SGDConstants& c) {
+  float d = g;
+  if (c.use_weight_decay) {
+    d = d + __fmul_rn(c.weight_decay, w);
+  }
+  if (c.use_momentum) {
+    buf = first_step ? d : __fmul_rn(c.momentum, buf) + __fmul_rn(c.one_minus_dampening, d);
+    d = c.nesterov ? d + __fmul_rn(c.momentum, buf) : buf;
+  }
+  return w - __fmul_rn(c.lr, d);
+}
+
 // `momentum_buffer` is used only with c.use_momentum; `params` may be null. G and P are the
 // dtypes of grads and params.
 template <typename G, typename P>
@@ -49,17 +65,8 @@ __global__ void sgd_step_kernel(float* master, float* momentum_buffer, const G* 
     }
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      float d = __fmul_rn(to_float(g_in.v[k]), multiplier);
-      if (c.use_weight_decay) {
-        d = d + __fmul_rn(c.weight_decay, w.v[k]);
-      }
-      if (c.use_momentum) {
-        buf.v[k] = first_step ? d
-                              : __fmul_rn(c.momentum, buf.v[k]) +
-                                    __fmul_rn(c.one_minus_dampening, d);
-        d = c.nesterov ? d + __fmul_rn(c.momentum, buf.v[k]) : buf.v[k];
-      }
-      w.v[k] = w.v[k] - __fmul_rn(c.lr, d);
+      w.v[k] = sgd_element(w.v[k], buf.v[k], __fmul_rn(to_float(g_in.v[k]), multiplier),
+                           first_step, c);
     }
     store<W>(master, i, w);
     if (c.use_momentum) {
