@@ -117,6 +117,17 @@ def _flat_step_cases(op_name: str) -> Iterator[tuple]:
                    scalar(0.5) if c["multiplier"] else None,
                    scalar(0.0) if c["found_inf"] else None,
                    1e-3, c["beta1"], 0.999, 1e-8, 0.01)
+    elif op_name == "sgd8bit_step_":
+        from memkern.kernels.state8bit import num_blocks
+
+        flags = {"weight_decay": (0.01, 0.0), "nesterov": (False, True),
+                 "multiplier": (True, False), "found_inf": (True, False)}
+        for c in _covering({"grads": grads, "params": (None, *grads)}, flags):
+            yield (buf(torch.float32), buf(torch.int8), torch.empty(num_blocks(n)),
+                   buf(c["grads"]), None if c["params"] is None else buf(c["params"]),
+                   scalar(0.0), scalar(0.5) if c["multiplier"] else None,
+                   scalar(0.0) if c["found_inf"] else None,
+                   0.1, 0.9, 0.0, c["weight_decay"], c["nesterov"])
     else:
         flags = {"momentum": (0.9, 0.0), "weight_decay": (0.01, 0.0), "nesterov": (False, True),
                  "multiplier": (True, False), "found_inf": (True, False)}
@@ -215,6 +226,7 @@ CASES: dict[str, Callable[[], Iterator[tuple]]] = {
     "adamw_step_": lambda: _flat_step_cases("adamw_step_"),
     "adamw8bit_step_": lambda: _flat_step_cases("adamw8bit_step_"),
     "sgd_step_": lambda: _flat_step_cases("sgd_step_"),
+    "sgd8bit_step_": lambda: _flat_step_cases("sgd8bit_step_"),
     "act_forward": lambda: _activation_cases(backward=False),
     "act_backward": lambda: _activation_cases(backward=True),
     "swiglu_forward": lambda: _swiglu_cases(backward=False),

@@ -173,6 +173,33 @@ void sgd_step_cuda(at::Tensor& master, const std::optional<at::Tensor>& momentum
                        c10::cuda::getCurrentCUDAStream()));
 }
 
+void sgd8bit_step_cuda(at::Tensor& master, at::Tensor& momentum_buffer,
+                       at::Tensor& momentum_absmax, const at::Tensor& grads,
+                       const std::optional<at::Tensor>& params, at::Tensor& step,
+                       const std::optional<at::Tensor>& grad_multiplier,
+                       const std::optional<at::Tensor>& found_inf, double lr, double momentum,
+                       double dampening, double weight_decay, bool nesterov) {
+  constexpr const char* op = "sgd8bit_step_";
+  memkern::check_step_args(op, master, grads, params, step, grad_multiplier, found_inf);
+  TORCH_CHECK(momentum > 0.0, "memkern.", op, ": momentum must be > 0, got ", momentum,
+              "; without momentum SGD keeps no state: use sgd_step_ without a momentum_buffer");
+  memkern::check_codes(op, "momentum_buffer", momentum_buffer, at::kChar, "momentum_absmax",
+                       momentum_absmax, master, memkern::flat_ops::kQuantBlock);
+  const DType grads_dtype = kernel_dtype(op, "grads", grads);
+  const auto [params_data, params_dtype] = params_or_none(op, params, grads_dtype);
+  const float* grad_multiplier_data = optional_scalar(op, "grad_multiplier", grad_multiplier,
+                                                      master);
+  const float* found_inf_data = optional_scalar(op, "found_inf", found_inf, master);
+
+  const c10::cuda::CUDAGuard device_guard(master.device());
+  check_launch(op, memkern::flat_ops::sgd8bit_step(
+                       master.data_ptr<float>(), static_cast<int8_t*>(momentum_buffer.data_ptr()),
+                       momentum_absmax.data_ptr<float>(), grads.data_ptr(), grads_dtype,
+                       params_data, params_dtype, master.numel(), step.data_ptr<float>(),
+                       grad_multiplier_data, found_inf_data, lr, momentum, dampening,
+                       weight_decay, nesterov, c10::cuda::getCurrentCUDAStream()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(memkern, CUDA, m) {
@@ -181,4 +208,5 @@ TORCH_LIBRARY_IMPL(memkern, CUDA, m) {
   m.impl("adamw_step_", TORCH_FN(adamw_step_cuda));
   m.impl("adamw8bit_step_", TORCH_FN(adamw8bit_step_cuda));
   m.impl("sgd_step_", TORCH_FN(sgd_step_cuda));
+  m.impl("sgd8bit_step_", TORCH_FN(sgd8bit_step_cuda));
 }

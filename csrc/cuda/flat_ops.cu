@@ -10,6 +10,7 @@
 #include "kernels/common.cuh"
 #include "kernels/l2_norm.cuh"
 #include "kernels/sgd.cuh"
+#include "kernels/sgd8bit.cuh"
 #include "kernels/unscale.cuh"
 
 namespace memkern::flat_ops {
@@ -118,6 +119,19 @@ device::AdamWConstants adamw_constants(double lr, double beta1, double beta2, do
   return constants;
 }
 
+device::SGDConstants sgd_constants(double lr, double momentum, double dampening,
+                                   double weight_decay, bool nesterov) {
+  device::SGDConstants constants{};
+  constants.lr = static_cast<float>(lr);
+  constants.momentum = static_cast<float>(momentum);
+  constants.one_minus_dampening = static_cast<float>(1.0 - dampening);
+  constants.weight_decay = static_cast<float>(weight_decay);
+  constants.use_momentum = momentum != 0.0;
+  constants.use_weight_decay = weight_decay != 0.0;
+  constants.nesterov = nesterov;
+  return constants;
+}
+
 }  // namespace
 
 cudaError_t unscale(void* grads, DType grads_dtype, int64_t n, float* found_inf,
@@ -218,14 +232,8 @@ cudaError_t sgd_step(float* master, float* momentum_buffer, const void* grads,
   if (n > 0 && momentum != 0.0 && momentum_buffer == nullptr) {
     return cudaErrorInvalidValue;
   }
-  device::SGDConstants constants{};
-  constants.lr = static_cast<float>(lr);
-  constants.momentum = static_cast<float>(momentum);
-  constants.one_minus_dampening = static_cast<float>(1.0 - dampening);
-  constants.weight_decay = static_cast<float>(weight_decay);
-  constants.use_momentum = momentum != 0.0;
-  constants.use_weight_decay = weight_decay != 0.0;
-  constants.nesterov = nesterov;
+  const device::SGDConstants constants =
+      sgd_constants(lr, momentum, dampening, weight_decay, nesterov);
   const auto launch = [&](auto grads_tag, auto params_tag) {
     using G = typename decltype(grads_tag)::type;
     using P = typename decltype(params_tag)::type;
@@ -241,6 +249,32 @@ cudaError_t sgd_step(float* master, float* momentum_buffer, const void* grads,
     kernel<<<grid, kThreadsPerBlock, 0, stream>>>(
         master, momentum_buffer, static_cast<const G*>(grads), static_cast<P*>(params), n,
         vectorised, step, grad_multiplier, found_inf, constants);
+    return cudaGetLastError();
+  };
+  return launch_step(n, grads_dtype, params, params_dtype, step, found_inf, stream, launch);
+}
+
+cudaError_t sgd8bit_step(float* master, int8_t* momentum_buffer, float* momentum_absmax,
+                         const void* grads, DType grads_dtype, void* params, DType params_dtype,
+                         int64_t n, float* step, const float* grad_multiplier,
+                         const float* found_inf, double lr, double momentum, double dampening,
+                         double weight_decay, bool nesterov, cudaStream_t stream) {
+  if (momentum <= 0.0) {
+    return cudaErrorInvalidValue;  // without momentum there is no state: sgd_step
+  }
+  const device::SGDConstants constants =
+      sgd_constants(lr, momentum, dampening, weight_decay, nesterov);
+  const auto launch = [&](auto grads_tag, auto params_tag) {
+    using G = typename decltype(grads_tag)::type;
+    using P = typename decltype(params_tag)::type;
+    const auto kernel = device::sgd8bit_step_kernel<G, P>;
+    int grid = 0;
+    if (const cudaError_t err = elementwise_grid(kernel, n, &grid); err != cudaSuccess) {
+      return err;
+    }
+    kernel<<<grid, kThreadsPerBlock, 0, stream>>>(
+        master, momentum_buffer, momentum_absmax, static_cast<const G*>(grads),
+        static_cast<P*>(params), n, step, grad_multiplier, found_inf, constants);
     return cudaGetLastError();
   };
   return launch_step(n, grads_dtype, params, params_dtype, step, found_inf, stream, launch);

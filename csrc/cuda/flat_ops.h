@@ -66,4 +66,13 @@ cudaError_t sgd_step(float* master, float* momentum_buffer, const void* grads,
                      double lr, double momentum, double dampening, double weight_decay,
                      bool nesterov, cudaStream_t stream);
 
+// sgd_step with the momentum buffer stored block-wise in 8 bits (memkern/ops/sgd8bit.py): int8
+// codes (n) with one float32 absmax per kQuantBlock-element block, both rewritten by the step.
+// momentum must be > 0 (cudaErrorInvalidValue otherwise: without momentum there is no state).
+cudaError_t sgd8bit_step(float* master, int8_t* momentum_buffer, float* momentum_absmax,
+                         const void* grads, DType grads_dtype, void* params, DType params_dtype,
+                         int64_t n, float* step, const float* grad_multiplier,
+                         const float* found_inf, double lr, double momentum, double dampening,
+                         double weight_decay, bool nesterov, cudaStream_t stream);
+
 }  // namespace memkern::flat_ops

@@ -8,11 +8,13 @@ from memkern.ops.adamw import adamw_step_
 from memkern.ops.adamw8bit import adamw8bit_step_
 from memkern.ops.l2_norm import l2_norm
 from memkern.ops.sgd import sgd_step_
+from memkern.ops.sgd8bit import sgd8bit_step_
 from memkern.ops.unscale import unscale_
 
-ALL = (unscale_, l2_norm, adamw_step_, adamw8bit_step_, sgd_step_)
+ALL = (unscale_, l2_norm, adamw_step_, adamw8bit_step_, sgd_step_, sgd8bit_step_)
 
-__all__ = ["ALL", "adamw8bit_step_", "adamw_step_", "force", "l2_norm", "sgd_step_", "unscale_"]
+__all__ = ["ALL", "adamw8bit_step_", "adamw_step_", "force", "l2_norm", "sgd8bit_step_", "sgd_step_",
+           "unscale_"]
 
 # The ops behind memkern.nn (the layers' fused math), registered as memkern.ops._registry.Op.
 from memkern.ops.activation import act_backward, act_forward  # noqa: E402

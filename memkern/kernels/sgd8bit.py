@@ -1,0 +1,85 @@
+"""Triton kernel of ``memkern::sgd8bit_step_``: the SGD step with a block-wise 8-bit momentum
+buffer (see memkern/ops/sgd8bit.py for the contract; the map is AdamW's first moment's).
+
+A program takes ``BLOCK`` elements as a ``[BLOCK // QBLOCK, QBLOCK]`` tile, one row per
+quantization block (the format's helpers: :mod:`memkern.kernels.quantize8bit`): codes and
+absmax in, dequantize, :func:`~memkern.kernels.sgd.sgd_update`, absmax and codes out, master
+and the rounded params out, in one pass.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from memkern.kernels import _common
+from memkern.kernels._common import load_splat, round_to
+from memkern.kernels.quantize8bit import block_tile, dequantize, quantize
+from memkern.kernels.sgd import sgd_update
+from memkern.kernels.state8bit import QBLOCK, num_blocks
+
+
+@triton.jit
+def _sgd8bit_kernel(
+    master_ptr, codes_ptr, absmax_ptr, grads_ptr, params_ptr, step_ptr, grad_multiplier_ptr,
+    found_inf_ptr, n, n_blocks, lr, momentum, one_minus_dampening, weight_decay,
+    HAS_WEIGHT_DECAY: tl.constexpr, NESTEROV: tl.constexpr, HAS_PARAMS: tl.constexpr,
+    HAS_MULTIPLIER: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr,
+    QBLOCK: tl.constexpr,
+):
+    ROWS: tl.constexpr = BLOCK // QBLOCK
+    rows, offs, row_mask, valid = block_tile(n, n_blocks, found_inf_ptr, HAS_FOUND_INF, ROWS,
+                                             QBLOCK)
+
+    d = tl.load(grads_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    if HAS_MULTIPLIER:
+        d = d * tl.load(grad_multiplier_ptr)
+    master = tl.load(master_ptr + offs, mask=valid, other=0.0)
+    buf = dequantize(tl.load(codes_ptr + offs, mask=valid, other=0),
+                     tl.load(absmax_ptr + rows, mask=row_mask, other=0.0), True)
+    first = (load_splat(step_ptr, ROWS) == 0)[:, None]
+
+    master, buf = sgd_update(master, buf, d, first, lr, momentum, one_minus_dampening,
+                             weight_decay, True, HAS_WEIGHT_DECAY, NESTEROV)
+
+    codes, absmax = quantize(buf, valid, True)
+    tl.store(master_ptr + offs, master, mask=valid)
+    tl.store(codes_ptr + offs, codes.to(tl.int8), mask=valid)
+    tl.store(absmax_ptr + rows, absmax, mask=row_mask)
+    if HAS_PARAMS:
+        tl.store(params_ptr + offs, round_to(master, params_ptr.dtype.element_ty), mask=valid)
+
+
+def sgd8bit_step_(master, momentum_buffer, momentum_absmax, grads, params, step,
+                  grad_multiplier, found_inf, lr, momentum, dampening, weight_decay,
+                  nesterov) -> None:
+    op = "sgd8bit_step_"
+    n = master.numel()
+    blocks = num_blocks(n)
+    _common.check_step_args(op, master, grads, params, step, grad_multiplier, found_inf)
+    if not momentum > 0.0:
+        raise ValueError(f"memkern.{op} (triton): momentum must be > 0, got {momentum}; "
+                         "use sgd_step_ without a momentum buffer")
+    _common.check_buffer(op, "momentum_buffer", momentum_buffer, (torch.int8,), n)
+    _common.check_buffer(op, "momentum_absmax", momentum_absmax, _common.STATE_DTYPES, blocks)
+
+    with _common.device_guard(master):
+        if n > 0:
+            _sgd8bit_kernel[_common.grid(n)](
+                master, momentum_buffer, momentum_absmax, grads,
+                params if params is not None else master,
+                step,
+                grad_multiplier if grad_multiplier is not None else step,
+                found_inf if found_inf is not None else step,
+                n, blocks,
+                _common.f32(lr), _common.f32(momentum), _common.f32(1.0 - dampening),
+                _common.f32(weight_decay),
+                HAS_WEIGHT_DECAY=weight_decay != 0.0,
+                NESTEROV=bool(nesterov),
+                HAS_PARAMS=params is not None,
+                HAS_MULTIPLIER=grad_multiplier is not None,
+                HAS_FOUND_INF=found_inf is not None,
+                BLOCK=_common.BLOCK, QBLOCK=QBLOCK,
+                num_warps=_common.NUM_WARPS,
+            )
+        _common.advance_step_(step, found_inf)
