@@ -53,6 +53,29 @@ from memkern.ops import adamw8bit
 from memkern.optim.grad_buffer import GradBuffer, aligned
 
 
+STATE_PRECISIONS = ("32bit", "8bit")
+"""The ``state_precision`` options of the optimizers: float32 state, or block-wise 8 bits."""
+MIN_8BIT_NUMEL = 4096
+"""With ``state_precision="8bit"``, parameters with fewer elements keep float32 state, as
+bitsandbytes' ``min_8bit_size`` does: biases and norm weights save next to nothing in 8 bits."""
+
+
+def check_state_precision(algorithm: str, precision: Any, where: str = "") -> str:
+    """``precision`` if it is one of :data:`STATE_PRECISIONS`, else a ValueError naming it."""
+    if precision not in STATE_PRECISIONS:
+        raise ValueError(f"memkern {algorithm}: {where}state_precision must be one of "
+                         f"{STATE_PRECISIONS}, got state_precision={precision!r}")
+    return precision
+
+
+def wants_8bit_state(algorithm: str, p: torch.Tensor, group: dict[str, Any]) -> bool:
+    """Whether ``p``'s state is kept in 8 bits: its param group says ``state_precision="8bit"``
+    and it has at least :data:`MIN_8BIT_NUMEL` elements."""
+    precision = check_state_precision(algorithm, group.get("state_precision", "32bit"),
+                                      "a param group's ")
+    return precision == "8bit" and p.numel() >= MIN_8BIT_NUMEL
+
+
 @dataclasses.dataclass(eq=False)
 class Segment:
     """What one optimizer kernel call updates: a contiguous run of one param group and one
@@ -139,8 +162,10 @@ class Algorithm(Protocol):
         """Whether ``p``'s state is kept in 8 bits (``group``: its param group's options)."""
 
     @staticmethod
-    def zero_quantized_state(weights: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """The zero 8-bit state (name -> ``(codes, absmax)``) of a quantized segment."""
+    def zero_quantized_state(weights: torch.Tensor,
+                             group: dict[str, Any]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The zero 8-bit state (name -> ``(codes, absmax)``) of a quantized segment of
+        ``group``."""
 
     @staticmethod
     def update(seg: Segment, group: dict[str, Any], grad_multiplier: torch.Tensor | None,
@@ -248,7 +273,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 seg.add_state("master_param", seg.weights.float())
             seg.quantized_state = {}
             if seg.quantized:
-                seg.quantized_state = self.algorithm.zero_quantized_state(seg.weights)
+                seg.quantized_state = self.algorithm.zero_quantized_state(seg.weights, group)
             else:
                 for key in self.algorithm.state_keys(group):
                     seg.add_state(key, torch.zeros_like(seg.weights, dtype=torch.float32))

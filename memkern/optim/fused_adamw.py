@@ -8,12 +8,8 @@ import torch
 
 from memkern import ops
 from memkern.kernels.state8bit import num_blocks
-from memkern.optim.flat_state import FlatOptimizer, Segment
-
-STATE_PRECISIONS = ("32bit", "8bit")
-MIN_8BIT_NUMEL = 4096
-"""With ``state_precision="8bit"``, parameters with fewer elements keep float32 moments, as
-bitsandbytes' ``min_8bit_size`` does: biases and norm weights save next to nothing in 8 bits."""
+from memkern.optim.flat_state import (MIN_8BIT_NUMEL, FlatOptimizer, Segment,
+                                      check_state_precision, wants_8bit_state)
 
 
 class AdamW:
@@ -30,9 +26,7 @@ class AdamW:
             raise ValueError(f"memkern AdamW: betas must be two numbers in [0, 1), got {betas}")
         if not weight_decay >= 0.0:
             raise ValueError(f"memkern AdamW: weight_decay must be >= 0, got {weight_decay}")
-        if state_precision not in STATE_PRECISIONS:
-            raise ValueError(f"memkern AdamW: state_precision must be one of {STATE_PRECISIONS}, "
-                             f"got {state_precision!r}")
+        check_state_precision("AdamW", state_precision)
         return {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                 "state_precision": state_precision}
 
@@ -42,14 +36,11 @@ class AdamW:
 
     @staticmethod
     def quantized(p: torch.Tensor, group: dict[str, Any]) -> bool:
-        precision = group.get("state_precision", "32bit")
-        if precision not in STATE_PRECISIONS:
-            raise ValueError(f"memkern AdamW: a param group has state_precision={precision!r}; "
-                             f"use one of {STATE_PRECISIONS}")
-        return precision == "8bit" and p.numel() >= MIN_8BIT_NUMEL
+        return wants_8bit_state("AdamW", p, group)
 
     @staticmethod
-    def zero_quantized_state(weights: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def zero_quantized_state(weights: torch.Tensor,
+                             group: dict[str, Any]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         n, device = weights.numel(), weights.device
         return {
             "exp_avg": (torch.zeros(n, dtype=torch.int8, device=device),
