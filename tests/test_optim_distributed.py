@@ -284,47 +284,100 @@ HIDDEN_8BIT = 400
 MODES_8BIT = ("stage1", "stage2", "offload")
 
 
+def make_adamw8bit(model: Net, **options) -> mk.optim.ShardedOptimizer:
+    return make_optimizer(model, "adamw", state_precision="8bit", **options)
+
+
+def make_sgd8bit(model: Net, **options) -> mk.optim.ShardedOptimizer:
+    """SGD with an 8-bit momentum buffer. Clipping is on but never bites (the gradients' norm
+    is below 100): its coefficient is exactly 1, which keeps feed_exact's runs exact."""
+    options = dict(dict(bucket_size_mb=1e-3), **options)
+    return mk.optim.ShardedOptimizer(groups(model), "sgd", lr=0.05, momentum=0.9, dampening=0.1,
+                                     state_precision="8bit", accumulation_steps=ACCUMULATION,
+                                     max_grad_norm=1e4, loss_scale=mk.LossScaler(**SCALER),
+                                     **options)
+
+
+def feed_exact(opt, model, seed, rank, world, micro_batches):
+    """Like :func:`feed`, with losses ``(p * G).sum()`` whose gradient ``G`` lies on a coarse
+    grid (integers below 2**10 times a power of two) and is split over the ranks element by
+    element (rank r takes the elements ``i % W == r``), with num_items summing to 64 per
+    window over the ranks: every world size and stage sums, unscales and normalises to the
+    same float32 gradient bit for bit, so the 8-bit runs must agree exactly (no code rounding
+    the other way because the ranks' gradients were summed in another order)."""
+    for window, micro in micro_batches:
+        g = torch.Generator().manual_seed(seed * 1000 + window * ACCUMULATION + micro)
+        loss = 0.0
+        for p in model.parameters():
+            grid = torch.randint(-2**10, 2**10, p.shape, generator=g).float()
+            grid = grid * 2.0 ** -int(torch.randint(10, 22, (), generator=g))
+            mine = torch.arange(p.numel()).reshape(p.shape) % world == rank
+            loss = loss + (p * torch.where(mine, grid, 0.0)).sum()
+        if (window, micro) == POISONED and rank == world - 1:
+            loss = loss * float("inf")
+        opt.backward(loss, num_items=(rank + 1) * 32 // world - rank * 32 // world)
+        opt.step()
+        opt.zero_grad()
+
+
+def train_exact(opt, model, seed, rank, world):
+    """20 windows of feed_exact, then one micro-batch closed with step(force=True)."""
+    feed_exact(opt, model, seed, rank, world, schedule() + [(WINDOWS, 0)])
+    assert opt.step(force=True)
+
+
+EIGHT_BIT = {  # algorithm -> (optimizer, train, feed)
+    "adamw": (make_adamw8bit, train, feed),
+    "sgd": (make_sgd8bit, train_exact, feed_exact),
+}
+
+
 def scenario_equivalence_8bit(rank, world, seed, shared):
     results = {}
-    for mode in MODES_8BIT:
-        model = make_model(seed, HIDDEN_8BIT)
-        opt = make_optimizer(model, "adamw", state_precision="8bit", **MODES[mode][1])
-        train(opt, model, seed, rank, world)
-        results[mode] = dict(outcome(opt, model),
-                             quantized=sum(seg.quantized for seg in opt._segments))
+    for algorithm, (make, train_on, _) in EIGHT_BIT.items():
+        for mode in MODES_8BIT:
+            model = make_model(seed, HIDDEN_8BIT)
+            opt = make(model, **MODES[mode][1])
+            train_on(opt, model, seed, rank, world)
+            results[algorithm, mode] = dict(outcome(opt, model), state=opt.state_dict()["state"],
+                                            quantized=sum(seg.quantized for seg in opt._segments))
     return results
 
 
 def scenario_checkpoint_save_8bit(rank, world, seed, shared):
     """8-bit state at W=2, stage 2: saved mid-window as a full state dict and sharded."""
-    model = make_model(seed, HIDDEN_8BIT)
-    opt = make_optimizer(model, "adamw", zero_stage=2, state_precision="8bit")
-    feed(opt, model, seed, rank, world, schedule(0, 9) + [(9, 0)])
-    full = opt.state_dict()
-    if rank == 0:
-        torch.save({"model": model.state_dict(), "opt": full},
-                   os.path.join(shared, "full-8bit.pt"))
-    opt.save_sharded(os.path.join(shared, "sharded-8bit"))
-    feed(opt, model, seed, rank, world, schedule(9, WINDOWS)[1:])
-    return {"uninterrupted": outcome(opt, model), "saved": full["state"]}
+    results = {}
+    for algorithm, (make, _, feed_on) in EIGHT_BIT.items():
+        model = make_model(seed, HIDDEN_8BIT)
+        opt = make(model, zero_stage=2)
+        feed_on(opt, model, seed, rank, world, schedule(0, 9) + [(9, 0)])
+        full = opt.state_dict()
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "opt": full},
+                       os.path.join(shared, f"full-8bit-{algorithm}.pt"))
+        opt.save_sharded(os.path.join(shared, f"sharded-8bit-{algorithm}"))
+        feed_on(opt, model, seed, rank, world, schedule(9, WINDOWS)[1:])
+        results[algorithm] = {"uninterrupted": outcome(opt, model), "saved": full["state"]}
+    return results
 
 
 def scenario_checkpoint_load_8bit(rank, world, seed, shared):
     """W=3 continues from W=2's 8-bit checkpoints: the full state dict into stage 1, the
     sharded one into stage 2."""
-    checkpoint = torch.load(os.path.join(shared, "full-8bit.pt"))
     results = {}
-    for how, stage in (("state_dict", 1), ("sharded", 2)):
-        model = make_model(seed + 1, HIDDEN_8BIT)
-        model.load_state_dict(checkpoint["model"])
-        opt = make_optimizer(model, "adamw", zero_stage=stage, state_precision="8bit")
-        if how == "state_dict":
-            opt.load_state_dict(checkpoint["opt"])
-        else:
-            opt.load_sharded(os.path.join(shared, "sharded-8bit"))
-        results[f"reloaded-{how}"] = opt.state_dict()["state"]
-        feed(opt, model, seed, rank, world, schedule(9, WINDOWS)[1:])
-        results[how] = outcome(opt, model)
+    for algorithm, (make, _, feed_on) in EIGHT_BIT.items():
+        checkpoint = torch.load(os.path.join(shared, f"full-8bit-{algorithm}.pt"))
+        for how, stage in (("state_dict", 1), ("sharded", 2)):
+            model = make_model(seed + 1, HIDDEN_8BIT)
+            model.load_state_dict(checkpoint["model"])
+            opt = make(model, zero_stage=stage)
+            if how == "state_dict":
+                opt.load_state_dict(checkpoint["opt"])
+            else:
+                opt.load_sharded(os.path.join(shared, f"sharded-8bit-{algorithm}"))
+            results[algorithm, f"reloaded-{how}"] = opt.state_dict()["state"]
+            feed_on(opt, model, seed, rank, world, schedule(9, WINDOWS)[1:])
+            results[algorithm, how] = outcome(opt, model)
     return results
 
 
@@ -420,10 +473,11 @@ def reference(seed):
         runs[algorithm] = dict(outcome(opt, model),
                                state_numel=sum(t.numel() for s in opt._segments
                                                for t in s.state.values()))
-    model = make_model(seed, HIDDEN_8BIT)
-    opt = make_optimizer(model, "adamw", state_precision="8bit")
-    train(opt, model, seed, 0, 1)
-    runs["adamw-8bit"] = outcome(opt, model)
+    for algorithm, (make, train_on, _) in EIGHT_BIT.items():
+        model = make_model(seed, HIDDEN_8BIT)
+        opt = make(model)
+        train_on(opt, model, seed, 0, 1)
+        runs[f"{algorithm}-8bit"] = dict(outcome(opt, model), state=opt.state_dict()["state"])
     return runs
 
 
@@ -674,14 +728,14 @@ if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("mode", MODES_8BIT)
 def test_8bit_state_equals_the_single_process_run(runs, reference, seed, world, mode):
-    """state_precision="8bit" under ZeRO-1/2 and offload, with accumulation, num_items,
-    clipping and an overflow on one rank: the single-process 8-bit run. The quantization
-    blocks do not depend on W; what does is the order the ranks' gradients are summed in,
-    which now and then rounds a code the other way (measured: 1e-7 without such a flip,
-    3e-5 with one)."""
+    """AdamW with state_precision="8bit" under ZeRO-1/2 and offload, with accumulation,
+    num_items, clipping and an overflow on one rank: the single-process 8-bit run. The
+    quantization blocks do not depend on W; what does is the order the ranks' gradients are
+    summed in, which now and then rounds a code the other way (measured: 1e-7 without such a
+    flip, 3e-5 with one)."""
     ref = reference["adamw-8bit"]
     for rank, result in enumerate(runs[world]["equivalence_8bit"]):
-        got = result[mode]
+        got = result["adamw", mode]
         assert got["quantized"] >= 1  # fc1.weight's slice of this rank is 8-bit
         err = params_rel_err(got["params"], ref["params"])
         print(f"W={world} rank {rank} {mode}: {err:.2e} from the single-process 8-bit run")
@@ -690,19 +744,52 @@ def test_8bit_state_equals_the_single_process_run(runs, reference, seed, world, 
         assert got["loss_scale"] == ref["loss_scale"]
 
 
-def test_8bit_checkpoint_saved_at_two_ranks_continues_at_three(runs):
+def assert_states_equal(actual: dict, expected: dict, what) -> None:
+    """Two torch-format per-parameter state dicts, bit for bit (``state_precision`` too)."""
+    assert sorted(actual) == sorted(expected), what
+    for index, state in expected.items():
+        assert sorted(actual[index]) == sorted(state), (what, index)
+        for key, value in state.items():
+            got = actual[index][key]
+            assert got == value if isinstance(value, str) else torch.equal(got, value), (
+                what, index, key)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("mode", MODES_8BIT)
+def test_8bit_sgd_equals_the_single_process_run_bit_for_bit(runs, reference, world, mode):
+    """SGD with an 8-bit momentum buffer under ZeRO-1/2 and offload, with accumulation,
+    num_items, dynamic loss scaling with an overflow on the last rank only and a forced last
+    window, on feed_exact's gradients (the same float32 gradient at every W): parameters and
+    momentum buffers (read back from the codes) equal the single-process run's bit for bit,
+    which also shows that the shards cut the buffer on block boundaries."""
+    ref = reference["sgd-8bit"]
+    for rank, result in enumerate(runs[world]["equivalence_8bit"]):
+        got = result["sgd", mode]
+        assert got["quantized"] >= 1
+        for i, (a, b) in enumerate(zip(got["params"], ref["params"])):
+            assert torch.equal(a, b), (rank, mode, i)
+        assert_states_equal(got["state"], ref["state"], (rank, mode))
+        assert {s["state_precision"] for s in ref["state"].values()} == {"8bit", "32bit"}
+        assert got["skipped"] == ref["skipped"] == 1
+        assert got["loss_scale"] == ref["loss_scale"]
+
+
+@pytest.mark.parametrize("algorithm", sorted(EIGHT_BIT))
+def test_8bit_checkpoint_saved_at_two_ranks_continues_at_three(runs, algorithm):
     """Saved mid-window at W=2, loaded at W=3 (state dict into stage 1, sharded into stage 2):
     the 8-bit state comes back exactly (requantizing the saved values gives the saved codes),
-    and training continues as the uninterrupted run did."""
-    save = runs[2]["checkpoint_save_8bit"][0]
+    and training continues as the uninterrupted run did: bit for bit for SGD on feed_exact's
+    gradients, within the rare code flips of another summation order for AdamW."""
+    save = runs[2]["checkpoint_save_8bit"][0][algorithm]
     for rank, result in enumerate(runs[3]["checkpoint_load_8bit"]):
         for how in ("state_dict", "sharded"):
-            for index, state in save["saved"].items():
-                for key, value in state.items():
-                    got = result[f"reloaded-{how}"][index][key]
-                    assert got == value if isinstance(value, str) else torch.equal(got, value), (
-                        rank, how, index, key)
-            err = params_rel_err(result[how]["params"], save["uninterrupted"]["params"])
-            print(f"rank {rank} {how}: {err:.2e} from the uninterrupted run")
-            assert err <= 1e-4
-            assert result[how]["skipped"] == save["uninterrupted"]["skipped"] == 1
+            assert_states_equal(result[algorithm, f"reloaded-{how}"], save["saved"], (rank, how))
+            got, expected = result[algorithm, how], save["uninterrupted"]
+            if algorithm == "sgd":
+                assert all(map(torch.equal, got["params"], expected["params"])), (rank, how)
+            else:
+                err = params_rel_err(got["params"], expected["params"])
+                print(f"rank {rank} {how}: {err:.2e} from the uninterrupted run")
+                assert err <= 1e-4
+            assert got["skipped"] == expected["skipped"] == 1
