@@ -1,9 +1,9 @@
 """8-bit optimizer state (``state_precision="8bit"``) against the float32-state fused step.
 
-1. Step time: ``adamw8bit_step_`` against ``adamw_step_`` on the same flat buffers (bf16
-   grads and params, fp32 master), on the default backend of the device; the bytes each moves
-   per element and the fraction of the measured copy bandwidth (target: 8-bit <= 1.1x the
-   32-bit step).
+1. Step time: ``adamw8bit_step_`` against ``adamw_step_``, and ``sgd8bit_step_`` against
+   ``sgd_step_`` (momentum 0.9), on the same flat buffers (bf16 grads and params, fp32
+   master), on the default backend of the device; the bytes each moves per element and the
+   fraction of the measured copy bandwidth (target: 8-bit <= 1.1x the 32-bit step).
 2. Optimizer-side bytes per parameter (gradients + fp32 master + state), measured from the
    storages: ``memkern-full`` and ``memkern-full-8bit`` on the bench model, and a model of
    large layers only (target: <= 8.1 at W=1).
@@ -44,11 +44,12 @@ from memkern import backend  # noqa: E402
 from memkern.bench.configs import LR, build  # noqa: E402
 from memkern.bench.data import Batches, stdlib_corpus  # noqa: E402
 from memkern.bench.model import SIZES, GPTConfig  # noqa: E402
-from memkern.kernels.state8bit import num_blocks  # noqa: E402
+from memkern.kernels.state8bit import QBLOCK, num_blocks  # noqa: E402
 from memkern.ops import adamw8bit  # noqa: E402
 from memkern.profile import memory_breakdown  # noqa: E402
 
 HYPER = (1e-4, 0.9, 0.999, 1e-8, 0.01)
+SGD_HYPER = (1e-3, 0.9, 0.0, 0.01, False)
 
 
 def bench_step(n: int, device: torch.device) -> dict[str, float]:
@@ -69,12 +70,40 @@ def bench_step(n: int, device: torch.device) -> dict[str, float]:
     def int8_state():
         memkern.ops.adamw8bit_step_(master8, *codes, grads, params, step8, None, None, *HYPER)
 
+    # per element: grads 2 read, params 2 written, master 4 + 4, m and v 4 + 4 each (fp32) or
+    # 1 + 1 each plus 2 x (4 + 4) / QBLOCK of absmax (8-bit)
+    return _compare_steps(n, device, fp32_state, int8_state, 2 + 2 + 8 + 16,
+                          2 + 2 + 8 + 4 + 16 / QBLOCK)
+
+
+def bench_sgd_step(n: int, device: torch.device) -> dict[str, float]:
+    grads = torch.randn(n, device=device).to(torch.bfloat16)
+    master = torch.randn(n, device=device)
+    params = master.to(torch.bfloat16)
+    buf = torch.randn(n, device=device) * 1e-3
+    codes = [torch.empty(n, dtype=torch.int8, device=device), torch.empty(num_blocks(n), device=device)]
+    adamw8bit.quantize(buf, *codes)
+    step32, step8 = torch.ones(1, device=device), torch.ones(1, device=device)
+    master8 = master.clone()
+
+    def fp32_state():
+        memkern.ops.sgd_step_(master, buf, grads, params, step32, None, None, *SGD_HYPER)
+
+    def int8_state():
+        memkern.ops.sgd8bit_step_(master8, *codes, grads, params, step8, None, None, *SGD_HYPER)
+
+    # per element: grads 2 read, params 2 written, master 4 + 4, the buffer 4 + 4 (fp32) or
+    # 1 + 1 plus (4 + 4) / QBLOCK of absmax (8-bit)
+    return _compare_steps(n, device, fp32_state, int8_state, 2 + 2 + 8 + 8,
+                          2 + 2 + 8 + 2 + 8 / QBLOCK)
+
+
+def _compare_steps(n, device, fp32_state, int8_state, bytes32, bytes8) -> dict[str, float]:
+    """Median times of the two steps, their ratio, and each one's fraction of the copy
+    bandwidth counting ``bytes32``/``bytes8`` moved per element."""
     t32 = common.median_seconds(fp32_state, device=device)
     t8 = common.median_seconds(int8_state, device=device)
     copy_bw = common.copy_bandwidth(device)
-    # per element: grads 2 read, params 2 written, master 4 + 4, m and v 4 + 4 each (fp32) or
-    # 1 + 1 each plus 2 x (4 + 4) / 64 of absmax (8-bit)
-    bytes32, bytes8 = 2 + 2 + 8 + 16, 2 + 2 + 8 + 4 + 16 / 64
     return {"elements": n, "fp32_state_ms": t32 * 1e3, "int8_state_ms": t8 * 1e3,
             "ratio_8bit_to_32bit": t8 / t32, "target_ratio": 1.1,
             "copy_bandwidth_GBps": copy_bw / 1e9,
@@ -387,6 +416,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{step['int8_state_ms']:.2f} ms = {step['ratio_8bit_to_32bit']:.2f}x (target <= "
               f"1.1x); {step['int8_state_fraction_of_copy']:.0%} of copy bandwidth "
               f"({step['copy_bandwidth_GBps']:.1f} GB/s) counting the bytes it moves")
+        results["sgd_step"] = sgd = bench_sgd_step(n, device)
+        print(f"SGD momentum step over {n} elements: 32-bit buffer {sgd['fp32_state_ms']:.2f} "
+              f"ms, 8-bit {sgd['int8_state_ms']:.2f} ms = {sgd['ratio_8bit_to_32bit']:.2f}x "
+              f"(target <= 1.1x); {sgd['int8_state_fraction_of_copy']:.0%} of copy bandwidth")
 
     if "bytes" in sections:
         results["bytes_per_param"] = bpp = bytes_per_param(cfg, device)
