@@ -81,7 +81,8 @@ def bench_sgd_step(n: int, device: torch.device) -> dict[str, float]:
     master = torch.randn(n, device=device)
     params = master.to(torch.bfloat16)
     buf = torch.randn(n, device=device) * 1e-3
-    codes = [torch.empty(n, dtype=torch.int8, device=device), torch.empty(num_blocks(n), device=device)]
+    codes = [torch.empty(n, dtype=torch.int8, device=device),
+             torch.empty(num_blocks(n), device=device)]
     adamw8bit.quantize(buf, *codes)
     step32, step8 = torch.ones(1, device=device), torch.ones(1, device=device)
     master8 = master.clone()

@@ -13,8 +13,8 @@ from memkern.ops.unscale import unscale_
 
 ALL = (unscale_, l2_norm, adamw_step_, adamw8bit_step_, sgd_step_, sgd8bit_step_)
 
-__all__ = ["ALL", "adamw8bit_step_", "adamw_step_", "force", "l2_norm", "sgd8bit_step_", "sgd_step_",
-           "unscale_"]
+__all__ = ["ALL", "adamw8bit_step_", "adamw_step_", "force", "l2_norm", "sgd8bit_step_",
+           "sgd_step_", "unscale_"]
 
 # The ops behind memkern.nn (the layers' fused math), registered as memkern.ops._registry.Op.
 from memkern.ops.activation import act_backward, act_forward  # noqa: E402
