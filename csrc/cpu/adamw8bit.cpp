@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -15,26 +16,51 @@
 namespace memkern::cpu {
 namespace {
 
-// Dequantize, update and write back n <= kQBlock elements from `begin` into m and v.
-template <typename grad_t, typename param_t>
+// Dequantize, update and write back n <= kQBlock elements into m, v and sqrt_v. kLerpFromEnd is
+// c.lerp_from_end fixed at compile time: GCC vectorises this loop only without the run-time
+// select, which it does not hoist out of a loop this large by itself.
+template <bool kLerpFromEnd, typename grad_t, typename param_t>
 MEMKERN_INLINE void update_block(float* __restrict master, const int8_t* __restrict m_codes,
                                  const uint8_t* __restrict v_codes, float m_scale,
                                  float v_scale, const grad_t* __restrict grads,
-                                 param_t* __restrict params, const AdamWCoefficients& c,
-                                 float* __restrict m, float* __restrict v, int64_t n) {
+                                 param_t* __restrict params, AdamWCoefficients c,
+                                 float* __restrict m, float* __restrict v,
+                                 float* __restrict sqrt_v, int64_t n) {
+  c.lerp_from_end = kLerpFromEnd;
   for (int64_t i = 0; i < n; ++i) {
     float mi = dequantize(m_codes[i], m_scale);
     float vi = dequantize(v_codes[i], v_scale);
     const float w = adamw_element(master[i], mi, vi, to_float(grads[i]), c);
     m[i] = mi;
     v[i] = vi;
+    sqrt_v[i] = std::sqrt(vi);  // the root adamw_element took (the compiler computes it once)
     master[i] = w;
     store_param(params, i, w);
   }
 }
 
+// One quantization block of n <= kQBlock elements from `begin`; a constant n makes every loop
+// a fixed-size one, which vectorises without a tail.
+template <bool kLerpFromEnd, typename grad_t, typename param_t>
+MEMKERN_INLINE void adamw8bit_block(float* __restrict master, int8_t* __restrict m_codes,
+                                    float* __restrict m_absmax, uint8_t* __restrict v_codes,
+                                    float* __restrict v_absmax, const grad_t* __restrict grads,
+                                    param_t* __restrict params, const AdamWCoefficients& c,
+                                    int64_t b, int64_t n) {
+  alignas(64) float m[kQBlock];
+  alignas(64) float v[kQBlock];
+  alignas(64) float sqrt_v[kQBlock];
+  const int64_t begin = b * kQBlock;
+  param_t* p = nullptr;
+  if constexpr (!std::is_same_v<param_t, NoParams>) p = params + begin;
+  update_block<kLerpFromEnd>(master + begin, m_codes + begin, v_codes + begin, m_absmax[b],
+                             v_absmax[b], grads + begin, p, c, m, v, sqrt_v, n);
+  quantize_block(m, n, m_codes + begin, m_absmax + b);
+  quantize_block(v, sqrt_v, n, v_codes + begin, v_absmax + b);
+}
+
 // The blocks [first, last) of an n-element buffer.
-template <typename grad_t, typename param_t>
+template <bool kLerpFromEnd, typename grad_t, typename param_t>
 MEMKERN_VECTOR_CLONES void adamw8bit_blocks(float* __restrict master, int8_t* __restrict m_codes,
                                             float* __restrict m_absmax,
                                             uint8_t* __restrict v_codes,
@@ -42,25 +68,14 @@ MEMKERN_VECTOR_CLONES void adamw8bit_blocks(float* __restrict master, int8_t* __
                                             const grad_t* __restrict grads,
                                             param_t* __restrict params, AdamWCoefficients c,
                                             int64_t n, int64_t first, int64_t last) {
-  float m[kQBlock];
-  float v[kQBlock];
-  for (int64_t b = first; b < last; ++b) {
-    const int64_t begin = b * kQBlock;
-    param_t* p = nullptr;
-    if constexpr (!std::is_same_v<param_t, NoParams>) p = params + begin;
-    // A constant trip count for the full blocks: their loops vectorise without a tail.
-    const int64_t len = n - begin >= kQBlock ? kQBlock : n - begin;
-    if (len == kQBlock) {
-      update_block(master + begin, m_codes + begin, v_codes + begin, m_absmax[b], v_absmax[b],
-                   grads + begin, p, c, m, v, kQBlock);
-      quantize_block(m, kQBlock, m_codes + begin, m_absmax + b);
-      quantize_block(v, kQBlock, v_codes + begin, v_absmax + b);
-    } else {
-      update_block(master + begin, m_codes + begin, v_codes + begin, m_absmax[b], v_absmax[b],
-                   grads + begin, p, c, m, v, len);
-      quantize_block(m, len, m_codes + begin, m_absmax + b);
-      quantize_block(v, len, v_codes + begin, v_absmax + b);
-    }
+  const int64_t full = n / kQBlock < last ? n / kQBlock : last;
+  for (int64_t b = first; b < full; ++b) {
+    adamw8bit_block<kLerpFromEnd>(master, m_codes, m_absmax, v_codes, v_absmax, grads, params,
+                                  c, b, kQBlock);
+  }
+  if (full < last) {  // the buffer's last, partial block
+    adamw8bit_block<kLerpFromEnd>(master, m_codes, m_absmax, v_codes, v_absmax, grads, params,
+                                  c, full, n - full * kQBlock);
   }
 }
 
@@ -97,7 +112,11 @@ void adamw8bit_step_cpu(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp
     const auto* g = static_cast<const grad_t*>(grads.const_data_ptr());
     auto* p = data_or_null<param_t>(params);
     at::parallel_for(0, blocks, kGrain / kQBlock, [&](int64_t first, int64_t last) {
-      adamw8bit_blocks(w, m_codes, m_absmax, v_codes, v_absmax, g, p, c, n, first, last);
+      if (c.lerp_from_end) {
+        adamw8bit_blocks<true>(w, m_codes, m_absmax, v_codes, v_absmax, g, p, c, n, first, last);
+      } else {
+        adamw8bit_blocks<false>(w, m_codes, m_absmax, v_codes, v_absmax, g, p, c, n, first, last);
+      }
     });
   });
   *step.data_ptr<float>() = static_cast<float>(t);

@@ -4,11 +4,9 @@
 // memkern/kernels/state8bit.py.
 #pragma once
 
-#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <type_traits>
 
 #include "flat_math.h"
 
@@ -23,48 +21,87 @@ constexpr float kUnsignedCodes = 255.0f;  // uint8: (c / 255)^4 * absmax
 // compiled, and vectorised, with them.
 #define MEMKERN_INLINE [[gnu::always_inline]] inline
 
-// The value of a signed code (first moments, momentum).
+// Written for GCC's vectoriser, in the callers' per-block loops of kQBlock elements (why plain
+// loops and not intrinsics: flat_math.h): no division per element (the per-block factors
+// below depend on the absmax only, so the compiler hoists them out of the loop), an integer
+// max for the absmax, and a truncating conversion for the rounding (SSE2 has one; a
+// vectorised floor needs SSE4.1). Each direction is the map of memkern/ops/adamw8bit.py in
+// another order of float32 roundings: values within a few ulp of the reference's, codes equal
+// but for a value within an ulp of a code boundary.
+
+// The value of a signed code (first moments, momentum): sign(c) * (|c| / 127)^2 * absmax as
+// (c |c| 2^-14) (exact) times absmax 2^14 / 127^2.
 MEMKERN_INLINE float dequantize(int8_t code, float absmax) {
-  const float q = std::fabs(static_cast<float>(code)) / kSignedCodes;
-  return std::copysign((q * q) * absmax, static_cast<float>(code));
+  const float c = static_cast<float>(code);
+  constexpr float kFactor = 0x1p14f / (kSignedCodes * kSignedCodes);
+  return ((c * std::fabs(c)) * 0x1p-14f) * (absmax * kFactor);
 }
 
-// The value of an unsigned code (second moments, >= 0).
+// The value of an unsigned code (second moments, >= 0): (c / 255)^4 * absmax as
+// ((c / 256)^2)^2 (the square exact) times absmax (256 / 255)^4; the powers of two keep the
+// per-block factor as far from underflow as absmax itself.
 MEMKERN_INLINE float dequantize(uint8_t code, float absmax) {
-  const float q = static_cast<float>(code) / kUnsignedCodes;
+  const float q = static_cast<float>(code) * 0x1p-8f;
   const float q2 = q * q;
-  return (q2 * q2) * absmax;
+  constexpr float kFactor = static_cast<float>(0x1p32 / (255.0 * 255.0 * 255.0 * 255.0));
+  return (q2 * q2) * (absmax * kFactor);
 }
 
-// Codes and absmax of one block of n <= kQBlock values (int8 codes: any sign; uint8: >= 0):
-// NaN and zero codes when a value is not finite, zero codes for an all-zero block. The absmax
-// is taken on the bits of the non-negative values (ordered as the floats are), which
-// vectorises; a float max would not.
+// The absmax of n values as the bits of a float: the largest |x| (inf and NaN bits order above
+// every finite value, so a result >= kInfBits means the block holds a non-finite value).
+constexpr int32_t kInfBits = 0x7f800000;
+
+MEMKERN_INLINE int32_t absmax_bits(const float* __restrict x, int64_t n) {
+  int32_t amax = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t bits = static_cast<int32_t>(float_to_bits(x[i]) & 0x7fffffffu);
+    amax = bits > amax ? bits : amax;
+  }
+  return amax;
+}
+
+// Stores the absmax of a block of n <= kQBlock values and returns it, or stores NaN (a value
+// is not finite) or 0 (all are zero) with zero codes and returns 0: no codes left to compute.
 template <typename code_t>
-MEMKERN_INLINE void quantize_block(const float* x, int64_t n, code_t* codes, float* absmax) {
-  constexpr bool kSigned = std::is_same_v<code_t, int8_t>;
-  static_assert(kSigned || std::is_same_v<code_t, uint8_t>, "codes are int8 or uint8");
-  uint32_t amax_bits = 0;
-  int32_t non_finite = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const float a = std::fabs(x[i]);
-    const bool finite = a <= FLT_MAX;
-    non_finite += finite ? 0 : 1;
-    const uint32_t bits = finite ? float_to_bits(a) : 0u;
-    amax_bits = bits > amax_bits ? bits : amax_bits;
+MEMKERN_INLINE float store_absmax(const float* __restrict x, int64_t n,
+                                  code_t* __restrict codes, float* absmax) {
+  const int32_t amax_bits = absmax_bits(x, n);
+  if (amax_bits >= kInfBits || amax_bits == 0) {
+    for (int64_t i = 0; i < n; ++i) codes[i] = 0;
+    *absmax = amax_bits == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+    return 0.0f;
   }
-  const float amax = bits_to_float(amax_bits);
-  const bool usable = non_finite == 0 && amax > 0.0f;
-  const float divisor = usable ? amax : 1.0f;
+  *absmax = bits_to_float(static_cast<uint32_t>(amax_bits));
+  return *absmax;
+}
+
+// Quantization: c = floor(C (|x| / absmax)^(1/p) + 0.5) is computed as
+// |x|^(1/p) (C / absmax^(1/p)) + 0.5, truncated: the factor is finite for every positive absmax,
+// even a subnormal one, and the result never exceeds C.
+
+// Codes and absmax of one block of n <= kQBlock values of any sign: NaN and zero codes when a
+// value is not finite, zero codes for an all-zero block.
+MEMKERN_INLINE void quantize_block(const float* __restrict x, int64_t n,
+                                   int8_t* __restrict codes, float* absmax) {
+  const float amax = store_absmax(x, n, codes, absmax);
+  if (amax == 0.0f) return;
+  const float factor = kSignedCodes / std::sqrt(amax);
   for (int64_t i = 0; i < n; ++i) {
-    float r = std::sqrt(std::fabs(x[i]) / divisor);
-    if constexpr (!kSigned) r = std::sqrt(r);
-    float c = std::floor(r * (kSigned ? kSignedCodes : kUnsignedCodes) + 0.5f);
-    c = usable ? c : 0.0f;
-    if constexpr (kSigned) c = x[i] < 0.0f ? -c : c;
-    codes[i] = static_cast<code_t>(static_cast<int32_t>(c));
+    const int32_t c = static_cast<int32_t>(std::sqrt(std::fabs(x[i])) * factor + 0.5f);
+    codes[i] = static_cast<int8_t>(x[i] < 0.0f ? -c : c);
   }
-  *absmax = non_finite != 0 ? std::numeric_limits<float>::quiet_NaN() : amax;
+}
+
+// As above for n values >= 0 (uint8 codes), given their square roots `sqrt_x` as well: the
+// AdamW update has sqrt(v) at hand, which saves one of the two roots per element.
+MEMKERN_INLINE void quantize_block(const float* __restrict x, const float* __restrict sqrt_x,
+                                   int64_t n, uint8_t* __restrict codes, float* absmax) {
+  const float amax = store_absmax(x, n, codes, absmax);
+  if (amax == 0.0f) return;
+  const float factor = kUnsignedCodes / std::sqrt(std::sqrt(amax));
+  for (int64_t i = 0; i < n; ++i) {
+    codes[i] = static_cast<uint8_t>(static_cast<int32_t>(std::sqrt(sqrt_x[i]) * factor + 0.5f));
+  }
 }
 
 }  // namespace memkern::cpu
