@@ -14,6 +14,7 @@ from compare import params_rel_err
 from memkern.kernels.state8bit import QBLOCK, num_blocks
 from memkern.ops import adamw8bit
 from memkern.optim.fused_adamw import MIN_8BIT_NUMEL
+from memkern.optim.grad_buffer import ALIGN
 
 
 class Net(torch.nn.Module):
@@ -254,8 +255,8 @@ def test_lr_scheduler_drives_the_8bit_step():
 
 
 def test_optimizer_state_bytes_are_a_quarter_plus_scales():
-    """bfloat16 model: float32 masters (4 B) plus 8-bit moments (2 B + 8 B per 64 elements)
-    for the quantized parameters, measured from the storages."""
+    """bfloat16 model: float32 masters (4 B) plus 8-bit moments (2 B + 8 B per QBLOCK
+    elements) for the quantized parameters, measured from the storages."""
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(torch.bfloat16)
     opt = mk.optim.FusedAdamW(model.parameters(), lr=1e-3, state_precision="8bit")
     model(torch.randn(4, 256, dtype=torch.bfloat16)).float().sum().backward()
@@ -263,9 +264,9 @@ def test_optimizer_state_bytes_are_a_quarter_plus_scales():
     breakdown = mk.profile.memory_breakdown(model, opt)
     big = sum(p.numel() for p in model.parameters() if p.numel() >= MIN_8BIT_NUMEL)
     small = sum(p.numel() for p in model.parameters() if p.numel() < MIN_8BIT_NUMEL)
-    # each small parameter is padded to 64 elements; one float32 step counter per segment
-    expected = 2 * big + 2 * 4 * num_blocks(big) + 8 * (small + 64) + 4 * len(opt.segments)
-    assert abs(breakdown.optimizer_state - expected) <= 8 * 64
+    # each small parameter is padded to ALIGN elements; one float32 step counter per segment
+    expected = 2 * big + 2 * 4 * num_blocks(big) + 8 * (small + ALIGN) + 4 * len(opt.segments)
+    assert abs(breakdown.optimizer_state - expected) <= 8 * ALIGN
     per_param = (breakdown.grads + breakdown.master_weights + breakdown.optimizer_state) / breakdown.num_params
     print(f"optimizer-side bytes per parameter: {per_param:.4f}")
     assert per_param <= 8.2

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import memkern as mk
+from memkern.optim.grad_buffer import ALIGN
 from memkern.profile import reachable_bytes
 from compare import params_rel_err
 
@@ -573,14 +574,14 @@ def test_hand_computed_gradient_across_ranks(runs, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_optimizer_state_is_split_evenly(runs, reference, world):
     """Each rank holds 1/W of the optimizer state, give or take the padding of each bucket
-    to a multiple of W x 64 elements (3 buckets here). (Where offload keeps the state can
+    to a multiple of W x ALIGN elements (3 buckets here). (Where offload keeps the state can
     only be told on a GPU machine: test_offload_from_a_gpu_equals_the_gpu_run.)"""
     for mode, (algorithm, _) in MODES.items():
         total = reference[algorithm]["state_numel"]
         keys = 2 if algorithm == "adamw" else 1
         counts = [r[mode]["state_numel"] for r in runs[world]["equivalence"]]
         assert len(set(counts)) == 1, (mode, counts)
-        assert abs(counts[0] - total / world) <= 3 * 64 * keys, (mode, counts[0], total)
+        assert abs(counts[0] - total / world) <= 3 * ALIGN * keys, (mode, counts[0], total)
         print(f"W={world} {mode}: {counts[0]} state elements per rank, {total} in one process")
 
 
@@ -609,7 +610,7 @@ def test_bytes_per_parameter_match_the_memory_model(runs, world):
             print(f"W={world} rank {rank} stage {stage}: {measured:.4f} bytes/param kept "
                   f"(formula {formula[stage]:.4f})")
             # Above the formula by the padding of the 1,050,112 parameters to a multiple of
-            # 64 x W elements (+128 at W=3: 0.012%) and a few one-element tensors.
+            # ALIGN x W elements and a few one-element tensors.
             assert formula[stage] <= measured <= formula[stage] * 1.001
 
 

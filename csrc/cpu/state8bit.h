@@ -13,7 +13,7 @@
 namespace memkern::cpu {
 
 // memkern/kernels/state8bit.py: block size and, per code type, code range and power.
-constexpr int64_t kQBlock = 64;
+constexpr int64_t kQBlock = 256;
 constexpr float kSignedCodes = 127.0f;    // int8:  sign(c) * (|c| / 127)^2 * absmax
 constexpr float kUnsignedCodes = 255.0f;  // uint8: (c / 255)^4 * absmax
 

@@ -45,11 +45,11 @@ cudaError_t adamw_step(float* master, float* exp_avg, float* exp_avg_sq, const v
 
 // Elements per quantization block of the 8-bit optimizer state (memkern/kernels/state8bit.py,
 // kernels/state8bit.cuh).
-constexpr int64_t kQuantBlock = 64;
+constexpr int64_t kQuantBlock = 256;
 
 // adamw_step with the moments stored block-wise in 8 bits (memkern/ops/adamw8bit.py): int8
-// codes of m and uint8 codes of v (n each) with one float32 absmax per 64-element block
-// (ceil(n / 64) each), all rewritten by the step.
+// codes of m and uint8 codes of v (n each) with one float32 absmax per block of kQuantBlock
+// elements (ceil(n / kQuantBlock) each), all rewritten by the step.
 cudaError_t adamw8bit_step(float* master, int8_t* exp_avg, float* exp_avg_absmax,
                            uint8_t* exp_avg_sq, float* exp_avg_sq_absmax, const void* grads,
                            DType grads_dtype, void* params, DType params_dtype, int64_t n,

@@ -13,6 +13,7 @@ import torch
 from memkern.bench.configs import build
 from memkern.bench.data import Batches
 from memkern.bench.model import GPTConfig
+from memkern.kernels.state8bit import QBLOCK
 from memkern.profile import saved_bytes
 
 
@@ -32,10 +33,10 @@ PLANS = (
     Plan("memkern ZeRO-2", "memkern-full", lambda w: 2 + 14 / w),
     Plan("memkern ZeRO-2 + ckpt", "memkern-full-ckpt", lambda w: 2 + 14 / w),
     Plan("memkern offload=cpu", "memkern-full", lambda w: 4.0, host_bytes_per_param=12.0),
-    # state_precision="8bit": 1 + 1 bytes of m and v codes and 2 x 4 bytes of absmax per 64
+    # state_precision="8bit": 1 + 1 bytes of m and v codes and 2 x 4 bytes of absmax per QBLOCK
     # elements instead of 8 bytes (parameters of >= 4096 elements; smaller ones stay 8).
-    Plan("memkern ZeRO-1 8-bit", "memkern-full-8bit", lambda w: 4 + 6.125 / w),
-    Plan("memkern ZeRO-2 8-bit", "memkern-full-8bit", lambda w: 2 + 8.125 / w),
+    Plan("memkern ZeRO-1 8-bit", "memkern-full-8bit", lambda w: 4 + (6 + 8 / QBLOCK) / w),
+    Plan("memkern ZeRO-2 8-bit", "memkern-full-8bit", lambda w: 2 + (8 + 8 / QBLOCK) / w),
 )
 
 

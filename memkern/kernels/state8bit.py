@@ -4,9 +4,11 @@
 (:mod:`memkern.kernels.quantize8bit`, csrc/cpu/state8bit.h, csrc/cuda/kernels/state8bit.cuh)
 repeat these numbers."""
 
-QBLOCK = 64
-"""Elements per quantization block (one float32 absmax each, per moment); equal to the flat
-layout's alignment, so blocks never span two parameters or two ZeRO shards."""
+QBLOCK = 256
+"""Elements per quantization block (one float32 absmax each, per moment; why 256:
+:mod:`memkern.ops.adamw8bit`); the flat layout's alignment
+(:data:`memkern.optim.grad_buffer.ALIGN`), so blocks never span two parameters or two ZeRO
+shards."""
 SIGNED_CODES, SIGNED_POWER = 127, 2
 """First moment: int8 codes ``c``, value ``sign(c) * (|c| / 127) ** 2 * absmax``."""
 UNSIGNED_CODES, UNSIGNED_POWER = 255, 4

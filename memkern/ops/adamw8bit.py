@@ -38,11 +38,20 @@ down to ``s * 255**-4 ~ 2e-10 * s`` (``sqrt(v)`` to ``1.5e-5``); the square map 
 table and no search: both directions are two or three square roots and products, which
 vectorise on the CPU and cost nothing on a GPU.
 
-Block size ``QBLOCK`` = 64 (:mod:`memkern.kernels.state8bit`) elements = the flat layout's alignment
-(:data:`memkern.optim.grad_buffer.ALIGN`): every parameter and every ZeRO shard starts on a
-block boundary, so a block never spans two parameters or two ranks, and the quantized state of
-a parameter does not depend on the world size. It costs 2 x 4 / 64 = 0.125 bytes of scales per
-parameter (block 256 would cost 0.03 but needs a 256-element layout alignment).
+Block size ``QBLOCK`` = 256 (:mod:`memkern.kernels.state8bit`), as bitsandbytes' and
+torchao's 8-bit optimizers use, chosen from measurement (``benchmarks/bench_8bit_block.py``;
+figures in benchmarks/NOTES.md): on the bench model's Adam state, blocks of 64, 128 and 256
+read the update direction ``m / (sqrt(v) + eps)`` back with a median relative error of 0.82%,
+0.86% and 0.90%, and the loss curves stay as close to the float32-state run, while the scales
+cost 2 x 4 / QBLOCK = 0.125, 0.0625 and 0.031 bytes per parameter: only 256 (8.03) and 128
+(8.06) meet the 8.1 bytes-per-parameter target with room for padding. QBLOCK is the flat
+layout's alignment (:data:`memkern.optim.grad_buffer.ALIGN`): every parameter and every ZeRO
+shard starts on a block boundary, so a block never spans two parameters or two ranks, and the
+quantized state of a parameter does not depend on the world size.
+
+Backends compute the map in different orders of float32 roundings (the compiled CPU kernel
+with per-block factors and no division per element, csrc/cpu/state8bit.h): their values agree
+within a few ulp and their codes but where a value lies within an ulp of a code boundary.
 
 Non-finite moments: a block holding a NaN or an infinite ``m`` (``v``) stores NaN as its
 absmax and 0 codes, so its moments read back as NaN from the next step on (the master of this
@@ -98,36 +107,39 @@ def _fake(*args) -> None:
     _check(*args)
 
 
-def _blocks(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``[B, QBLOCK]`` rows, the last one padded with zeros."""
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` as ``[ceil(n / block), block]`` rows, the last one padded with zeros."""
     n = x.numel()
-    padded = x.new_zeros(num_blocks(n) * QBLOCK)
+    padded = x.new_zeros(-(-n // block) * block)
     padded[:n] = x
-    return padded.view(-1, QBLOCK)
+    return padded.view(-1, block)
 
 
-def dequantize(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype, *,
+               block: int = QBLOCK) -> torch.Tensor:
     """The moments stored as ``codes`` (int8: ``m``; uint8: ``v``) and per-block ``absmax``,
-    in ``dtype`` (float32, or float64 for the oracle)."""
+    in ``dtype`` (float32, or float64 for the oracle); ``block``: elements per absmax (only
+    benchmarks/bench_8bit_block.py, which compares block sizes, passes another)."""
     n = codes.numel()
     signed = codes.dtype == torch.int8
     levels, power = (SIGNED_CODES, SIGNED_POWER) if signed else (UNSIGNED_CODES, UNSIGNED_POWER)
-    q = _blocks(codes.to(dtype)).abs() / levels
+    q = _blocks(codes.to(dtype), block).abs() / levels
     q = q * q if power == 2 else (q * q) * (q * q)
     values = q * absmax.to(dtype)[:, None]
     if signed:
-        values = values * _blocks(codes.to(dtype)).sign()
+        values = values * _blocks(codes.to(dtype), block).sign()
     return values.reshape(-1)[:n]
 
 
-def quantize(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor) -> None:
+def quantize(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, *,
+             block: int = QBLOCK) -> None:
     """Writes ``x`` (float32/float64) into ``codes`` (int8: signed ``m``; uint8: ``v >= 0``)
-    and ``absmax``, computed in ``x.dtype``; a block with a non-finite value gets NaN and
-    zero codes."""
+    and ``absmax`` (one per ``block`` elements), computed in ``x.dtype``; a block with a
+    non-finite value gets NaN and zero codes."""
     n = x.numel()
     signed = codes.dtype == torch.int8
     levels, power = (SIGNED_CODES, SIGNED_POWER) if signed else (UNSIGNED_CODES, UNSIGNED_POWER)
-    rows = _blocks(x)
+    rows = _blocks(x, block)
     finite = torch.isfinite(rows).all(dim=1, keepdim=True)
     scale = torch.where(torch.isfinite(rows), rows.abs(), 0).amax(dim=1, keepdim=True)
     usable = finite & (scale > 0)

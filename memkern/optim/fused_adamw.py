@@ -79,9 +79,9 @@ class FusedAdamW(FlatOptimizer):
         grad_dtype: dtype of the flat gradient buffer (None: each parameter's own dtype).
         state_precision: ``"32bit"`` (float32 moments) or ``"8bit"``: the moments of every
             parameter of at least :data:`MIN_8BIT_NUMEL` elements stored block-wise in 8 bits
-            (1 byte each plus a float32 absmax per 64 elements; the map and its accuracy are
-            in :mod:`memkern.ops.adamw8bit`), dequantized and requantized inside the same
-            fused step. 2.125 instead of 8 bytes of state per parameter.
+            (1 byte each plus a float32 absmax per 256 elements; the map, the block size and
+            their accuracy are in :mod:`memkern.ops.adamw8bit`), dequantized and requantized
+            inside the same fused step. 2.03 instead of 8 bytes of state per parameter.
 
     State per parameter: ``step``, ``exp_avg``, ``exp_avg_sq`` (float32), plus
     ``master_param`` for 16-bit parameters. With 8-bit state the moments live in the

@@ -34,11 +34,16 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-ALIGN = 64
-"""Every parameter starts at a multiple of 64 elements in every flat buffer: 128 bytes for
-16-bit, 256 for 32-bit data, from a buffer start torch aligns to at least 64 bytes (512 on
+from memkern.kernels.state8bit import QBLOCK
+
+ALIGN = QBLOCK
+"""Every parameter starts at a multiple of 256 elements in every flat buffer: 512 bytes for
+16-bit, 1024 for 32-bit data, from a buffer start torch aligns to at least 64 bytes (512 on
 CUDA). Tensor-core GEMMs on the parameter views want aligned operands, vectorised kernels want
-aligned segment starts, and on CUDA no 128-byte line is shared by two parameters."""
+aligned segment starts, and on CUDA no 128-byte line is shared by two parameters. It is the
+8-bit optimizer state's block size, so that a quantization block never spans two parameters
+(nor two ZeRO shards, which are cut at multiples of it); the padding this costs is zero
+elements for dimensions that are multiples of 256 and is counted in every measured byte."""
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
