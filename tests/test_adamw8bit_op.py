@@ -4,7 +4,7 @@ requantize in float64), and the reference itself against independent oracles: ha
 codes and values of the map, and ``torch.optim.AdamW``.
 
 Fresh random data every run (conftest prints the seed), odd sizes (none a multiple of the
-64-element block), outputs poisoned, NaN/inf injected at the first/middle/last element.
+QBLOCK-element block), outputs poisoned, NaN/inf injected at the first/middle/last element.
 """
 from __future__ import annotations
 
