@@ -179,7 +179,7 @@ def scenario_overlap(rank, world, seed, shared):
     layers = [torch.nn.Linear(64, 64) for _ in range(4)]
     model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.Tanh())])
     opt = mk.optim.ShardedOptimizer(model.parameters(), lr=1e-3, zero_stage=2,
-                                    bucket_size_mb=64 * 65 * 4 / 2**20)
+                                    bucket_size_mb=(64 * 64 + ALIGN) * 4 / 2**20)
     shards = opt._shards
     arrived_at_launch = []
     launch = shards._launch_unit
