@@ -40,6 +40,17 @@ def have_cxx_compiler() -> bool:
     return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
+def openmp_flags() -> list[str]:
+    """-fopenmp when torch runs its CPU threads on OpenMP: ATen's at::parallel_for is a header
+    template that runs serially unless the code calling it is compiled with OpenMP, so without
+    the flag every memkern CPU kernel would use one thread whatever torch.set_num_threads says.
+    Compile-only: the OpenMP symbols resolve to the runtime libtorch_cpu already loads (linking
+    our own could load a second runtime, whose thread count torch would not control)."""
+    import torch
+
+    return ["-fopenmp"] if torch.backends.openmp.is_available() else []
+
+
 def toolkit_major(cuda_home: str) -> int | None:
     nvcc = os.path.join(cuda_home, "bin", "nvcc")
     try:
@@ -87,6 +98,7 @@ def extensions() -> tuple[list, dict]:
         return [], {}
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
+    cxx_flags = CXX_FLAGS + openmp_flags()
     cpp_sources = (sources("csrc/memkern.cpp") + sources("csrc/cpu/*.cpp")
                    + sources("csrc/autograd/*.cpp"))
     if want_cuda():
@@ -95,12 +107,14 @@ def extensions() -> tuple[list, dict]:
         ext = CUDAExtension(
             "memkern._C",
             cpp_sources + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
-            extra_compile_args={"cxx": CXX_FLAGS + defines, "nvcc": NVCC_FLAGS + defines},
+            extra_compile_args={"cxx": cxx_flags + defines, "nvcc": NVCC_FLAGS + defines},
         )
         say(f"building the C++ CPU and CUDA kernels (TORCH_CUDA_ARCH_LIST={archs})")
     else:
-        ext = CppExtension("memkern._C", cpp_sources, extra_compile_args={"cxx": CXX_FLAGS})
+        ext = CppExtension("memkern._C", cpp_sources, extra_compile_args={"cxx": cxx_flags})
         say("building the C++ CPU kernels")
+    if "-fopenmp" not in cxx_flags:
+        say("torch does not use OpenMP: the C++ CPU kernels will run on one thread")
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 

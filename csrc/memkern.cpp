@@ -16,6 +16,14 @@ PYBIND11_MODULE(_C, m) {
     return false;
 #endif
   }, "Whether the CUDA kernels were compiled in.");
+  m.def("has_openmp", [] {
+#ifdef _OPENMP
+    return true;
+#else
+    return false;
+#endif
+  }, "Whether the CPU kernels were compiled with OpenMP (at::parallel_for runs them on "
+     "torch's intra-op threads only then).");
   m.def("cuda_archs", [] { return std::string(MEMKERN_CUDA_ARCHS); },
         "The CUDA architectures the kernels were compiled for ('' without CUDA).");
 }

@@ -16,6 +16,9 @@ class CompiledInfo:
     """The C++ CPU kernels are registered for the ``CPU`` dispatch key."""
     has_cuda: bool
     """The CUDA C++ kernels are registered for the ``CUDA`` dispatch key."""
+    has_openmp: bool
+    """The C++ CPU kernels run on torch's intra-op threads (built with OpenMP); without it
+    they run on one thread."""
     cuda_archs: str
     """The ``TORCH_CUDA_ARCH_LIST`` the CUDA kernels were compiled for ('' without CUDA)."""
     missing_reason: str
@@ -24,15 +27,15 @@ class CompiledInfo:
 
 def _load() -> CompiledInfo:
     if os.environ.get("MEMKERN_DISABLE_EXT", "0") == "1":
-        return CompiledInfo(False, False, "", "disabled by MEMKERN_DISABLE_EXT=1")
+        return CompiledInfo(False, False, False, "", "disabled by MEMKERN_DISABLE_EXT=1")
     if importlib.util.find_spec("memkern._C") is None:
-        return CompiledInfo(False, False, "", "memkern._C was not built (no C++ compiler at "
-                            "install time, or MEMKERN_BUILD_EXT=0)")
+        return CompiledInfo(False, False, False, "", "memkern._C was not built (no C++ "
+                            "compiler at install time, or MEMKERN_BUILD_EXT=0)")
     try:
         from memkern import _C  # registers the C++ kernels with the dispatcher
     except ImportError as exc:
-        return CompiledInfo(False, False, "", f"memkern._C could not be loaded ({exc})")
-    return CompiledInfo(True, bool(_C.has_cuda()), _C.cuda_archs(), "")
+        return CompiledInfo(False, False, False, "", f"memkern._C could not be loaded ({exc})")
+    return CompiledInfo(True, bool(_C.has_cuda()), bool(_C.has_openmp()), _C.cuda_archs(), "")
 
 
 def _require(info: CompiledInfo) -> None:
