@@ -169,14 +169,15 @@ def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
     print(f"\nmemkern bench: GPT {args.size} ({rows[0].num_params / 1e6:.2f}M params, "
           f"{cfg.layers} layers, width {cfg.width}), batch {args.batch} x seq {cfg.seq} per rank, "
           f"{args.steps} steps on {device}{ranks} (torch {torch.__version__})")
-    head = (f"{'configuration':<18} {'peak MiB':>9} {'saved act MiB':>13} {'opt B/param':>11} "
+    width = max(len("configuration"), *(len(r.config) for r in rows))
+    head = (f"{'configuration':<{width}} {'peak MiB':>9} {'saved act MiB':>13} {'opt B/param':>11} "
             f"{'step ms':>8} {'tokens/s':>9} {'final loss':>10}")
     if base is not None:
         head += f" {'peak vs AMP':>11} {'time vs AMP':>11}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        line = (f"{r.config:<18} {_mib(r.peak_bytes):>9} {_mib(r.saved_activation_bytes):>13} "
+        line = (f"{r.config:<{width}} {_mib(r.peak_bytes):>9} {_mib(r.saved_activation_bytes):>13} "
                 f"{r.optimizer_side_bytes_per_param:>11.2f} {r.step_seconds * 1e3:>8.1f} "
                 f"{r.tokens_per_second:>9.0f} {r.final_loss:>10.4f}")
         if base is not None:

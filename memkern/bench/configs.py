@@ -6,6 +6,10 @@ torch-fp32             plain torch: fp32 model, ``AdamW(fused=True)``, ``clip_gr
 torch-amp              torch AMP: autocast(bf16) + ``GradScaler`` + clipping + fused AdamW
 torch-amp-compiled     torch-amp with the model's forward under ``torch.compile`` (the
                        strongest plain-torch composition on a GPU)
+torch-amp-compiled-    torch-amp-compiled with torch's automatic recomputation: the
+budget                 compiler's activation memory budget at ``MEMORY_BUDGET`` (0.5), so
+                       its partitioner recomputes instead of saving what it can (the
+                       plain-torch memory bar)
 memkern-modules        ``memkern.patch``-ed model + fused linear cross-entropy head, fp32,
                        the same torch optimizer (modules only)
 memkern-full           memkern modules, bf16 parameters, the flat bf16 gradient buffer and
@@ -30,10 +34,13 @@ import torch
 import memkern
 from memkern.bench.model import GPT, GPTConfig
 
-CONFIGS = ("torch-fp32", "torch-amp", "torch-amp-compiled", "memkern-modules", "memkern-full",
-           "memkern-full-ckpt", "memkern-full-8bit")
+CONFIGS = ("torch-fp32", "torch-amp", "torch-amp-compiled", "torch-amp-compiled-budget",
+           "memkern-modules", "memkern-full", "memkern-full-ckpt", "memkern-full-8bit")
 BASELINE = "torch-amp"
 LR, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-3, 0.01, 1.0
+MEMORY_BUDGET = 0.5
+"""torch-amp-compiled-budget's activation memory budget: the fraction of the activations the
+compiled graph may keep (the rest it recomputes in backward)."""
 
 
 @dataclasses.dataclass
@@ -86,10 +93,33 @@ def _torch_step(model: GPT, optimizer: torch.optim.Optimizer, autocast, scaler=N
     return step
 
 
-def _compile_forward(model: GPT) -> None:
+def _activation_memory_budget(budget: float) -> contextlib.AbstractContextManager:
+    """torch's own automatic recomputation at ``budget``. Its only switch is the private
+    ``torch._functorch.config.activation_memory_budget`` (torch 2.4+, no public equivalent), so
+    it is set here and nowhere else; the partitioner reads it when a graph is compiled."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=budget)
+
+
+def _compile_forward(model: GPT, memory_budget: float | None = None) -> None:
     """``torch.compile`` the model's forward (the module stays itself: its parameters, its
-    state_dict keys and what the optimizers hold are unchanged)."""
-    model.forward = torch.compile(model.forward)
+    state_dict keys and what the optimizers hold are unchanged); with ``memory_budget``, every
+    compilation of it runs at that activation memory budget."""
+    # Each configuration compiles its own graph: dynamo would otherwise reuse one compiled for
+    # an earlier configuration (the same GPT.forward code; it does not guard on the module),
+    # with that configuration's settings (the memory budget).
+    torch.compiler.reset()
+    compiled = torch.compile(model.forward)
+    if memory_budget is None:
+        model.forward = compiled
+        return
+
+    def forward(*args, **kwargs):
+        with _activation_memory_budget(memory_budget):
+            return compiled(*args, **kwargs)
+
+    model.forward = forward
 
 
 def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0, *,
@@ -108,6 +138,8 @@ def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0, *,
             _memkern_modules(model)
         if name == "torch-amp-compiled" or (compile and name == "memkern-modules"):
             _compile_forward(model)
+        elif name == "torch-amp-compiled-budget":
+            _compile_forward(model, MEMORY_BUDGET)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
                                       fused=True)
         if name.startswith("torch-amp"):
