@@ -49,6 +49,23 @@ def main(argv: list[str] | None = None) -> int:
         [sys.executable, "-m", "memkern.cli", "bench", "--device", device, "--json",
          out("bench"), "--plot", out("bench", "png"), *quick_bench],
     ]
+    if device == "cuda" and not args.quick:
+        # The GPU targets of issue 12/14 in the same call: GPT-2 small (batch 8, seq 1024) eager
+        # and compiled against compiled AMP with and without torch's memory budget; HF models
+        # against Liger-Kernel; the 8-bit step against the copy bandwidth.
+        gpt2 = ["--size", "gpt2-small", "--batch", "8", "--steps", "10"]
+        runs += [
+            [sys.executable, "-m", "memkern.cli", "bench", "--device", device, *gpt2,
+             "--configs", "torch-amp,torch-amp-compiled,torch-amp-compiled-budget,memkern-full,"
+             "memkern-full-ckpt,memkern-full-8bit", "--json", out("bench-gpt2-small")],
+            [sys.executable, "-m", "memkern.cli", "bench", "--device", device, *gpt2,
+             "--compile", "--configs", "torch-amp-compiled,memkern-full,memkern-full-ckpt",
+             "--json", out("bench-gpt2-small-compiled")],
+            [sys.executable, os.path.join(HERE, "bench_hf.py"), "--device", device, "--size",
+             "160m", "--save", out("hf")],
+            [sys.executable, os.path.join(HERE, "bench_8bit_state.py"), "--device", device,
+             "--sections", "step,bytes", "--save", out("8bit-step")],
+        ]
     failures = []
     for cmd in runs:  # all of them, even after a failure: a GPU run is too dear to stop early
         print(f"\n$ {' '.join(os.path.relpath(c) if c.endswith('.py') else c for c in cmd[1:])}",
