@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from memkern import backend, ops
+from memkern._extension import compiled
 from memkern.ops.dropout import keep_mask, philox4x32
 from compare import rel_err
 
@@ -305,6 +306,97 @@ def test_triton_cross_entropy_rows_matches_reference(device, dtype, smoothing):
         assert rel_err(loss, rloss) < 1e-6
         assert rel_err(a, b) <= TRITON_TOL[dtype] * 2
         assert torch.equal(a[2], torch.zeros_like(a[2]))
+
+
+# ----------------------------------------------------------------------------------------------
+# the C++ CPU norm kernels (csrc/cpu/norm.cpp) vs float64 math
+
+needs_cpu_kernels = pytest.mark.skipif(not compiled.has_cpu,
+                                       reason="the C++ CPU kernels are not built")
+# Outputs in x's dtype: one rounding of a float32 result (float64: a few float64 ulps).
+CPU_NORM_TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3,
+                torch.float64: 1e-13}
+DTYPES = LOW + [pytest.param(torch.float64, id="float64")]
+
+
+def _norm64(x, w, b, eps, rms, dy):
+    """(y, mean, rstd) and the gradients of (x, w, b) for ``dy``, in float64 by autograd."""
+    leaves = [None if t is None else t.double().requires_grad_() for t in (x, w, b)]
+    x64, w64, b64 = leaves
+    mean = None if rms else x64.mean(-1, keepdim=True)
+    centred = x64 if rms else x64 - mean
+    rstd = torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
+    y = centred * rstd
+    y = y * w64 if w64 is not None else y
+    y = y + b64 if b64 is not None else y
+    wanted = [t for t in leaves if t is not None]
+    grads = dict(zip([i for i, t in enumerate(leaves) if t is not None],
+                     torch.autograd.grad(y, wanted, dy.double())))
+    return (y.detach(), None if rms else mean.detach().view(-1), rstd.detach().view(-1),
+            [grads.get(i) for i in range(3)])
+
+
+def _norm_inputs(rows, D, dtype, affine, rms):
+    x = (torch.randn(rows, D) * 2 + 0.5).to(dtype)
+    wdtype = torch.float32 if affine == "float32" else dtype
+    w = None if affine == "none" else (torch.randn(D) * 0.5 + 1).to(wdtype)
+    b = None if w is None or rms else torch.randn(D).to(wdtype)
+    return x, w, b, torch.randn(rows, D).to(dtype)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("rows", [1, 3 * 32 + 5], ids=["one-row", "several-chunks"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("affine", ["none", "same-dtype", "float32"])
+def test_cpu_norm_kernels_match_float64(rms, affine, dtype, rows):
+    """The C++ kernels through the dispatcher (the path memkern's norm layers take on the CPU)
+    against float64 autograd of the same inputs: D odd, rows over several of the backward's
+    fixed-size chunks of weight-gradient partial sums, a weight of x's dtype or float32."""
+    x, w, b, dy = _norm_inputs(rows, 1031, dtype, affine, rms)
+    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    stat_tol = 1e-13 if dtype == torch.float64 else 1e-6
+    y, mean, rstd = torch.ops.memkern.norm_forward(x, w, b, 1e-5, rms)
+    y64, mean64, rstd64, (dx64, dw64, db64) = _norm64(x, w, b, 1e-5, rms, dy)
+    assert y.dtype == dtype and rstd.dtype == mean.dtype == stat_dtype
+    assert rel_err(y, y64) <= CPU_NORM_TOL[dtype]
+    assert rel_err(rstd, rstd64) < stat_tol
+    if rms:
+        assert mean.shape == (0,)
+    else:
+        assert rel_err(mean, mean64) < stat_tol
+    dx, dw, db = torch.ops.memkern.norm_backward(dy, x, w, mean, rstd, rms)
+    assert dx.dtype == dtype
+    assert rel_err(dx, dx64) <= max(CPU_NORM_TOL[dtype], 1e-5)
+    if w is None:
+        assert dw.numel() == 0 and db.numel() == 0
+        return
+    assert dw.dtype == db.dtype == stat_dtype
+    assert rel_err(dw, dw64) < max(stat_tol, 1e-5)
+    assert rel_err(db, dy.double().sum(0)) < max(stat_tol, 1e-5)  # dy.sum(0) even without a bias
+    if b is not None:
+        assert rel_err(db, db64) < max(stat_tol, 1e-5)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_cpu_norm_kernels_keep_a_non_finite_value_in_its_row(rms):
+    """A NaN or inf input leaves a non-finite value in its own row (and a NaN makes the whole
+    weight gradient, a sum over rows, NaN); every other row is exactly what it is without the
+    two rows."""
+    x, w, b, dy = _norm_inputs(70, 67, torch.float32, "same-dtype", rms)
+    x[3, 5], x[40, 0] = float("nan"), float("inf")
+    y, mean, rstd = torch.ops.memkern.norm_forward(x, w, b, 1e-5, rms)
+    dx, dw, db = torch.ops.memkern.norm_backward(dy, x, w, mean, rstd, rms)
+    bad = torch.zeros(70, dtype=torch.bool)
+    bad[[3, 40]] = True
+    for out in (y, dx):
+        assert not out[bad].isfinite().all(dim=1).any(), "each such row holds a non-finite value"
+    assert not dw.isfinite().any() and db.isfinite().all()  # the NaN row's sum is NaN everywhere
+    y_ok, mean_ok, rstd_ok = torch.ops.memkern.norm_forward(x[~bad], w, b, 1e-5, rms)
+    dx_ok, _, _ = torch.ops.memkern.norm_backward(dy[~bad], x[~bad], w, mean_ok, rstd_ok, rms)
+    assert torch.equal(y[~bad], y_ok) and torch.equal(rstd[~bad], rstd_ok)
+    assert torch.equal(dx[~bad], dx_ok)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ dimension of a 2-D ``[rows, D]`` tensor, returning / consuming per-row statistic
 autograd layer saves the input and the statistics only, never the normalised output.
 
 Arguments
-    x        contiguous ``[rows, D]``, float32/bfloat16/float16 (float64: reference only).
+    x        contiguous ``[rows, D]``, float32/bfloat16/float16/float64 (float64: not Triton).
     weight   optional ``[D]`` (any float dtype; math in float32), ``bias`` likewise (LayerNorm).
     eps      added to the variance (LayerNorm) / mean square (RMSNorm).
     rms      False: LayerNorm ``(x - mean) * rstd * w + b``; True: RMSNorm ``x * rstd * w``.
@@ -12,6 +12,8 @@ Arguments
                  ``x``) ``[rows]``; for RMSNorm ``mean`` is empty (``[0]``).
 
 ``norm_forward(x, weight, bias, eps, rms) -> (y, mean, rstd)`` with ``y`` of ``x``'s dtype.
+
+Kernels: C++ on the CPU (csrc/cpu/norm.cpp), Triton on CUDA, the reference below.
 ``norm_backward(dy, x, weight, mean, rstd, rms) -> (dx, dweight, dbias)``; ``dweight`` and
 ``dbias`` are float32 (float64) ``[D]`` sums over rows, empty (``[0]``) when ``weight`` is None
 (``dbias`` is ``dy.sum(0)`` whenever ``weight`` is given; the caller drops it without a bias).
@@ -135,7 +137,7 @@ norm_forward = Op(
     fake=_fake_forward,
     reference=forward_reference,
     triton="memkern.kernels.norm.norm_forward",
-    compiled_kernels=False,
+    compiled_kernels=("cpu",),
 )
 
 norm_backward = Op(
@@ -145,5 +147,5 @@ norm_backward = Op(
     fake=_fake_backward,
     reference=backward_reference,
     triton="memkern.kernels.norm.norm_backward",
-    compiled_kernels=False,
+    compiled_kernels=("cpu",),
 )
