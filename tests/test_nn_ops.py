@@ -241,6 +241,8 @@ def test_triton_activation_matches_reference(device, shape, kind, dtype):
     rdx = ops.act_backward.reference(g, x, kind)
     finite = torch.isfinite(rdx) & torch.isfinite(x)
     assert rel_err(dx[finite], rdx[finite]) <= TRITON_TOL[dtype]
+    at_nan = torch.isnan(x)  # NaN stays NaN; ReLU passes the gradient there, as torch does
+    assert torch.equal(dx[at_nan].float().nan_to_num(7.0), rdx[at_nan].float().nan_to_num(7.0))
 
 
 @pytest.mark.parametrize("dtype", LOW)
@@ -397,6 +399,52 @@ def test_cpu_norm_kernels_keep_a_non_finite_value_in_its_row(rms):
     dx_ok, _, _ = torch.ops.memkern.norm_backward(dy[~bad], x[~bad], w, mean_ok, rstd_ok, rms)
     assert torch.equal(y[~bad], y_ok) and torch.equal(rstd[~bad], rstd_ok)
     assert torch.equal(dx[~bad], dx_ok)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_cpu_activation_kernels_match_float64(kind, dtype):
+    """act_forward/act_backward through the dispatcher on the CPU against float64 math and
+    autograd of the same inputs, NaN included (it stays NaN; ReLU's gradient at NaN is 0)."""
+    x = (torch.randn(37, 129) * 3).to(dtype)
+    g = torch.randn(37, 129).to(dtype)
+    x[4, 9] = float("nan")
+    x64 = x.double().requires_grad_()
+    y64 = _act64(x64, kind)
+    (dx64,) = torch.autograd.grad(y64, x64, g.double())
+    y = torch.ops.memkern.act_forward(x, kind)
+    dx = torch.ops.memkern.act_backward(g, x, kind)
+    finite = x.isfinite()
+    assert y.dtype == dx.dtype == dtype
+    assert y[4, 9].isnan()
+    assert dx[4, 9] == g[4, 9] if kind == "relu" else dx[4, 9].isnan()  # torch's convention
+    tol = CPU_NORM_TOL[dtype] if dtype != torch.float64 else 1e-12
+    assert rel_err(y[finite], y64.detach()[finite]) <= tol
+    assert rel_err(dx[finite], dx64[finite]) <= max(tol, 1e-5 if dtype == torch.float32 else tol)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_swiglu_kernels_match_float64(dtype):
+    """swiglu_forward/backward through the dispatcher on the CPU against float64 autograd of
+    silu(gate) * up; an odd size over several parallel tasks; NaN/inf propagate."""
+    n = 3 * 2**15 + 11
+    gate, up, g = (torch.randn(n) * 3).to(dtype), torch.randn(n).to(dtype), torch.randn(n).to(dtype)
+    gate[5], up[2**15 + 1] = float("nan"), float("inf")
+    a64, b64 = gate.double().requires_grad_(), up.double().requires_grad_()
+    h64 = F.silu(a64) * b64
+    da64, db64 = torch.autograd.grad(h64, (a64, b64), g.double())
+    h = torch.ops.memkern.swiglu_forward(gate, up)
+    da, db = torch.ops.memkern.swiglu_backward(g, gate, up)
+    assert h.dtype == da.dtype == db.dtype == dtype
+    assert torch.equal(h.isnan(), h64.isnan()) and torch.equal(h.isinf(), h64.isinf())
+    ok = h64.detach().isfinite() & da64.isfinite() & db64.isfinite()
+    tol = CPU_NORM_TOL[dtype] if dtype != torch.float64 else 1e-12
+    assert rel_err(h[ok], h64.detach()[ok]) <= tol
+    assert rel_err(da[ok], da64[ok]) <= max(tol, 1e-5 if dtype == torch.float32 else tol)
+    assert rel_err(db[ok], db64[ok]) <= max(tol, 1e-5 if dtype == torch.float32 else tol)
+    assert da[5].isnan() and db[5].isnan()
 
 
 # ----------------------------------------------------------------------------------------------

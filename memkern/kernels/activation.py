@@ -53,7 +53,7 @@ def act_grad(g, x, KIND: tl.constexpr):
         du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x * x)
         return g * (s + 2.0 * x * s * (1.0 - s) * du)
     elif KIND == 2:
-        return tl.where(x > 0.0, g, 0.0)
+        return tl.where(x <= 0.0, 0.0, g)  # as threshold_backward: NaN passes the gradient
     else:
         s = _sigmoid(x)
         return g * (s * (1.0 + x * (1.0 - s)))

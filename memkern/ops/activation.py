@@ -2,19 +2,23 @@
 computed from the saved pre-activation (what lets an MLP save the pre-activation only).
 
 Arguments
-    x      the pre-activation, contiguous float32/bfloat16/float16 (float64: reference only).
+    x      the pre-activation, contiguous float32/bfloat16/float16/float64 (float64: not Triton).
     grad   gradient of the activation's output, same shape and dtype as ``x``.
     kind   ``"gelu"`` (erf), ``"gelu_tanh"`` (tanh approximation, GPT-2's ``gelu_new``),
            ``"relu"`` or ``"silu"``.
+
+Kernels: on the CPU torch's own activation kernels, called from C++ (csrc/cpu/activation.cpp:
+the same single passes as the reference, without a Python call); Triton on CUDA.
 
 ``act_forward(x, kind)`` equals ``F.gelu(x)`` / ``F.gelu(x, approximate="tanh")`` /
 ``F.relu(x)`` / ``F.silu(x)``; ``act_backward(grad, x, kind)`` is the gradient w.r.t. ``x``.
 16-bit inputs are computed in float32 and rounded once (torch's own kernels do so per vector,
 so the reference passes 16-bit tensors to them as they are: no float32 copy of the whole tensor,
-which on the CPU, where the reference is the kernel, would be a transient as large as x twice). NaN propagates as in torch (ReLU's
-gradient at NaN is 0, like ``threshold_backward``). One documented difference at infinities:
-the erf-GELU of ``+inf`` is ``+inf`` in the Triton kernel (as in torch's CUDA kernel), while
-torch's CPU kernel, used by the reference, returns NaN.
+which on the CPU, where the reference is the kernel, would be a transient as large as x twice).
+NaN propagates as in torch (ReLU's gradient at NaN is the incoming gradient, as
+``threshold_backward`` gives: only ``x <= 0`` stops it). One documented difference at
+infinities: the erf-GELU of ``+inf`` is ``+inf`` in the Triton kernel (as in torch's CUDA
+kernel), while torch's CPU kernel, used by the reference and the CPU backend, returns NaN.
 """
 from __future__ import annotations
 
@@ -87,7 +91,7 @@ act_forward = Op(
     fake=_fake_forward,
     reference=forward_reference,
     triton="memkern.kernels.activation.act_forward",
-    compiled_kernels=False,
+    compiled_kernels=("cpu",),
 )
 
 act_backward = Op(
@@ -97,5 +101,5 @@ act_backward = Op(
     fake=_fake_backward,
     reference=backward_reference,
     triton="memkern.kernels.activation.act_backward",
-    compiled_kernels=False,
+    compiled_kernels=("cpu",),
 )

@@ -2,7 +2,8 @@
 ``h = silu(gate) * up``, and its gradient recomputed from the saved ``gate`` and ``up``.
 
 Arguments
-    gate, up   contiguous, same shape and dtype (float32/bfloat16/float16; float64 reference only).
+    gate, up   contiguous, same shape and dtype (float32/bfloat16/float16/float64; float64: not
+               Triton). Kernels: C++ on the CPU (csrc/cpu/swiglu.cpp), Triton on CUDA.
     grad       gradient of ``h``, same shape and dtype.
 
 ``swiglu_backward`` returns ``(grad_gate, grad_up)``::
@@ -74,7 +75,7 @@ swiglu_forward = Op(
     fake=_fake_forward,
     reference=forward_reference,
     triton="memkern.kernels.swiglu.swiglu_forward",
-    compiled_kernels=False,
+    compiled_kernels=("cpu",),
 )
 
 swiglu_backward = Op(
@@ -84,5 +85,5 @@ swiglu_backward = Op(
     fake=_fake_backward,
     reference=backward_reference,
     triton="memkern.kernels.swiglu.swiglu_backward",
-    compiled_kernels=False,
+    compiled_kernels=("cpu",),
 )
