@@ -45,3 +45,26 @@ def cpu_backends() -> list[str]:
     """Backends that can run ops on CPU tensors in this process."""
     cpu = torch.device("cpu")
     return [b for b in memkern.backend.NAMES if memkern.backend.runs_on(b, cpu)]
+
+
+# The layers whose autograd runs in C++ when the extension is built (memkern.ops.linear,
+# dropout_layer, norm_layer), named by the memkern.nn.functional module that routes them.
+_CPP_AUTOGRAD_ROUTES = ("linear", "dropout", "norm")
+
+
+@pytest.fixture(params=["cpp", "python"])
+def layer_autograd(request, monkeypatch):
+    """The two implementations of the layers' algorithms: C++ autograd (``memkern::linear``,
+    ``memkern::dropout_layer``, ``memkern::norm_layer``; extension built) and the Python
+    ``autograd.Function``s (no extension, autocast, compile, a forced backend, ...)."""
+    import dataclasses
+    import sys
+
+    from memkern._extension import compiled
+    if request.param == "cpp" and not compiled.has_cpu:
+        pytest.skip("the compiled extension is not built")
+    if request.param == "python":
+        for name in _CPP_AUTOGRAD_ROUTES:  # the modules, not the functions of these names
+            monkeypatch.setattr(sys.modules[f"memkern.nn.functional.{name}"], "compiled",
+                                dataclasses.replace(compiled, has_cpu=False))
+    return request.param

@@ -65,7 +65,7 @@ def test_swiglu_saves_less_than_torch():
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])
-def test_norm_saves_input_and_row_statistics_only(norm):
+def test_norm_saves_input_and_row_statistics_only(norm, layer_autograd):
     d = 257
     x = torch.randn(5, 31, d, requires_grad=True)
     m = mk.nn.LayerNorm(d) if norm == "layer" else mk.nn.RMSNorm(d)

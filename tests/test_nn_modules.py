@@ -55,24 +55,6 @@ def _input(shape, dtype, scale=1.0):
 # Linear
 
 
-@pytest.fixture(params=["cpp", "python"])
-def layer_autograd(request, monkeypatch):
-    """The two implementations of Linear's and Dropout's algorithms: C++ autograd
-    (``memkern::linear``, ``memkern::dropout_layer``; extension built) and the Python
-    ``autograd.Function``s (no extension, autocast, compile, ...)."""
-    import dataclasses
-    import sys
-
-    from memkern._extension import compiled
-    if request.param == "cpp" and not compiled.has_cpu:
-        pytest.skip("the compiled extension is not built")
-    if request.param == "python":
-        for name in ("linear", "dropout"):  # the modules, not the functions of these names
-            monkeypatch.setattr(sys.modules[f"memkern.nn.functional.{name}"], "compiled",
-                                dataclasses.replace(compiled, has_cpu=False))
-    return request.param
-
-
 def test_linear_with_a_grad_runs_the_cpp_autograd(layer_autograd):
     """The routing itself: with ``.grad`` present (the training case) the C++ node runs when
     the extension is built; under autocast the Python Function does."""
@@ -235,7 +217,7 @@ def test_linear_under_autocast_matches_torch(layer_autograd):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("affine", ["affine", "no_bias", "plain"])
-def test_layer_norm_matches_torch(shape, dtype, affine):
+def test_layer_norm_matches_torch(shape, dtype, affine, layer_autograd):
     kw = dict(elementwise_affine=affine != "plain", bias=affine == "affine")
     ref = nn.LayerNorm(shape[-1], **kw).to(dtype)
     m = mk.nn.LayerNorm(shape[-1], **kw).to(dtype)
@@ -249,7 +231,7 @@ def test_layer_norm_matches_torch(shape, dtype, affine):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("affine", [True, False])
-def test_rms_norm_matches_torch(shape, dtype, affine):
+def test_rms_norm_matches_torch(shape, dtype, affine, layer_autograd):
     ref = nn.RMSNorm(shape[-1], eps=1e-6, elementwise_affine=affine).to(dtype)
     m = mk.nn.RMSNorm(shape[-1], eps=1e-6, elementwise_affine=affine).to(dtype)
     with torch.no_grad():
@@ -259,13 +241,68 @@ def test_rms_norm_matches_torch(shape, dtype, affine):
     assert_same(m, ref, _input(shape, dtype, 2.0), tol=TOL[dtype])
 
 
-def test_norms_over_several_dims_and_default_eps():
+def test_norms_over_several_dims_and_default_eps(layer_autograd):
     for ref, m in ((nn.LayerNorm((3, 5)), mk.nn.LayerNorm((3, 5))), (nn.RMSNorm((3, 5)), mk.nn.RMSNorm((3, 5)))):
         with torch.no_grad():
             for p in ref.parameters():
                 p.normal_()
         m.load_state_dict(ref.state_dict())
         assert_same(m, ref, _input((4, 3, 5), torch.float32), tol=1e-5)
+
+
+def test_norms_run_the_cpp_autograd_and_stay_recomputable(layer_autograd):
+    """The routing: RMSNorm (and LayerNorm on 16-bit CPU input) run the C++ node when the
+    extension is built, the Python Function otherwise; fp32 LayerNorm runs torch's own. The
+    output is marked recomputable either way (a consuming Linear saves x, not the output)."""
+    from memkern.nn.functional import _saved
+    cases = ((mk.nn.RMSNorm(13), torch.float32, "NormFunction"),
+             (mk.nn.LayerNorm(13), torch.bfloat16, "NormFunction"),
+             (mk.nn.LayerNorm(13), torch.float32, "NativeLayerNormBackward"))
+    for m, dtype, node in cases:
+        y = m.to(dtype)(_input((3, 13), dtype))
+        name = y.grad_fn.name()
+        cpp = layer_autograd == "cpp" and node == "NormFunction"
+        assert node in name and ("CppNode" in name) == cpp, name
+        assert _saved.has_recipe(y)
+    with mk.ops.force("reference"):  # a forced backend keeps the Python Function
+        assert "CppNode" not in mk.nn.RMSNorm(13)(_input((3, 13), torch.float32)).grad_fn.name()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_norms_match_float64_oracle(norm, dtype, layer_autograd):
+    """Against the formulas evaluated in float64 (not torch's layers), normalising the last two
+    dimensions of an odd-sized input, with weight and bias."""
+    shape, tol = (3, 5, 7), {torch.float32: 2e-6}.get(dtype, TOL[dtype])
+    x64 = torch.randn(2, *shape, dtype=torch.float64) * 3 + 1
+    w64, b64 = torch.randn(shape[1:], dtype=torch.float64), torch.randn(shape[1:], dtype=torch.float64)
+    if norm == "layer":
+        m, eps = mk.nn.LayerNorm(shape[1:], eps=1e-4), 1e-4
+    else:
+        m, eps = mk.nn.RMSNorm(shape[1:], eps=1e-4), 1e-4
+    m = m.to(dtype)
+    with torch.no_grad():
+        m.weight.copy_(w64)
+        if norm == "layer":
+            m.bias.copy_(b64)
+    x = x64.to(dtype).requires_grad_()
+    xr = x.detach().to(torch.float64).requires_grad_()
+    w = m.weight.detach().to(torch.float64).requires_grad_()
+    b = m.bias.detach().to(torch.float64).requires_grad_() if norm == "layer" else None
+    dims = (-2, -1)
+    if norm == "layer":
+        centred = xr - xr.mean(dims, keepdim=True)
+        ref = centred / torch.sqrt(centred.square().mean(dims, keepdim=True) + eps) * w + b
+    else:
+        ref = xr / torch.sqrt(xr.square().mean(dims, keepdim=True) + eps) * w
+    y = m(x)
+    g = torch.randn_like(ref)
+    params = [w] + ([b] if b is not None else [])
+    got = torch.autograd.grad(y, [x, *m.parameters()], g.to(dtype))
+    want = torch.autograd.grad(ref, [xr, *params], g)
+    assert rel_err(y, ref) <= tol
+    for a, r in zip(got, want):
+        assert a.dtype == dtype and rel_err(a, r) <= tol, rel_err(a, r)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,7 +456,7 @@ def test_frozen_weights_only_input_grad():
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 @pytest.mark.parametrize("name", ["Linear", "LayerNorm", "RMSNorm", "MLP", "SwiGLU"])
-def test_nan_and_inf_propagate_like_torch(name, where):
+def test_nan_and_inf_propagate_like_torch(name, where, layer_autograd):
     d = 13
     m = {"Linear": lambda: mk.nn.Linear(d, 7), "LayerNorm": lambda: mk.nn.LayerNorm(d),
          "RMSNorm": lambda: mk.nn.RMSNorm(d), "MLP": lambda: mk.nn.MLP(d, 17, activation="gelu_tanh"),

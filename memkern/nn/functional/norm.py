@@ -19,7 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
-from memkern import ops
+from memkern import backend, ops
+from memkern._extension import compiled
 from memkern.nn.functional import _saved
 
 
@@ -54,6 +55,14 @@ class NormFunction(torch.autograd.Function):
         return dx.view(x.shape), dweight, dbias, None, None, None
 
 
+def _norm_autograd(x, weight, bias, n_norm, eps, rms):
+    """NormFunction's algorithm: with C++ autograd (``memkern::norm_layer``) when the extension
+    is built, on the default backend, outside ``torch.compile``; else the Python Function."""
+    if compiled.has_cpu and backend.requested() is None and not torch.compiler.is_compiling():
+        return ops.norm_layer(x, weight, bias, n_norm, eps, rms)
+    return NormFunction.apply(x, weight, bias, n_norm, eps, rms)
+
+
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -83,17 +92,20 @@ def _recompute(n_norm: int, eps: float, rms: bool):
 
 
 def _norm(x, normalized_shape, weight, bias, eps, rms, name):
-    shape = tuple(normalized_shape) if isinstance(normalized_shape, Sequence) else (normalized_shape,)
-    if tuple(x.shape[x.dim() - len(shape):]) != shape or x.dim() < len(shape):
+    # The modules pass a tuple: the common case costs no conversion (torch.Size == tuple).
+    shape = (normalized_shape if type(normalized_shape) is tuple
+             else tuple(normalized_shape) if isinstance(normalized_shape, Sequence)
+             else (normalized_shape,))
+    if x.shape[x.dim() - len(shape):] != shape:  # also when x has fewer dimensions
         raise ValueError(
             f"memkern.nn.functional.{name}: input shape {tuple(x.shape)} does not end with "
             f"normalized_shape {shape}"
         )
-    for pname, p in (("weight", weight), ("bias", bias)):
-        if p is not None and tuple(p.shape) != shape:
-            raise ValueError(
-                f"memkern.nn.functional.{name}: {pname} has shape {tuple(p.shape)}, expected {shape}"
-            )
+    if (weight is not None and weight.shape != shape) or (bias is not None and bias.shape != shape):
+        pname, p = ("weight", weight) if weight is not None and weight.shape != shape else ("bias", bias)
+        raise ValueError(
+            f"memkern.nn.functional.{name}: {pname} has shape {tuple(p.shape)}, expected {shape}"
+        )
     # compiled: the whole norm recomputed in backward (a consumer never saves its output)
     return _saved.compiled_region(_norm_saving_input, x, shape, weight, bias, float(eps), rms)
 
@@ -108,7 +120,7 @@ def _norm_saving_input(x, shape, weight, bias, eps, rms):
             y = rebuild(x, weight, bias)
     else:
         rebuild = _recompute(len(shape), eps, rms)
-        y = NormFunction.apply(x, weight, bias, len(shape), eps, rms)
+        y = _norm_autograd(x, weight, bias, len(shape), eps, rms)
     if y.requires_grad and torch.is_grad_enabled():
         _saved.mark_recomputable(y, rebuild, (x, weight, bias))
     return y

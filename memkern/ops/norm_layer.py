@@ -1,0 +1,30 @@
+"""``memkern::norm_layer``: memkern's LayerNorm / RMSNorm over the last ``n_norm`` dimensions
+as one op whose autograd is C++ (csrc/autograd/norm.cpp): it runs :mod:`memkern.ops.norm`'s
+``norm_forward`` / ``norm_backward`` through the dispatcher and saves ``x``, the weight and the
+per-row float32 (float64) ``mean`` / ``rstd`` — never the output — at the host cost of a C++
+autograd node.
+
+Arguments: ``x`` (float tensor ending with the normalised shape), ``weight`` / ``bias``
+(optional, of the normalised shape; RMSNorm takes no bias), ``n_norm`` (how many trailing
+dimensions are normalised), ``eps``, ``rms`` (False: LayerNorm, True: RMSNorm).
+
+Only the compiled extension registers its kernels (``Autograd`` and, below autograd,
+``CompositeExplicitAutograd``); without it :mod:`memkern.nn.functional.norm` runs the same
+algorithm as a Python ``autograd.Function``.
+"""
+from __future__ import annotations
+
+import torch
+
+from memkern.ops._registry import LIBRARY
+
+LIBRARY.define("norm_layer(Tensor x, Tensor? weight, Tensor? bias, int n_norm, float eps, "
+               "bool rms) -> Tensor")
+
+
+@torch.library.register_fake("memkern::norm_layer", lib=LIBRARY)
+def _fake(x, weight, bias, n_norm, eps, rms):
+    return torch.empty_like(x)
+
+
+norm_layer = torch.ops.memkern.norm_layer.default
