@@ -121,6 +121,55 @@ def test_cross_entropy_rows_reference_matches_torch(smoothing):
     assert torch.equal(untouched, z), "compute_grad=False must leave the logits alone"
 
 
+needs_cpu_kernels = pytest.mark.skipif(not backend.runs_on("cpu", torch.device("cpu")),
+                                       reason="the compiled extension is not built")
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [*LOW, pytest.param(torch.float64, id="float64")])
+@pytest.mark.parametrize("smoothing", [0.0, 0.3])
+def test_cpu_cross_entropy_rows_matches_float64_torch(dtype, smoothing):
+    """The C++ CPU kernel against F.cross_entropy in float64 on the very (rounded) logits,
+    with ignored rows, a per-row scale, and a NaN and an inf row that propagate as in torch."""
+    z = (torch.randn(13, 1031) * 3).to(dtype)
+    z[3, 17] = float("nan")
+    z[8, 5] = float("inf")
+    t = torch.randint(0, 1031, (13,))
+    t[[0, 6, 12]] = -7
+    scale = torch.randn(13, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    zr = z.double().clone().requires_grad_()
+    per_row = F.cross_entropy(zr, t, reduction="none", ignore_index=-7, label_smoothing=smoothing)
+    (grad,) = torch.autograd.grad(per_row, zr, scale.double())
+    out = z.clone()
+    with backend.force("cpu"):
+        loss = ops.cross_entropy_rows_(out, t, scale, -7, smoothing, True)
+    finite = [r for r in range(13) if r not in (3, 8)]
+    tol = {torch.float64: 1e-13, torch.float32: 2e-6}.get(dtype, 1e-2)
+    assert loss.dtype == scale.dtype and out.dtype == dtype
+    assert rel_err(loss[finite], per_row[finite]) < tol
+    assert rel_err(out[finite], grad[finite]) < tol
+    assert torch.equal(out[[0, 6, 12]], torch.zeros(3, 1031, dtype=dtype))
+    assert torch.isnan(loss[3]) and torch.isnan(out[3]).all() and torch.isnan(per_row[3])
+    assert torch.isnan(loss[8]) == torch.isnan(per_row[8])
+    assert torch.equal(torch.isnan(out[8]), torch.isnan(grad[8]))
+    untouched = z.clone()
+    with backend.force("cpu"):
+        ops.cross_entropy_rows_(untouched, t, None, -7, smoothing, False)
+    assert torch.equal(untouched.isnan(), z.isnan()) and torch.equal(untouched[~z.isnan()], z[~z.isnan()])
+
+
+@needs_cpu_kernels
+def test_cpu_cross_entropy_rows_bad_target_raises_before_writing():
+    z = torch.randn(5, 11)
+    out = z.clone()
+    t = torch.tensor([3, -100, 10, 11, 0])
+    with pytest.raises(ValueError, match=r"target\[3\] = 11 is not a class index in \[0, 11\) "
+                                         r"nor ignore_index=-100"):
+        with backend.force("cpu"):
+            ops.cross_entropy_rows_(out, t, None, -100, 0.0, True)
+    assert torch.equal(out, z)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 def test_cross_entropy_rows_reference_when_target_probability_underflows(dtype):
     """Logits so spread that softmax(z)[t] underflows to 0 for most rows (loss in the

@@ -19,8 +19,9 @@ Returns the per-row loss, float32 (float64) ``[n]``::
     grad[r, c] = row_scale_r * (softmax(z_r)_c - (1 - eps) * [c == t_r] - eps / V)
 
 i.e. the loss and gradient of ``F.cross_entropy(z, t, reduction="sum", ignore_index=...,
-label_smoothing=eps)``. Targets outside ``[0, V)`` (other than ``ignore_index``) raise on CPU;
-on the GPU they are not checked (that would need a host sync): such a row gets loss
+label_smoothing=eps)``. Targets outside ``[0, V)`` (other than ``ignore_index``) raise on CPU
+(a ``ValueError`` naming the row; the C++ kernel checks every target before writing a row); on
+the GPU they are not checked (that would need a host sync): such a row gets loss
 ``lse - eps * mean(z)`` and no one-hot term.
 """
 from __future__ import annotations
@@ -52,15 +53,20 @@ def _check(logits, target, row_scale, ignore_index, label_smoothing, compute_gra
         _checks.same_device(op, "row_scale", row_scale, logits, "logits")
     if not (0.0 <= label_smoothing <= 1.0):
         raise ValueError(f"memkern.ops.{op}: label_smoothing={label_smoothing} must be in [0, 1]")
+    return logits.device
+
+
+def _check_target_range(logits, target, ignore_index) -> None:
+    """The reference's CPU range check (6 ops and a host read; the C++ CPU kernel checks each
+    row as it reads its target, at no extra cost)."""
     if logits.device.type == "cpu" and target.numel():
         bad = (target != ignore_index) & ((target < 0) | (target >= logits.shape[1]))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
             raise ValueError(
-                f"memkern.ops.{op}: target[{i}] = {int(target[i])} is not a class index in "
-                f"[0, {logits.shape[1]}) nor ignore_index={ignore_index}"
+                f"memkern.ops.cross_entropy_rows_: target[{i}] = {int(target[i])} is not a class "
+                f"index in [0, {logits.shape[1]}) nor ignore_index={ignore_index}"
             )
-    return logits.device
 
 
 def _fake(logits, target, row_scale, ignore_index, label_smoothing, compute_grad):
@@ -72,6 +78,7 @@ def reference(logits, target, row_scale, ignore_index, label_smoothing, compute_
     same roundings as torch's ``F.cross_entropy`` and its backward, so that a model using this
     follows torch's fp32 training trajectory closely (a softmax-only variant is ~2% faster on
     the CPU but rounds differently, which AdamW amplifies over steps)."""
+    _check_target_range(logits, target, ignore_index)
     n, V = logits.shape
     cd = _checks.compute_dtype(logits.dtype)
     eps = float(label_smoothing)
@@ -111,5 +118,5 @@ cross_entropy_rows_ = Op(
     fake=_fake,
     reference=reference,
     triton="memkern.kernels.cross_entropy.cross_entropy_rows_",
-    compiled_kernels=False,
+    compiled_kernels=("cpu",),
 )
