@@ -48,15 +48,17 @@ def cpu_backends() -> list[str]:
 
 
 # The layers whose autograd runs in C++ when the extension is built (memkern.ops.linear,
-# dropout_layer, norm_layer), named by the memkern.nn.functional module that routes them.
-_CPP_AUTOGRAD_ROUTES = ("linear", "dropout", "norm")
+# dropout_layer, norm_layer, linear_cross_entropy_layer), named by the memkern.nn.functional
+# module that routes them.
+_CPP_AUTOGRAD_ROUTES = ("linear", "dropout", "norm", "linear_cross_entropy")
 
 
 @pytest.fixture(params=["cpp", "python"])
 def layer_autograd(request, monkeypatch):
     """The two implementations of the layers' algorithms: C++ autograd (``memkern::linear``,
-    ``memkern::dropout_layer``, ``memkern::norm_layer``; extension built) and the Python
-    ``autograd.Function``s (no extension, autocast, compile, a forced backend, ...)."""
+    ``memkern::dropout_layer``, ``memkern::norm_layer``, ``memkern::linear_cross_entropy``;
+    extension built) and the Python ``autograd.Function``s (no extension, autocast, compile,
+    a forced backend, ...)."""
     import dataclasses
     import sys
 

@@ -5,6 +5,8 @@ The memory and speed claims at N=4096, V=32000, H=512 are in test_nn_memory.py.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,41 @@ from memkern.nn.functional import linear_cross_entropy as lce
 from compare import rel_err
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+@pytest.fixture(autouse=True)
+def _both_implementations(layer_autograd):
+    """Every test runs on the C++ op (memkern::linear_cross_entropy) and the Python Function."""
+    return layer_autograd
+
+
+def test_routing_runs_the_cpp_autograd(layer_autograd):
+    x, w, b, t = _data(5, 7, 11, dtype=torch.float32)
+    for reduction in ("mean", "sum", "none"):
+        node = lce(x, w, t, b, reduction=reduction).grad_fn
+        if reduction == "none":  # the [N] loss viewed as target's shape
+            node = node.next_functions[0][0]
+        name = node.name()
+        assert ("CppNode" in name) == (layer_autograd == "cpp"), name
+    with mk.ops.force("reference"):  # a forced backend keeps the Python Function
+        assert "CppNode" not in lce(x, w, t, b).grad_fn.name()
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("value", [-1, 37, 10**12])
+def test_out_of_range_target_raises_a_clear_error(where, value):
+    """On the CPU a target outside [0, V) that is not ignore_index raises, naming the value and
+    the range, before any gradient is written; ignore_index itself is fine anywhere."""
+    x, w, b, t = _data(23, 13, 37, ignore=(4,))
+    t[{"first": 0, "middle": 11, "last": 22}[where]] = value
+    for reduction, backend in (("mean", None), ("sum", None), ("none", None), ("mean", "reference")):
+        with mk.ops.force(backend) if backend else contextlib.nullcontext():
+            with pytest.raises(ValueError, match=rf"= {value} is not a class index in \[0, 37\) "
+                                                 r"nor ignore_index=-100"):
+                lce(x, w, t, b, reduction=reduction, chunk_size=5)
+    t[t == value] = 7
+    t[t == -100] = -3
+    assert torch.isfinite(lce(x, w, t, b, ignore_index=-3))
 
 
 

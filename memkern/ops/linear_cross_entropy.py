@@ -182,9 +182,13 @@ def chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
             zs = z[s0 - start:s1 - start]
             if tanh is not None:
                 th = _softcap_(zs, tanh[: s1 - s0], softcap)
-            loss[s0:s1] = cross_entropy_rows_(
+            rows = cross_entropy_rows_(
                 zs, target[s0:s1], None if grad_loss is None else grad_loss[s0:s1], ignore_index,
                 label_smoothing, compute_grad)
+            if s1 - s0 == N:  # one block for all tokens (the usual GPU case): no copy
+                loss = rows
+            else:
+                loss[s0:s1] = rows
             if tanh is not None and compute_grad:  # chain rule through the cap: 1 - tanh^2
                 zs.mul_(th.square_().neg_().add_(1.0))
         if grad_input:

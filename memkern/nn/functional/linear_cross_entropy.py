@@ -15,13 +15,20 @@ What is saved for backward:
   logits chunk by chunk with the per-token incoming gradient folded in.
 
 No host synchronisation: the number of non-ignored tokens and ``num_items`` stay on the device.
+
+Host time per call: with the extension built, on the default backend, the call runs as the
+``memkern::linear_cross_entropy`` op (:mod:`memkern.ops.linear_cross_entropy_layer`: this
+algorithm, chunk loop and autograd, in C++), except 16-bit inputs on a GPU; the Python Function
+below serves the rest (a forced backend, ``torch.compile``, saved-tensor recording, no
+extension).
 """
 from __future__ import annotations
 
 import torch
 
-from memkern import ops
-from memkern.profile.saved import note_saved
+from memkern import backend, ops
+from memkern._extension import compiled
+from memkern.profile.saved import note_saved, recording
 
 REDUCTIONS = ("mean", "sum", "none")
 CHUNK_BYTES_CPU = 64 << 20
@@ -69,18 +76,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if num_items is not None:
             denom = num_items.to(total.dtype) if isinstance(num_items, torch.Tensor) else float(num_items)
             out = total / denom
-            factor = 1.0 / denom
+            divisor = denom
         elif reduction == "mean":
-            count = (target != ignore_index).sum().to(total.dtype)
+            count = (target != ignore_index).sum(dtype=total.dtype)
             out = total / count  # NaN when every token is ignored, as F.cross_entropy
-            factor = 1.0 / count.clamp(min=1.0)  # ... whose gradient is then 0
+            divisor = count.clamp(min=1.0)  # ... whose gradient is then 0
         else:
             out = total
-            factor = None
+            divisor = None
         # Kept as attributes, not save_for_backward: the backward hands them over to autograd
         # without another reference, so AccumulateGrad can take them without a copy.
         ctx.grads = [dx if need_x else None, dw if need_w else None, db if need_b else None]
-        ctx.factor = factor
+        ctx.divisor = divisor
         note_saved(*ctx.grads)
         return _in_dtype(out, x.dtype)
 
@@ -105,9 +112,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         dx, dw, db = ctx.grads
         ctx.grads = None
         scale = grad_loss.reshape(()).to(torch.promote_types(grad_loss.dtype, torch.float32))
-        if ctx.factor is not None:
-            scale = scale * ctx.factor
-        ctx.factor = None
+        if ctx.divisor is not None:
+            scale = scale / ctx.divisor
+        ctx.divisor = None
         out = []
         for g, dtype in ((dx, x_dtype), (dw, w_dtype), (db, b_dtype)):
             if g is None:
@@ -118,6 +125,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             del g
         dx = dw = db = None
         return (*out, None, None, None, None, None, None, None)
+
+
+def _cpp_autograd(x: torch.Tensor) -> bool:
+    """Whether the call runs as ``memkern::linear_cross_entropy`` (this algorithm with its chunk
+    loop and autograd in C++): extension built, default backend, outside ``torch.compile`` and
+    saved-tensor recording (which counts the gradients kept by the Python Function), and not
+    16-bit on a GPU (the Python Function accumulates those GEMMs in float32 with cuBLAS)."""
+    return (compiled.has_cpu and backend.requested() is None and not recording()
+            and (x.device.type == "cpu" or x.dtype in (torch.float32, torch.float64))
+            and not torch.compiler.is_compiling())
 
 
 def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -172,7 +189,15 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
     t = target.reshape(-1).contiguous()
     if chunk_size is None:
         chunk_size = default_chunk_size(x.shape[0], weight.shape[0], x.shape[1], x.device)
-    loss = LinearCrossEntropyFunction.apply(
-        x, weight.contiguous(), None if bias is None else bias.contiguous(), t, num_items,
-        reduction, int(ignore_index), float(label_smoothing), int(chunk_size), softcap)
+    w, b = weight.contiguous(), None if bias is None else bias.contiguous()
+    if _cpp_autograd(x):
+        tensor_items = num_items if isinstance(num_items, torch.Tensor) else None
+        divisor = None if num_items is None or tensor_items is not None else float(num_items)
+        loss = ops.linear_cross_entropy_layer(
+            x, w, b, t, tensor_items, divisor, reduction, int(ignore_index),
+            float(label_smoothing), int(chunk_size), softcap)
+    else:
+        loss = LinearCrossEntropyFunction.apply(
+            x, w, b, t, num_items, reduction, int(ignore_index), float(label_smoothing),
+            int(chunk_size), softcap)
     return loss.view(target.shape) if reduction == "none" else loss

@@ -1,0 +1,37 @@
+"""``memkern::linear_cross_entropy``: :func:`memkern.nn.functional.linear_cross_entropy` as one
+op whose chunk loop and autograd are C++ (csrc/autograd/linear_cross_entropy.cpp): the same
+algorithm as :mod:`memkern.ops.linear_cross_entropy` (one ``[chunk, V]`` logits block at a
+time, the row op :mod:`memkern.ops.cross_entropy` through the dispatcher) and the same saved
+tensors as the Python ``autograd.Function``, at the host cost of a C++ autograd node.
+
+Arguments: ``x`` ``[N, H]`` and ``weight`` ``[V, H]`` contiguous, one dtype; ``bias``
+optional ``[V]``; ``target`` int64 ``[N]``; ``num_items`` (a device tensor) or ``divisor``
+(a number) replaces the token count of ``reduction="mean"``/``"sum"`` (at most one given);
+``reduction`` ("mean", "sum", "none"), ``ignore_index``, ``label_smoothing``, ``chunk_size``,
+``softcap`` as in the functional. Returns the loss in ``x``'s dtype (``[N]`` for "none").
+
+Only the compiled extension registers its kernels (``Autograd`` and, below autograd,
+``CompositeExplicitAutograd``); the functional calls it for CPU inputs and 32/64-bit GPU inputs
+on the default backend (16-bit GPU inputs keep the Python Function, whose float32 gradient
+accumulators use cuBLAS's 16-bit-in, float32-out GEMMs).
+"""
+from __future__ import annotations
+
+import torch
+
+from memkern.ops._registry import LIBRARY
+
+LIBRARY.define(
+    "linear_cross_entropy(Tensor x, Tensor weight, Tensor? bias, Tensor target, "
+    "Tensor? num_items, float? divisor, str reduction, int ignore_index, float label_smoothing, "
+    "int chunk_size, float softcap) -> Tensor"
+)
+
+
+@torch.library.register_fake("memkern::linear_cross_entropy", lib=LIBRARY)
+def _fake(x, weight, bias, target, num_items, divisor, reduction, ignore_index,
+          label_smoothing, chunk_size, softcap):
+    return x.new_empty((x.shape[0],) if reduction == "none" else ())
+
+
+linear_cross_entropy_layer = torch.ops.memkern.linear_cross_entropy.default
