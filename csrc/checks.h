@@ -92,6 +92,42 @@ inline void check_codes(const char* op, const char* name, const at::Tensor& code
               absmax.scalar_type(), " of shape ", absmax.sizes(), " on ", absmax.device());
 }
 
+// The tensor arguments of memkern::adamw8bit_step_ (memkern/ops/adamw8bit.py), with `block`
+// elements per quantization block.
+inline void check_adamw8bit_step_args(const at::Tensor& master, const at::Tensor& exp_avg,
+                                      const at::Tensor& exp_avg_absmax,
+                                      const at::Tensor& exp_avg_sq,
+                                      const at::Tensor& exp_avg_sq_absmax,
+                                      const at::Tensor& grads,
+                                      const std::optional<at::Tensor>& params,
+                                      const at::Tensor& step,
+                                      const std::optional<at::Tensor>& grad_multiplier,
+                                      const std::optional<at::Tensor>& found_inf, int64_t block) {
+  constexpr const char* op = "adamw8bit_step_";
+  check_step_args(op, master, grads, params, step, grad_multiplier, found_inf);
+  check_codes(op, "exp_avg", exp_avg, at::kChar, "exp_avg_absmax", exp_avg_absmax, master,
+              block);
+  check_codes(op, "exp_avg_sq", exp_avg_sq, at::kByte, "exp_avg_sq_absmax", exp_avg_sq_absmax,
+              master, block);
+}
+
+// The tensor arguments and the momentum of memkern::sgd8bit_step_ (memkern/ops/sgd8bit.py),
+// with `block` elements per quantization block.
+inline void check_sgd8bit_step_args(const at::Tensor& master, const at::Tensor& momentum_buffer,
+                                    const at::Tensor& momentum_absmax, const at::Tensor& grads,
+                                    const std::optional<at::Tensor>& params,
+                                    const at::Tensor& step,
+                                    const std::optional<at::Tensor>& grad_multiplier,
+                                    const std::optional<at::Tensor>& found_inf, double momentum,
+                                    int64_t block) {
+  constexpr const char* op = "sgd8bit_step_";
+  check_step_args(op, master, grads, params, step, grad_multiplier, found_inf);
+  TORCH_CHECK(momentum > 0.0, "memkern.", op, ": momentum must be > 0, got ", momentum,
+              "; without momentum SGD keeps no state: use sgd_step_ without a momentum_buffer");
+  check_codes(op, "momentum_buffer", momentum_buffer, at::kChar, "momentum_absmax",
+              momentum_absmax, master, block);
+}
+
 // SGD's momentum buffer: required (float32, like master) when momentum != 0, unused otherwise.
 inline void check_momentum_buffer(const char* op, double momentum,
                                   const std::optional<at::Tensor>& momentum_buffer,

@@ -45,19 +45,13 @@ void adamw_step_cpu(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg
   const AdamWCoefficients c =
       adamw_coefficients(t, grad_multiplier, lr, beta1, beta2, eps, weight_decay);
 
-  std::optional<at::ScalarType> param_dtype;
-  if (params.has_value()) param_dtype = params->scalar_type();
-  dispatch_grad_and_param(grads.scalar_type(), param_dtype, [&](auto grad_tag, auto param_tag) {
-    using grad_t = decltype(grad_tag);
-    using param_t = decltype(param_tag);
+  with_grad_and_param_data(grads, params, [&](const auto* g, auto* p) {
     float* m = master.data_ptr<float>();
     float* avg = exp_avg.data_ptr<float>();
     float* avg_sq = exp_avg_sq.data_ptr<float>();
-    const auto* g = static_cast<const grad_t*>(grads.const_data_ptr());
-    auto* p = data_or_null<param_t>(params);
     parallel_blocks(master.numel(), [&](int64_t begin, int64_t end) {
-      adamw_block(m + begin, avg + begin, avg_sq + begin, g + begin,
-                  p == nullptr ? nullptr : p + begin, c, end - begin);
+      adamw_block(m + begin, avg + begin, avg_sq + begin, g + begin, params_from(p, begin), c,
+                  end - begin);
     });
   });
   *step.data_ptr<float>() = static_cast<float>(t);

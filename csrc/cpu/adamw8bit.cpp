@@ -39,45 +39,31 @@ MEMKERN_INLINE void update_block(float* __restrict master, const int8_t* __restr
   }
 }
 
-// One quantization block of n <= kQBlock elements from `begin`; a constant n makes every loop
-// a fixed-size one, which vectorises without a tail.
+// One quantization block: update_qblocks' BlockUpdate for AdamW (state8bit.h).
 template <bool kLerpFromEnd, typename grad_t, typename param_t>
-MEMKERN_INLINE void adamw8bit_block(float* __restrict master, int8_t* __restrict m_codes,
-                                    float* __restrict m_absmax, uint8_t* __restrict v_codes,
-                                    float* __restrict v_absmax, const grad_t* __restrict grads,
-                                    param_t* __restrict params, const AdamWCoefficients& c,
-                                    int64_t b, int64_t n) {
-  alignas(64) float m[kQBlock];
-  alignas(64) float v[kQBlock];
-  alignas(64) float sqrt_v[kQBlock];
-  const int64_t begin = b * kQBlock;
-  param_t* p = nullptr;
-  if constexpr (!std::is_same_v<param_t, NoParams>) p = params + begin;
-  update_block<kLerpFromEnd>(master + begin, m_codes + begin, v_codes + begin, m_absmax[b],
-                             v_absmax[b], grads + begin, p, c, m, v, sqrt_v, n);
-  quantize_block(m, n, m_codes + begin, m_absmax + b);
-  quantize_block(v, sqrt_v, n, v_codes + begin, v_absmax + b);
-}
+struct AdamW8bitBlock {
+  float* master;
+  int8_t* m_codes;
+  float* m_absmax;
+  uint8_t* v_codes;
+  float* v_absmax;
+  const grad_t* grads;
+  param_t* params;
+  AdamWCoefficients c;
 
-// The blocks [first, last) of an n-element buffer.
-template <bool kLerpFromEnd, typename grad_t, typename param_t>
-MEMKERN_VECTOR_CLONES void adamw8bit_blocks(float* __restrict master, int8_t* __restrict m_codes,
-                                            float* __restrict m_absmax,
-                                            uint8_t* __restrict v_codes,
-                                            float* __restrict v_absmax,
-                                            const grad_t* __restrict grads,
-                                            param_t* __restrict params, AdamWCoefficients c,
-                                            int64_t n, int64_t first, int64_t last) {
-  const int64_t full = n / kQBlock < last ? n / kQBlock : last;
-  for (int64_t b = first; b < full; ++b) {
-    adamw8bit_block<kLerpFromEnd>(master, m_codes, m_absmax, v_codes, v_absmax, grads, params,
-                                  c, b, kQBlock);
+  // The n <= kQBlock elements of block b.
+  MEMKERN_INLINE void operator()(int64_t b, int64_t n) const {
+    alignas(64) float m[kQBlock];
+    alignas(64) float v[kQBlock];
+    alignas(64) float sqrt_v[kQBlock];
+    const int64_t begin = b * kQBlock;
+    update_block<kLerpFromEnd>(master + begin, m_codes + begin, v_codes + begin, m_absmax[b],
+                               v_absmax[b], grads + begin, params_from(params, begin), c, m, v,
+                               sqrt_v, n);
+    quantize_block(m, n, m_codes + begin, m_absmax + b);
+    quantize_block(v, sqrt_v, n, v_codes + begin, v_absmax + b);
   }
-  if (full < last) {  // the buffer's last, partial block
-    adamw8bit_block<kLerpFromEnd>(master, m_codes, m_absmax, v_codes, v_absmax, grads, params,
-                                  c, full, n - full * kQBlock);
-  }
-}
+};
 
 void adamw8bit_step_cpu(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_absmax,
                         at::Tensor& exp_avg_sq, at::Tensor& exp_avg_sq_absmax,
@@ -85,39 +71,29 @@ void adamw8bit_step_cpu(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp
                         at::Tensor& step, const std::optional<at::Tensor>& grad_multiplier,
                         const std::optional<at::Tensor>& found_inf, double lr, double beta1,
                         double beta2, double eps, double weight_decay) {
-  constexpr const char* op = "adamw8bit_step_";
-  check_step_args(op, master, grads, params, step, grad_multiplier, found_inf);
-  memkern::check_codes(op, "exp_avg", exp_avg, at::kChar, "exp_avg_absmax", exp_avg_absmax,
-                       master, kQBlock);
-  memkern::check_codes(op, "exp_avg_sq", exp_avg_sq, at::kByte, "exp_avg_sq_absmax",
-                       exp_avg_sq_absmax, master, kQBlock);
+  check_adamw8bit_step_args(master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
+                            grads, params, step, grad_multiplier, found_inf, kQBlock);
   if (found_inf_set(found_inf)) return;  // a skipped step writes nothing, not even the step
 
   const double t = static_cast<double>(read_scalar(step)) + 1.0;
   const AdamWCoefficients c =
       adamw_coefficients(t, grad_multiplier, lr, beta1, beta2, eps, weight_decay);
-  const int64_t n = master.numel();
-  const int64_t blocks = (n + kQBlock - 1) / kQBlock;
-
-  std::optional<at::ScalarType> param_dtype;
-  if (params.has_value()) param_dtype = params->scalar_type();
-  dispatch_grad_and_param(grads.scalar_type(), param_dtype, [&](auto grad_tag, auto param_tag) {
-    using grad_t = decltype(grad_tag);
-    using param_t = decltype(param_tag);
-    float* w = master.data_ptr<float>();
-    auto* m_codes = static_cast<int8_t*>(exp_avg.data_ptr());
-    auto* v_codes = static_cast<uint8_t*>(exp_avg_sq.data_ptr());
-    float* m_absmax = exp_avg_absmax.data_ptr<float>();
-    float* v_absmax = exp_avg_sq_absmax.data_ptr<float>();
-    const auto* g = static_cast<const grad_t*>(grads.const_data_ptr());
-    auto* p = data_or_null<param_t>(params);
-    at::parallel_for(0, blocks, kGrain / kQBlock, [&](int64_t first, int64_t last) {
-      if (c.lerp_from_end) {
-        adamw8bit_blocks<true>(w, m_codes, m_absmax, v_codes, v_absmax, g, p, c, n, first, last);
-      } else {
-        adamw8bit_blocks<false>(w, m_codes, m_absmax, v_codes, v_absmax, g, p, c, n, first, last);
-      }
-    });
+  with_grad_and_param_data(grads, params, [&](const auto* g, auto* p) {
+    using grad_t = std::decay_t<decltype(*g)>;
+    using param_t = std::remove_pointer_t<decltype(p)>;
+    const auto run = [&](auto lerp_from_end) {
+      parallel_update_qblocks(
+          master.numel(),
+          AdamW8bitBlock<decltype(lerp_from_end)::value, grad_t, param_t>{
+              master.data_ptr<float>(), static_cast<int8_t*>(exp_avg.data_ptr()),
+              exp_avg_absmax.data_ptr<float>(), static_cast<uint8_t*>(exp_avg_sq.data_ptr()),
+              exp_avg_sq_absmax.data_ptr<float>(), g, p, c});
+    };
+    if (c.lerp_from_end) {
+      run(std::true_type{});
+    } else {
+      run(std::false_type{});
+    }
   });
   *step.data_ptr<float>() = static_cast<float>(t);
 }

@@ -148,4 +148,28 @@ inline T* data_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? static_cast<T*>(t->data_ptr()) : nullptr;
 }
 
+// Calls f(grads_data, params_data) with the typed data of the grads and of the optional
+// params (a null NoParams* when there is no parameter copy to write).
+template <typename F>
+inline void with_grad_and_param_data(const at::Tensor& grads,
+                                     const std::optional<at::Tensor>& params, const F& f) {
+  std::optional<at::ScalarType> param_dtype;
+  if (params.has_value()) param_dtype = params->scalar_type();
+  dispatch_grad_and_param(grads.scalar_type(), param_dtype, [&](auto grad_tag, auto param_tag) {
+    using grad_t = decltype(grad_tag);
+    using param_t = decltype(param_tag);
+    f(static_cast<const grad_t*>(grads.const_data_ptr()), data_or_null<param_t>(params));
+  });
+}
+
+// params + begin, or null (NoParams: there is no parameter copy).
+template <typename param_t>
+inline param_t* params_from(param_t* params, int64_t begin) {
+  if constexpr (std::is_same_v<param_t, NoParams>) {
+    return nullptr;
+  } else {
+    return params == nullptr ? nullptr : params + begin;
+  }
+}
+
 }  // namespace memkern::cpu

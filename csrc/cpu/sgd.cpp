@@ -39,18 +39,12 @@ void sgd_step_cpu(at::Tensor& master, const std::optional<at::Tensor>& momentum_
   const SgdCoefficients c = sgd_coefficients(step_before, grad_multiplier, lr, momentum,
                                              dampening, weight_decay, nesterov);
 
-  std::optional<at::ScalarType> param_dtype;
-  if (params.has_value()) param_dtype = params->scalar_type();
-  dispatch_grad_and_param(grads.scalar_type(), param_dtype, [&](auto grad_tag, auto param_tag) {
-    using grad_t = decltype(grad_tag);
-    using param_t = decltype(param_tag);
+  with_grad_and_param_data(grads, params, [&](const auto* g, auto* p) {
     float* w = master.data_ptr<float>();
     float* buf = use_momentum ? momentum_buffer->data_ptr<float>() : nullptr;
-    const auto* g = static_cast<const grad_t*>(grads.const_data_ptr());
-    auto* p = data_or_null<param_t>(params);
     parallel_blocks(master.numel(), [&](int64_t begin, int64_t end) {
       sgd_block(w + begin, buf == nullptr ? nullptr : buf + begin, g + begin,
-                p == nullptr ? nullptr : p + begin, c, end - begin);
+                params_from(p, begin), c, end - begin);
     });
   });
   *step.data_ptr<float>() = step_before + 1.0f;

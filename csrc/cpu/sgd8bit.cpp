@@ -30,29 +30,25 @@ MEMKERN_INLINE void update_block(float* __restrict master, const int8_t* __restr
   }
 }
 
-// The blocks [first, last) of an n-element buffer.
+// One quantization block: update_qblocks' BlockUpdate for SGD (state8bit.h).
 template <typename grad_t, typename param_t>
-MEMKERN_VECTOR_CLONES void sgd8bit_blocks(float* __restrict master, int8_t* __restrict codes,
-                                          float* __restrict absmax,
-                                          const grad_t* __restrict grads,
-                                          param_t* __restrict params, SgdCoefficients c,
-                                          int64_t n, int64_t first, int64_t last) {
-  float buf[kQBlock];
-  for (int64_t b = first; b < last; ++b) {
+struct Sgd8bitBlock {
+  float* master;
+  int8_t* codes;
+  float* absmax;
+  const grad_t* grads;
+  param_t* params;
+  SgdCoefficients c;
+
+  // The n <= kQBlock elements of block b.
+  MEMKERN_INLINE void operator()(int64_t b, int64_t n) const {
+    alignas(64) float buf[kQBlock];
     const int64_t begin = b * kQBlock;
-    param_t* p = nullptr;
-    if constexpr (!std::is_same_v<param_t, NoParams>) p = params + begin;
-    // A constant trip count for the full blocks: their loops vectorise without a tail.
-    const int64_t len = n - begin >= kQBlock ? kQBlock : n - begin;
-    if (len == kQBlock) {
-      update_block(master + begin, codes + begin, absmax[b], grads + begin, p, c, buf, kQBlock);
-      quantize_block(buf, kQBlock, codes + begin, absmax + b);
-    } else {
-      update_block(master + begin, codes + begin, absmax[b], grads + begin, p, c, buf, len);
-      quantize_block(buf, len, codes + begin, absmax + b);
-    }
+    update_block(master + begin, codes + begin, absmax[b], grads + begin,
+                 params_from(params, begin), c, buf, n);
+    quantize_block(buf, n, codes + begin, absmax + b);
   }
-}
+};
 
 void sgd8bit_step_cpu(at::Tensor& master, at::Tensor& momentum_buffer,
                       at::Tensor& momentum_absmax, const at::Tensor& grads,
@@ -60,33 +56,21 @@ void sgd8bit_step_cpu(at::Tensor& master, at::Tensor& momentum_buffer,
                       const std::optional<at::Tensor>& grad_multiplier,
                       const std::optional<at::Tensor>& found_inf, double lr, double momentum,
                       double dampening, double weight_decay, bool nesterov) {
-  constexpr const char* op = "sgd8bit_step_";
-  check_step_args(op, master, grads, params, step, grad_multiplier, found_inf);
-  TORCH_CHECK(momentum > 0.0, "memkern.", op, ": momentum must be > 0, got ", momentum,
-              "; without momentum SGD keeps no state: use sgd_step_ without a momentum_buffer");
-  memkern::check_codes(op, "momentum_buffer", momentum_buffer, at::kChar, "momentum_absmax",
-                       momentum_absmax, master, kQBlock);
+  check_sgd8bit_step_args(master, momentum_buffer, momentum_absmax, grads, params, step,
+                          grad_multiplier, found_inf, momentum, kQBlock);
   if (found_inf_set(found_inf)) return;  // a skipped step writes nothing, not even the step
 
   const float step_before = read_scalar(step);
   const SgdCoefficients c = sgd_coefficients(step_before, grad_multiplier, lr, momentum,
                                              dampening, weight_decay, nesterov);
-  const int64_t n = master.numel();
-  const int64_t blocks = (n + kQBlock - 1) / kQBlock;
-
-  std::optional<at::ScalarType> param_dtype;
-  if (params.has_value()) param_dtype = params->scalar_type();
-  dispatch_grad_and_param(grads.scalar_type(), param_dtype, [&](auto grad_tag, auto param_tag) {
-    using grad_t = decltype(grad_tag);
-    using param_t = decltype(param_tag);
-    float* w = master.data_ptr<float>();
-    auto* codes = static_cast<int8_t*>(momentum_buffer.data_ptr());
-    float* absmax = momentum_absmax.data_ptr<float>();
-    const auto* g = static_cast<const grad_t*>(grads.const_data_ptr());
-    auto* p = data_or_null<param_t>(params);
-    at::parallel_for(0, blocks, kGrain / kQBlock, [&](int64_t first, int64_t last) {
-      sgd8bit_blocks(w, codes, absmax, g, p, c, n, first, last);
-    });
+  with_grad_and_param_data(grads, params, [&](const auto* g, auto* p) {
+    using grad_t = std::decay_t<decltype(*g)>;
+    using param_t = std::remove_pointer_t<decltype(p)>;
+    parallel_update_qblocks(
+        master.numel(),
+        Sgd8bitBlock<grad_t, param_t>{master.data_ptr<float>(),
+                                      static_cast<int8_t*>(momentum_buffer.data_ptr()),
+                                      momentum_absmax.data_ptr<float>(), g, p, c});
   });
   *step.data_ptr<float>() = step_before + 1.0f;
 }

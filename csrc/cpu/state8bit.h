@@ -1,6 +1,6 @@
 // The block-wise 8-bit optimizer-state format on the CPU backend, shared by every 8-bit
-// optimizer kernel (adamw8bit.cpp, ...): the block size, the two code maps and the quantizer
-// of one block. Format and map, defined and justified: memkern/ops/adamw8bit.py; constants:
+// optimizer kernel (adamw8bit.cpp, sgd8bit.cpp): the block size, the two code maps, the
+// quantizer of one block and the parallel loop over the blocks. Format and map, defined and justified: memkern/ops/adamw8bit.py; constants:
 // memkern/kernels/state8bit.py.
 #pragma once
 
@@ -102,6 +102,28 @@ MEMKERN_INLINE void quantize_block(const float* __restrict x, const float* __res
   for (int64_t i = 0; i < n; ++i) {
     codes[i] = static_cast<uint8_t>(static_cast<int32_t>(std::sqrt(sqrt_x[i]) * factor + 0.5f));
   }
+}
+
+// The blocks [first, last) of an n-element buffer: update_block(b, len) for each, with len the
+// constant kQBlock but for the buffer's last, partial block. update_block is the per-optimizer
+// part (dequantize, update, requantize one block), always inlined here: this is the function
+// compiled per ISA, and a constant len makes each of its loops a fixed-size one, which
+// vectorises without a tail.
+template <typename BlockUpdate>
+MEMKERN_VECTOR_CLONES void update_qblocks(BlockUpdate update_block, int64_t n, int64_t first,
+                                          int64_t last) {
+  const int64_t full = n / kQBlock < last ? n / kQBlock : last;
+  for (int64_t b = first; b < full; ++b) update_block(b, kQBlock);
+  if (full < last) update_block(full, n - full * kQBlock);
+}
+
+// update_qblocks over every block of an n-element buffer, on ATen's intra-op thread pool.
+template <typename BlockUpdate>
+inline void parallel_update_qblocks(int64_t n, const BlockUpdate& update_block) {
+  const int64_t blocks = (n + kQBlock - 1) / kQBlock;
+  at::parallel_for(0, blocks, kGrain / kQBlock, [&](int64_t first, int64_t last) {
+    update_qblocks(update_block, n, first, last);
+  });
 }
 
 }  // namespace memkern::cpu
