@@ -55,6 +55,35 @@ const float* optional_scalar(const char* op, const char* name,
   return t->data_ptr<float>();
 }
 
+// What every optimizer-step launcher takes besides the state (flat_ops.h), from tensors that
+// memkern::check_step_args accepted.
+struct StepArgs {
+  const void* grads;
+  DType grads_dtype;
+  void* params;
+  DType params_dtype;
+  int64_t n;
+  float* step;
+  const float* grad_multiplier;
+  const float* found_inf;
+};
+
+StepArgs step_args(const char* op, const at::Tensor& master, const at::Tensor& grads,
+                   const std::optional<at::Tensor>& params, at::Tensor& step,
+                   const std::optional<at::Tensor>& grad_multiplier,
+                   const std::optional<at::Tensor>& found_inf) {
+  const DType grads_dtype = kernel_dtype(op, "grads", grads);
+  const auto [params_data, params_dtype] = params_or_none(op, params, grads_dtype);
+  return {grads.data_ptr(),
+          grads_dtype,
+          params_data,
+          params_dtype,
+          master.numel(),
+          step.data_ptr<float>(),
+          optional_scalar(op, "grad_multiplier", grad_multiplier, master),
+          optional_scalar(op, "found_inf", found_inf, master)};
+}
+
 void check_launch(const char* op, cudaError_t status) {
   TORCH_CHECK(status == cudaSuccess, "memkern.", op, ": CUDA kernel launch failed: ",
               cudaGetErrorString(status));
@@ -103,19 +132,14 @@ void adamw_step_cuda(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_av
   memkern::check_step_args(op, master, grads, params, step, grad_multiplier, found_inf);
   check_float32_state(op, "exp_avg", exp_avg, master);
   check_float32_state(op, "exp_avg_sq", exp_avg_sq, master);
-  const DType grads_dtype = kernel_dtype(op, "grads", grads);
-  const auto [params_data, params_dtype] = params_or_none(op, params, grads_dtype);
-  const float* grad_multiplier_data = optional_scalar(op, "grad_multiplier", grad_multiplier,
-                                                      master);
-  const float* found_inf_data = optional_scalar(op, "found_inf", found_inf, master);
+  const StepArgs a = step_args(op, master, grads, params, step, grad_multiplier, found_inf);
 
   const c10::cuda::CUDAGuard device_guard(master.device());
   check_launch(op, memkern::flat_ops::adamw_step(
                        master.data_ptr<float>(), exp_avg.data_ptr<float>(),
-                       exp_avg_sq.data_ptr<float>(), grads.data_ptr(), grads_dtype, params_data,
-                       params_dtype, master.numel(), step.data_ptr<float>(),
-                       grad_multiplier_data, found_inf_data, lr, beta1, beta2, eps,
-                       weight_decay, c10::cuda::getCurrentCUDAStream()));
+                       exp_avg_sq.data_ptr<float>(), a.grads, a.grads_dtype, a.params,
+                       a.params_dtype, a.n, a.step, a.grad_multiplier, a.found_inf, lr, beta1,
+                       beta2, eps, weight_decay, c10::cuda::getCurrentCUDAStream()));
 }
 
 void adamw8bit_step_cuda(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg_absmax,
@@ -125,26 +149,19 @@ void adamw8bit_step_cuda(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& ex
                          const std::optional<at::Tensor>& found_inf, double lr, double beta1,
                          double beta2, double eps, double weight_decay) {
   constexpr const char* op = "adamw8bit_step_";
-  memkern::check_step_args(op, master, grads, params, step, grad_multiplier, found_inf);
-  memkern::check_codes(op, "exp_avg", exp_avg, at::kChar, "exp_avg_absmax", exp_avg_absmax,
-                       master, memkern::flat_ops::kQuantBlock);
-  memkern::check_codes(op, "exp_avg_sq", exp_avg_sq, at::kByte, "exp_avg_sq_absmax",
-                       exp_avg_sq_absmax, master, memkern::flat_ops::kQuantBlock);
-  const DType grads_dtype = kernel_dtype(op, "grads", grads);
-  const auto [params_data, params_dtype] = params_or_none(op, params, grads_dtype);
-  const float* grad_multiplier_data = optional_scalar(op, "grad_multiplier", grad_multiplier,
-                                                      master);
-  const float* found_inf_data = optional_scalar(op, "found_inf", found_inf, master);
+  memkern::check_adamw8bit_step_args(master, exp_avg, exp_avg_absmax, exp_avg_sq,
+                                     exp_avg_sq_absmax, grads, params, step, grad_multiplier,
+                                     found_inf, memkern::flat_ops::kQuantBlock);
+  const StepArgs a = step_args(op, master, grads, params, step, grad_multiplier, found_inf);
 
   const c10::cuda::CUDAGuard device_guard(master.device());
   check_launch(op, memkern::flat_ops::adamw8bit_step(
                        master.data_ptr<float>(), static_cast<int8_t*>(exp_avg.data_ptr()),
                        exp_avg_absmax.data_ptr<float>(),
                        static_cast<uint8_t*>(exp_avg_sq.data_ptr()),
-                       exp_avg_sq_absmax.data_ptr<float>(), grads.data_ptr(), grads_dtype,
-                       params_data, params_dtype, master.numel(), step.data_ptr<float>(),
-                       grad_multiplier_data, found_inf_data, lr, beta1, beta2, eps,
-                       weight_decay, c10::cuda::getCurrentCUDAStream()));
+                       exp_avg_sq_absmax.data_ptr<float>(), a.grads, a.grads_dtype, a.params,
+                       a.params_dtype, a.n, a.step, a.grad_multiplier, a.found_inf, lr, beta1,
+                       beta2, eps, weight_decay, c10::cuda::getCurrentCUDAStream()));
 }
 
 void sgd_step_cuda(at::Tensor& master, const std::optional<at::Tensor>& momentum_buffer,
@@ -158,18 +175,13 @@ void sgd_step_cuda(at::Tensor& master, const std::optional<at::Tensor>& momentum
   // As in the reference, the buffer is only used with momentum.
   float* momentum_buffer_data =
       momentum != 0.0 ? momentum_buffer->data_ptr<float>() : nullptr;
-  const DType grads_dtype = kernel_dtype(op, "grads", grads);
-  const auto [params_data, params_dtype] = params_or_none(op, params, grads_dtype);
-  const float* grad_multiplier_data = optional_scalar(op, "grad_multiplier", grad_multiplier,
-                                                      master);
-  const float* found_inf_data = optional_scalar(op, "found_inf", found_inf, master);
+  const StepArgs a = step_args(op, master, grads, params, step, grad_multiplier, found_inf);
 
   const c10::cuda::CUDAGuard device_guard(master.device());
   check_launch(op, memkern::flat_ops::sgd_step(
-                       master.data_ptr<float>(), momentum_buffer_data, grads.data_ptr(),
-                       grads_dtype, params_data, params_dtype, master.numel(),
-                       step.data_ptr<float>(), grad_multiplier_data, found_inf_data, lr,
-                       momentum, dampening, weight_decay, nesterov,
+                       master.data_ptr<float>(), momentum_buffer_data, a.grads, a.grads_dtype,
+                       a.params, a.params_dtype, a.n, a.step, a.grad_multiplier, a.found_inf,
+                       lr, momentum, dampening, weight_decay, nesterov,
                        c10::cuda::getCurrentCUDAStream()));
 }
 
@@ -180,24 +192,18 @@ void sgd8bit_step_cuda(at::Tensor& master, at::Tensor& momentum_buffer,
                        const std::optional<at::Tensor>& found_inf, double lr, double momentum,
                        double dampening, double weight_decay, bool nesterov) {
   constexpr const char* op = "sgd8bit_step_";
-  memkern::check_step_args(op, master, grads, params, step, grad_multiplier, found_inf);
-  TORCH_CHECK(momentum > 0.0, "memkern.", op, ": momentum must be > 0, got ", momentum,
-              "; without momentum SGD keeps no state: use sgd_step_ without a momentum_buffer");
-  memkern::check_codes(op, "momentum_buffer", momentum_buffer, at::kChar, "momentum_absmax",
-                       momentum_absmax, master, memkern::flat_ops::kQuantBlock);
-  const DType grads_dtype = kernel_dtype(op, "grads", grads);
-  const auto [params_data, params_dtype] = params_or_none(op, params, grads_dtype);
-  const float* grad_multiplier_data = optional_scalar(op, "grad_multiplier", grad_multiplier,
-                                                      master);
-  const float* found_inf_data = optional_scalar(op, "found_inf", found_inf, master);
+  memkern::check_sgd8bit_step_args(master, momentum_buffer, momentum_absmax, grads, params, step,
+                                   grad_multiplier, found_inf, momentum,
+                                   memkern::flat_ops::kQuantBlock);
+  const StepArgs a = step_args(op, master, grads, params, step, grad_multiplier, found_inf);
 
   const c10::cuda::CUDAGuard device_guard(master.device());
   check_launch(op, memkern::flat_ops::sgd8bit_step(
                        master.data_ptr<float>(), static_cast<int8_t*>(momentum_buffer.data_ptr()),
-                       momentum_absmax.data_ptr<float>(), grads.data_ptr(), grads_dtype,
-                       params_data, params_dtype, master.numel(), step.data_ptr<float>(),
-                       grad_multiplier_data, found_inf_data, lr, momentum, dampening,
-                       weight_decay, nesterov, c10::cuda::getCurrentCUDAStream()));
+                       momentum_absmax.data_ptr<float>(), a.grads, a.grads_dtype, a.params,
+                       a.params_dtype, a.n, a.step, a.grad_multiplier, a.found_inf, lr,
+                       momentum, dampening, weight_decay, nesterov,
+                       c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace

@@ -83,6 +83,18 @@ cudaError_t elementwise_grid(Kernel kernel, int64_t n, int* grid) {
   return cudaSuccess;
 }
 
+// kernel<<<its elementwise grid for n elements, kThreadsPerBlock>>>(args...) on `stream`.
+template <typename... Params, typename... Args>
+cudaError_t launch_elementwise(void (*kernel)(Params...), int64_t n, cudaStream_t stream,
+                               Args... args) {
+  int grid = 0;
+  if (const cudaError_t err = elementwise_grid(kernel, n, &grid); err != cudaSuccess) {
+    return err;
+  }
+  kernel<<<grid, kThreadsPerBlock, 0, stream>>>(args...);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_advance_step(float* step, const float* found_inf, cudaStream_t stream) {
   device::advance_step_kernel<<<1, 1, 0, stream>>>(step, found_inf);
   return cudaGetLastError();
@@ -141,14 +153,8 @@ cudaError_t unscale(void* grads, DType grads_dtype, int64_t n, float* found_inf,
   }
   return with_dtype(grads_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const auto kernel = device::unscale_kernel<T>;
-    int grid = 0;
-    if (const cudaError_t err = elementwise_grid(kernel, n, &grid); err != cudaSuccess) {
-      return err;
-    }
-    kernel<<<grid, kThreadsPerBlock, 0, stream>>>(static_cast<T*>(grads), n,
-                                                  vector_aligned<T>(grads), found_inf, inv_scale);
-    return cudaGetLastError();
+    return launch_elementwise(device::unscale_kernel<T>, n, stream, static_cast<T*>(grads), n,
+                              vector_aligned<T>(grads), found_inf, inv_scale);
   });
 }
 
@@ -182,18 +188,12 @@ cudaError_t adamw_step(float* master, float* exp_avg, float* exp_avg_sq, const v
   const auto launch = [&](auto grads_tag, auto params_tag) {
     using G = typename decltype(grads_tag)::type;
     using P = typename decltype(params_tag)::type;
-    const auto kernel = device::adamw_step_kernel<G, P>;
-    int grid = 0;
-    if (const cudaError_t err = elementwise_grid(kernel, n, &grid); err != cudaSuccess) {
-      return err;
-    }
     const bool vectorised = vector_aligned<float>(master) && vector_aligned<float>(exp_avg) &&
                             vector_aligned<float>(exp_avg_sq) && vector_aligned<G>(grads) &&
                             vector_aligned<P>(params);
-    kernel<<<grid, kThreadsPerBlock, 0, stream>>>(
-        master, exp_avg, exp_avg_sq, static_cast<const G*>(grads), static_cast<P*>(params), n,
-        vectorised, step, grad_multiplier, found_inf, constants);
-    return cudaGetLastError();
+    return launch_elementwise(device::adamw_step_kernel<G, P>, n, stream, master, exp_avg,
+                              exp_avg_sq, static_cast<const G*>(grads), static_cast<P*>(params),
+                              n, vectorised, step, grad_multiplier, found_inf, constants);
   };
   return launch_step(n, grads_dtype, params, params_dtype, step, found_inf, stream, launch);
 }
@@ -208,16 +208,10 @@ cudaError_t adamw8bit_step(float* master, int8_t* exp_avg, float* exp_avg_absmax
   const auto launch = [&](auto grads_tag, auto params_tag) {
     using G = typename decltype(grads_tag)::type;
     using P = typename decltype(params_tag)::type;
-    const auto kernel = device::adamw8bit_step_kernel<G, P>;
-    int grid = 0;
-    if (const cudaError_t err = elementwise_grid(kernel, n, &grid); err != cudaSuccess) {
-      return err;
-    }
-    kernel<<<grid, kThreadsPerBlock, 0, stream>>>(
-        master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
-        static_cast<const G*>(grads), static_cast<P*>(params), n, step, grad_multiplier,
-        found_inf, constants);
-    return cudaGetLastError();
+    return launch_elementwise(device::adamw8bit_step_kernel<G, P>, n, stream, master, exp_avg,
+                              exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
+                              static_cast<const G*>(grads), static_cast<P*>(params), n, step,
+                              grad_multiplier, found_inf, constants);
   };
   return launch_step(n, grads_dtype, params, params_dtype, step, found_inf, stream, launch);
 }
@@ -237,19 +231,14 @@ cudaError_t sgd_step(float* master, float* momentum_buffer, const void* grads,
   const auto launch = [&](auto grads_tag, auto params_tag) {
     using G = typename decltype(grads_tag)::type;
     using P = typename decltype(params_tag)::type;
-    const auto kernel = device::sgd_step_kernel<G, P>;
-    int grid = 0;
-    if (const cudaError_t err = elementwise_grid(kernel, n, &grid); err != cudaSuccess) {
-      return err;
-    }
     // A null momentum_buffer (momentum == 0) counts as aligned: it is never accessed.
     const bool vectorised = vector_aligned<float>(master) &&
                             vector_aligned<float>(momentum_buffer) &&
                             vector_aligned<G>(grads) && vector_aligned<P>(params);
-    kernel<<<grid, kThreadsPerBlock, 0, stream>>>(
-        master, momentum_buffer, static_cast<const G*>(grads), static_cast<P*>(params), n,
-        vectorised, step, grad_multiplier, found_inf, constants);
-    return cudaGetLastError();
+    return launch_elementwise(device::sgd_step_kernel<G, P>, n, stream, master,
+                              momentum_buffer, static_cast<const G*>(grads),
+                              static_cast<P*>(params), n, vectorised, step, grad_multiplier,
+                              found_inf, constants);
   };
   return launch_step(n, grads_dtype, params, params_dtype, step, found_inf, stream, launch);
 }
@@ -267,15 +256,10 @@ cudaError_t sgd8bit_step(float* master, int8_t* momentum_buffer, float* momentum
   const auto launch = [&](auto grads_tag, auto params_tag) {
     using G = typename decltype(grads_tag)::type;
     using P = typename decltype(params_tag)::type;
-    const auto kernel = device::sgd8bit_step_kernel<G, P>;
-    int grid = 0;
-    if (const cudaError_t err = elementwise_grid(kernel, n, &grid); err != cudaSuccess) {
-      return err;
-    }
-    kernel<<<grid, kThreadsPerBlock, 0, stream>>>(
-        master, momentum_buffer, momentum_absmax, static_cast<const G*>(grads),
-        static_cast<P*>(params), n, step, grad_multiplier, found_inf, constants);
-    return cudaGetLastError();
+    return launch_elementwise(device::sgd8bit_step_kernel<G, P>, n, stream, master,
+                              momentum_buffer, momentum_absmax, static_cast<const G*>(grads),
+                              static_cast<P*>(params), n, step, grad_multiplier, found_inf,
+                              constants);
   };
   return launch_step(n, grads_dtype, params, params_dtype, step, found_inf, stream, launch);
 }

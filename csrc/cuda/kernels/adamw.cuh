@@ -74,7 +74,7 @@ __global__ void adamw_step_kernel(float* master, float* exp_avg, float* exp_avg_
   }
   __shared__ AdamWStepScalars s;
   adamw_step_scalars(step, c, &s);
-  const float multiplier = grad_multiplier != nullptr ? *grad_multiplier : 1.0f;
+  const float multiplier = grad_multiplier_value(grad_multiplier);
 
   for_each_chunk(n, vectorised, [&](int64_t i, auto width) {
     constexpr int W = decltype(width)::value;

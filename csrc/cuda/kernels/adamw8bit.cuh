@@ -25,40 +25,22 @@ __global__ void adamw8bit_step_kernel(float* master, int8_t* m_codes, float* m_a
   }
   __shared__ AdamWStepScalars s;
   adamw_step_scalars(step, c, &s);
-  const float multiplier = grad_multiplier != nullptr ? *grad_multiplier : 1.0f;
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const int64_t warps_per_block = blockDim.x / 32;
-  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * warps_per_block;
-  const int64_t blocks = (n + kQBlock - 1) / kQBlock;
-  // The bound is uniform within a warp, so every lane takes part in the shuffles.
-  for (int64_t b = blockIdx.x * warps_per_block + threadIdx.x / 32; b < blocks;
-       b += warp_stride) {
-    const int64_t first = b * kQBlock;
+  const float multiplier = grad_multiplier_value(grad_multiplier);
+  for_each_warp_qblock(n, [&](int64_t b, int64_t first, int lane) {
     const float m_scale = m_absmax[b];
     const float v_scale = v_absmax[b];
-    float m[kQPerLane];
-    float v[kQPerLane];
+    float m[kQPerLane] = {};
+    float v[kQPerLane] = {};
     bool valid[kQPerLane];
-#pragma unroll
-    for (int k = 0; k < kQPerLane; ++k) {
-      const int64_t i = first + lane + 32 * k;
-      valid[k] = i < n;
-      m[k] = 0.0f;
-      v[k] = 0.0f;
-      if (valid[k]) {
-        m[k] = dequantize(m_codes[i], m_scale);
-        v[k] = dequantize(v_codes[i], v_scale);
-        const float g = __fmul_rn(to_float(grads[i]), multiplier);
-        const float w = adamw_element(master[i], m[k], v[k], g, s, c);
-        master[i] = w;
-        if (params != nullptr) {
-          params[i] = from_float<P>(w);
-        }
-      }
-    }
+    update_lane_elements(first, lane, n, master, grads, params, multiplier, valid,
+                         [&](int64_t i, int k, float w, float g) {
+                           m[k] = dequantize(m_codes[i], m_scale);
+                           v[k] = dequantize(v_codes[i], v_scale);
+                           return adamw_element(w, m[k], v[k], g, s, c);
+                         });
     quantize_block(m, valid, m_codes, m_absmax + b, first, lane);
     quantize_block(v, valid, v_codes, v_absmax + b, first, lane);
-  }
+  });
 }
 
 }  // namespace memkern::device

@@ -97,6 +97,11 @@ __device__ __forceinline__ bool step_skipped(const float* found_inf) {
   return found_inf != nullptr && *found_inf != 0.0f;
 }
 
+// The gradient multiplier of a step: *grad_multiplier, 1 when none is given.
+__device__ __forceinline__ float grad_multiplier_value(const float* grad_multiplier) {
+  return grad_multiplier != nullptr ? *grad_multiplier : 1.0f;
+}
+
 // Advances the optimizer step counter. A separate launch on the same stream, so that every
 // block of the update kernel has read the old value before it changes.
 __global__ void advance_step_kernel(float* step, const float* found_inf) {

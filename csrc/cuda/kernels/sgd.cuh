@@ -25,6 +25,9 @@ struct SGDConstants {
   bool nesterov;
 };
 
+// torch initialises the momentum buffer from the first step's update, the one from *step == 0.
+__device__ __forceinline__ bool is_first_step(const float* step) { return *step == 0.0f; }
+
 // torch.optim.SGD's update of one element from g (the multiplied gradient): the momentum
 // buffer `buf` in place (untouched without momentum), returns the new master weight.
 // Shared with sgd8bit.cuh.
@@ -51,9 +54,8 @@ __global__ void sgd_step_kernel(float* master, float* momentum_buffer, const G* 
   if (step_skipped(found_inf)) {
     return;
   }
-  const float multiplier = grad_multiplier != nullptr ? *grad_multiplier : 1.0f;
-  // torch initialises the momentum buffer from the first step's update.
-  const bool first_step = *step == 0.0f;
+  const float multiplier = grad_multiplier_value(grad_multiplier);
+  const bool first_step = is_first_step(step);
 
   for_each_chunk(n, vectorised, [&](int64_t i, auto width) {
     constexpr int W = decltype(width)::value;

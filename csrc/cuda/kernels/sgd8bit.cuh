@@ -22,37 +22,19 @@ __global__ void sgd8bit_step_kernel(float* master, int8_t* codes, float* absmax,
   if (step_skipped(found_inf)) {
     return;
   }
-  const float multiplier = grad_multiplier != nullptr ? *grad_multiplier : 1.0f;
-  // torch initialises the momentum buffer from the first step's update.
-  const bool first_step = *step == 0.0f;
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const int64_t warps_per_block = blockDim.x / 32;
-  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * warps_per_block;
-  const int64_t blocks = (n + kQBlock - 1) / kQBlock;
-  // The bound is uniform within a warp, so every lane takes part in the shuffles.
-  for (int64_t b = blockIdx.x * warps_per_block + threadIdx.x / 32; b < blocks;
-       b += warp_stride) {
-    const int64_t first = b * kQBlock;
+  const float multiplier = grad_multiplier_value(grad_multiplier);
+  const bool first_step = is_first_step(step);
+  for_each_warp_qblock(n, [&](int64_t b, int64_t first, int lane) {
     const float scale = absmax[b];
-    float buf[kQPerLane];
+    float buf[kQPerLane] = {};
     bool valid[kQPerLane];
-#pragma unroll
-    for (int k = 0; k < kQPerLane; ++k) {
-      const int64_t i = first + lane + 32 * k;
-      valid[k] = i < n;
-      buf[k] = 0.0f;
-      if (valid[k]) {
-        buf[k] = dequantize(codes[i], scale);
-        const float g = __fmul_rn(to_float(grads[i]), multiplier);
-        const float w = sgd_element(master[i], buf[k], g, first_step, c);
-        master[i] = w;
-        if (params != nullptr) {
-          params[i] = from_float<P>(w);
-        }
-      }
-    }
+    update_lane_elements(first, lane, n, master, grads, params, multiplier, valid,
+                         [&](int64_t i, int k, float w, float g) {
+                           buf[k] = dequantize(codes[i], scale);
+                           return sgd_element(w, buf[k], g, first_step, c);
+                         });
     quantize_block(buf, valid, codes, absmax + b, first, lane);
-  }
+  });
 }
 
 }  // namespace memkern::device

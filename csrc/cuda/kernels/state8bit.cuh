@@ -1,6 +1,6 @@
 // The block-wise 8-bit optimizer-state format on the CUDA backend, shared by every 8-bit
-// optimizer kernel (adamw8bit.cuh, ...): the block size, the two code maps and the quantizer
-// of one block held by one warp. Format and map, defined and justified:
+// optimizer kernel (adamw8bit.cuh, sgd8bit.cuh): the block size, the two code maps, the
+// quantizer of one block held by one warp and the kernels' loop over the blocks. Format and map, defined and justified:
 // memkern/ops/adamw8bit.py; constants: memkern/kernels/state8bit.py.
 //
 // Each rounding follows the reference's separate torch ops (_rn intrinsics, never contracted
@@ -10,6 +10,8 @@
 #include <cfloat>
 #include <cstdint>
 #include <type_traits>
+
+#include "common.cuh"
 
 namespace memkern::device {
 
@@ -75,6 +77,46 @@ __device__ __forceinline__ void quantize_block(const float (&x)[kQPerLane],
   }
   if (lane == 0) {
     *absmax = bad ? __int_as_float(0x7fc00000) : amax;
+  }
+}
+
+// The loop of the 8-bit optimizer kernels: one warp per quantization block of kQBlock elements,
+// the warps of the grid striding over the blocks; block_update(b, first, lane) for each block b
+// of this warp (elements from `first`; the caller's lane in its warp). Launched with
+// kThreadsPerBlock threads (a multiple of 32). The bound is uniform within a warp, so every
+// lane takes part in block_update's shuffles.
+template <typename BlockUpdate>
+__device__ __forceinline__ void for_each_warp_qblock(int64_t n, const BlockUpdate& block_update) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t warps_per_block = blockDim.x / 32;
+  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * warps_per_block;
+  const int64_t blocks = (n + kQBlock - 1) / kQBlock;
+  for (int64_t b = blockIdx.x * warps_per_block + threadIdx.x / 32; b < blocks;
+       b += warp_stride) {
+    block_update(b, b * kQBlock, lane);
+  }
+}
+
+// The elements of a warp's block that this lane holds, i = first + lane + 32 k (valid[k]: it
+// exists): master[i] = update(i, k, master[i], g) with g the gradient times `multiplier`, and
+// params[i] (when not null) = round(master[i]).
+template <typename G, typename P, typename ElementUpdate>
+__device__ __forceinline__ void update_lane_elements(int64_t first, int lane, int64_t n,
+                                                     float* master, const G* grads, P* params,
+                                                     float multiplier,
+                                                     bool (&valid)[kQPerLane],
+                                                     const ElementUpdate& update) {
+#pragma unroll
+  for (int k = 0; k < kQPerLane; ++k) {
+    const int64_t i = first + lane + 32 * k;
+    valid[k] = i < n;
+    if (valid[k]) {
+      const float w = update(i, k, master[i], __fmul_rn(to_float(grads[i]), multiplier));
+      master[i] = w;
+      if (params != nullptr) {
+        params[i] = from_float<P>(w);
+      }
+    }
   }
 }
 
