@@ -117,6 +117,27 @@ def load_splat(ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def load_grads_and_master(grads_ptr, grad_multiplier_ptr, master_ptr, offs, mask,
+                          HAS_MULTIPLIER: tl.constexpr):
+    """``(g, master)`` at ``offs`` of an optimizer step: the gradients in float32 times
+    ``*grad_multiplier`` (when ``HAS_MULTIPLIER``) and the float32 master weights."""
+    g = tl.load(grads_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MULTIPLIER:
+        g = g * tl.load(grad_multiplier_ptr)
+    return g, tl.load(master_ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def store_master_and_params(master, master_ptr, params_ptr, offs, mask,
+                            HAS_PARAMS: tl.constexpr):
+    """An optimizer step's write-back: ``master``, and its rounding into the parameter copy
+    (when ``HAS_PARAMS``)."""
+    tl.store(master_ptr + offs, master, mask=mask)
+    if HAS_PARAMS:
+        tl.store(params_ptr + offs, round_to(master, params_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def pow_f64(base, n):
     """``base ** n`` in float64 for a whole ``n >= 0``, by repeated squaring (n: int64)."""
     acc = tl.full((), 1.0, tl.float64)

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from memkern.kernels import _common
-from memkern.kernels._common import load_splat, pow_f64, round_to
+from memkern.kernels._common import (load_grads_and_master, load_splat, pow_f64,
+                                     store_master_and_params)
 
 
 @triton.jit
@@ -73,10 +74,8 @@ def _adamw_kernel(
     if HAS_FOUND_INF:
         mask = mask & (load_splat(found_inf_ptr, BLOCK) == 0)
 
-    g = tl.load(grads_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_MULTIPLIER:
-        g = g * tl.load(grad_multiplier_ptr)
-    master = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    g, master = load_grads_and_master(grads_ptr, grad_multiplier_ptr, master_ptr, offs, mask,
+                                      HAS_MULTIPLIER)
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
 
@@ -84,11 +83,9 @@ def _adamw_kernel(
                                 beta2_hi, beta2_lo, decay, one_minus_beta1, beta2,
                                 one_minus_beta2, eps, LERP_SMALL_WEIGHT)
 
-    tl.store(master_ptr + offs, master, mask=mask)
     tl.store(exp_avg_ptr + offs, m, mask=mask)
     tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-    if HAS_PARAMS:
-        tl.store(params_ptr + offs, round_to(master, params_ptr.dtype.element_ty), mask=mask)
+    store_master_and_params(master, master_ptr, params_ptr, offs, mask, HAS_PARAMS)
 
 
 def adamw_step_(master, exp_avg, exp_avg_sq, grads, params, step, grad_multiplier, found_inf,

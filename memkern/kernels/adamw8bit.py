@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from memkern.kernels import _common
-from memkern.kernels._common import round_to
+from memkern.kernels._common import load_grads_and_master, store_master_and_params
 from memkern.kernels.adamw import adamw_update, hyper_args
-from memkern.kernels.quantize8bit import block_tile, dequantize, quantize
+from memkern.kernels.quantize8bit import block_tile, load_state, store_state
 from memkern.kernels.state8bit import QBLOCK, num_blocks
 
 
@@ -32,29 +32,18 @@ def _adamw8bit_kernel(
     rows, offs, row_mask, valid = block_tile(n, n_blocks, found_inf_ptr, HAS_FOUND_INF, ROWS,
                                              QBLOCK)
 
-    g = tl.load(grads_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    if HAS_MULTIPLIER:
-        g = g * tl.load(grad_multiplier_ptr)
-    master = tl.load(master_ptr + offs, mask=valid, other=0.0)
-    m = dequantize(tl.load(exp_avg_ptr + offs, mask=valid, other=0),
-                   tl.load(exp_avg_absmax_ptr + rows, mask=row_mask, other=0.0), True)
-    v = dequantize(tl.load(exp_avg_sq_ptr + offs, mask=valid, other=0),
-                   tl.load(exp_avg_sq_absmax_ptr + rows, mask=row_mask, other=0.0), False)
+    g, master = load_grads_and_master(grads_ptr, grad_multiplier_ptr, master_ptr, offs, valid,
+                                      HAS_MULTIPLIER)
+    m = load_state(exp_avg_ptr, exp_avg_absmax_ptr, rows, offs, row_mask, valid, True)
+    v = load_state(exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, rows, offs, row_mask, valid, False)
 
     master, m, v = adamw_update(master, m, v, g, step_ptr, lr_hi, lr_lo, beta1_hi, beta1_lo,
                                 beta2_hi, beta2_lo, decay, one_minus_beta1, beta2,
                                 one_minus_beta2, eps, LERP_SMALL_WEIGHT)
 
-    m_codes, m_absmax = quantize(m, valid, True)
-    v_codes, v_absmax = quantize(v, valid, False)
-    tl.store(master_ptr + offs, master, mask=valid)
-    tl.store(exp_avg_ptr + offs, m_codes.to(tl.int8), mask=valid)
-    tl.store(exp_avg_sq_ptr + offs, v_codes.to(tl.uint8), mask=valid)
-    tl.store(exp_avg_absmax_ptr + rows, m_absmax, mask=row_mask)
-    tl.store(exp_avg_sq_absmax_ptr + rows, v_absmax, mask=row_mask)
-    if HAS_PARAMS:
-        tl.store(params_ptr + offs, round_to(master, params_ptr.dtype.element_ty), mask=valid)
-
+    store_state(m, exp_avg_ptr, exp_avg_absmax_ptr, rows, offs, row_mask, valid, True)
+    store_state(v, exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, rows, offs, row_mask, valid, False)
+    store_master_and_params(master, master_ptr, params_ptr, offs, valid, HAS_PARAMS)
 
 def adamw8bit_step_(master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, grads,
                     params, step, grad_multiplier, found_inf, lr, beta1, beta2, eps,

@@ -81,3 +81,23 @@ def quantize(x, valid, SIGNED: tl.constexpr):
         c = tl.where(x < 0, -c, c)
     nan = tl.full(scale.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
     return c, tl.where(any_bad, nan, scale)
+
+
+@triton.jit
+def load_state(codes_ptr, absmax_ptr, rows, offs, row_mask, valid, SIGNED: tl.constexpr):
+    """One 8-bit state buffer's float32 ``[rows, QBLOCK]`` tile (:func:`block_tile`'s
+    ``rows, offs, row_mask, valid``): its codes at ``offs``, its absmax at ``rows``."""
+    return dequantize(tl.load(codes_ptr + offs, mask=valid, other=0),
+                      tl.load(absmax_ptr + rows, mask=row_mask, other=0.0), SIGNED)
+
+
+@triton.jit
+def store_state(x, codes_ptr, absmax_ptr, rows, offs, row_mask, valid, SIGNED: tl.constexpr):
+    """The float32 tile ``x`` quantized into one 8-bit state buffer (int8 codes when
+    ``SIGNED``, else uint8) and its absmax, as :func:`load_state` reads them."""
+    codes, absmax = quantize(x, valid, SIGNED)
+    if SIGNED:
+        tl.store(codes_ptr + offs, codes.to(tl.int8), mask=valid)
+    else:
+        tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=valid)
+    tl.store(absmax_ptr + rows, absmax, mask=row_mask)

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from memkern.kernels import _common
-from memkern.kernels._common import load_splat, round_to
+from memkern.kernels._common import load_grads_and_master, load_splat, store_master_and_params
 
 
 @triton.jit
@@ -48,10 +48,8 @@ def _sgd_kernel(
     if HAS_FOUND_INF:
         mask = mask & (load_splat(found_inf_ptr, BLOCK) == 0)
 
-    d = tl.load(grads_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_MULTIPLIER:
-        d = d * tl.load(grad_multiplier_ptr)
-    master = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    d, master = load_grads_and_master(grads_ptr, grad_multiplier_ptr, master_ptr, offs, mask,
+                                      HAS_MULTIPLIER)
     buf = master  # a placeholder without momentum: sgd_update neither reads nor changes it
     first = load_splat(step_ptr, BLOCK) == 0
     if HAS_MOMENTUM:
@@ -61,9 +59,7 @@ def _sgd_kernel(
     if HAS_MOMENTUM:
         tl.store(momentum_buffer_ptr + offs, buf, mask=mask)
 
-    tl.store(master_ptr + offs, master, mask=mask)
-    if HAS_PARAMS:
-        tl.store(params_ptr + offs, round_to(master, params_ptr.dtype.element_ty), mask=mask)
+    store_master_and_params(master, master_ptr, params_ptr, offs, mask, HAS_PARAMS)
 
 
 def sgd_step_(master, momentum_buffer, grads, params, step, grad_multiplier, found_inf,

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from memkern.kernels import _common
-from memkern.kernels._common import load_splat, round_to
-from memkern.kernels.quantize8bit import block_tile, dequantize, quantize
+from memkern.kernels._common import load_grads_and_master, load_splat, store_master_and_params
+from memkern.kernels.quantize8bit import block_tile, load_state, store_state
 from memkern.kernels.sgd import sgd_update
 from memkern.kernels.state8bit import QBLOCK, num_blocks
 
@@ -31,24 +31,16 @@ def _sgd8bit_kernel(
     rows, offs, row_mask, valid = block_tile(n, n_blocks, found_inf_ptr, HAS_FOUND_INF, ROWS,
                                              QBLOCK)
 
-    d = tl.load(grads_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    if HAS_MULTIPLIER:
-        d = d * tl.load(grad_multiplier_ptr)
-    master = tl.load(master_ptr + offs, mask=valid, other=0.0)
-    buf = dequantize(tl.load(codes_ptr + offs, mask=valid, other=0),
-                     tl.load(absmax_ptr + rows, mask=row_mask, other=0.0), True)
+    d, master = load_grads_and_master(grads_ptr, grad_multiplier_ptr, master_ptr, offs, valid,
+                                      HAS_MULTIPLIER)
+    buf = load_state(codes_ptr, absmax_ptr, rows, offs, row_mask, valid, True)
     first = (load_splat(step_ptr, ROWS) == 0)[:, None]
 
     master, buf = sgd_update(master, buf, d, first, lr, momentum, one_minus_dampening,
                              weight_decay, True, HAS_WEIGHT_DECAY, NESTEROV)
 
-    codes, absmax = quantize(buf, valid, True)
-    tl.store(master_ptr + offs, master, mask=valid)
-    tl.store(codes_ptr + offs, codes.to(tl.int8), mask=valid)
-    tl.store(absmax_ptr + rows, absmax, mask=row_mask)
-    if HAS_PARAMS:
-        tl.store(params_ptr + offs, round_to(master, params_ptr.dtype.element_ty), mask=valid)
-
+    store_state(buf, codes_ptr, absmax_ptr, rows, offs, row_mask, valid, True)
+    store_master_and_params(master, master_ptr, params_ptr, offs, valid, HAS_PARAMS)
 
 def sgd8bit_step_(master, momentum_buffer, momentum_absmax, grads, params, step,
                   grad_multiplier, found_inf, lr, momentum, dampening, weight_decay,
