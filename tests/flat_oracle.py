@@ -239,3 +239,87 @@ def sgd_torch(master, momentum_buffer, grads, step, grad_multiplier, found_inf,
                                    weight_decay=weight_decay, nesterov=nesterov, foreach=False),
         master, state, grads, grad_multiplier, found_inf)
     return new_master, new.get("momentum_buffer")
+
+
+# --------------------------------------------------------------------------------------------
+# The block-wise 8-bit state (memkern/ops/adamw8bit.py's map), written here from its definition
+# in float64 plain torch, independent of memkern's quantizer
+
+QBLOCK = 256
+"""Elements per quantization block (memkern.kernels.state8bit.QBLOCK; test_state8bit_ops.py
+checks that the two agree)."""
+CODE_MAPS = {torch.int8: (127, 2), torch.uint8: (255, 4)}
+"""Per code dtype: the largest code C and the power p of ``x = sign(c) (|c| / C) ** p absmax``."""
+
+
+def blocks_of(n: int) -> int:
+    return -(-n // QBLOCK)
+
+
+def block_max(x: torch.Tensor) -> torch.Tensor:
+    """Per block of QBLOCK elements, the largest of ``x`` (>= 0)."""
+    padded = torch.zeros(blocks_of(x.numel()) * QBLOCK, dtype=x.dtype)
+    padded[:x.numel()] = x
+    return padded.view(-1, QBLOCK).amax(dim=1)
+
+
+def quantize64(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, absmax)`` of ``x`` in float64: per block ``absmax = max |x|`` and
+    ``c = sign(x) floor(C (|x| / absmax) ** (1 / p) + 1/2)``; a block with a non-finite value
+    gets NaN and zero codes, an all-zero block absmax 0 and zero codes."""
+    top, power = CODE_MAPS[dtype]
+    x = x.detach().cpu().to(torch.float64)
+    n = x.numel()
+    padded = torch.zeros(blocks_of(n) * QBLOCK, dtype=torch.float64)
+    padded[:n] = x
+    blocks = padded.view(-1, QBLOCK)
+    bad = ~blocks.isfinite().all(dim=1)
+    absmax = blocks.abs().nan_to_num(0.0, posinf=0.0).amax(dim=1)
+    usable = ~bad & (absmax > 0)
+    scale = torch.where(usable, absmax, torch.ones_like(absmax))[:, None]
+    root = torch.where(usable[:, None], blocks.abs() / scale, torch.zeros_like(blocks)).sqrt()
+    if power == 4:
+        root = root.sqrt()
+    codes = torch.floor(top * root + 0.5) * torch.sign(blocks).nan_to_num(0.0)
+    absmax = torch.where(bad, torch.full_like(absmax, math.nan), absmax)
+    return codes.reshape(-1)[:n].to(dtype), absmax
+
+
+def dequantize64(codes: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """The float64 values of ``codes`` (int8 or uint8) with one ``absmax`` per block."""
+    top, power = CODE_MAPS[codes.dtype]
+    c = codes.detach().cpu().to(torch.float64)
+    scale = absmax.detach().cpu().to(torch.float64).repeat_interleave(QBLOCK)[:c.numel()]
+    return torch.sign(c) * (c.abs() / top) ** power * scale
+
+
+def quantized_state(n: int, code_dtypes, device) -> list[torch.Tensor]:
+    """``[master, codes, absmax, ...]``: random float32 master weights, and per code dtype the
+    codes and float32 absmax of values spread over several decades within a block (what the
+    map must resolve): signed for int8 (first moments, momentum), positive for uint8."""
+    state = [torch.randn(n) * uniform(0.02, 1.0)]
+    for dtype in code_dtypes:
+        if dtype == torch.int8:
+            values = torch.randn(n) * 0.1 * 10 ** (2 * torch.rand(n) - 2)
+        else:
+            values = (torch.rand(n) + 1e-3) * 10 ** (4 * torch.rand(n) - 4)
+        codes, absmax = quantize64(values, dtype)
+        state += [codes, absmax.to(torch.float32)]
+    return [t.to(device) for t in state]
+
+
+def oracle_state(state: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``state`` (master, then codes and absmax pairs) for a float64 run of an op's reference:
+    float64 master and absmax on the CPU, the same codes."""
+    return [t.cpu().clone() if t.dtype in CODE_MAPS else f64(t) for t in state]
+
+
+def assert_codes_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Codes equal up to one step where float32 and float64 round a value near a code
+    boundary differently (rare: at most 1% of the elements)."""
+    diff = (actual.cpu().to(torch.int32) - expected.to(torch.int32)).abs()
+    if diff.numel() == 0:
+        return
+    assert int(diff.max()) <= 1, f"{what}: a code is off by {int(diff.max())}"
+    assert int((diff != 0).sum()) <= max(1, actual.numel() // 100), (
+        f"{what}: {int((diff != 0).sum())}/{actual.numel()} codes differ by one")
