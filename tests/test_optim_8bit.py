@@ -1,7 +1,9 @@
 """``state_precision="8bit"`` on FusedAdamW and ShardedOptimizer (single process; the
 distributed cases are in test_optim_distributed.py): the fused optimizer against per-parameter
 float64 runs of the quantized algorithm and against torch.optim.AdamW, the size threshold,
-state dicts, skipped steps, loss scaling with accumulation, memory, bad input."""
+loss scaling with accumulation, memory; and for FusedAdamW and FusedSGD alike (the rest of
+SGD's: test_optim_sgd8bit.py): state dicts, training against torch, skipped steps, bad input,
+checkpoints of the other precision."""
 from __future__ import annotations
 
 import copy
@@ -10,51 +12,19 @@ import pytest
 import torch
 
 import memkern as mk
-from compare import params_rel_err
 from memkern.kernels.state8bit import QBLOCK, num_blocks
 from memkern.ops import adamw8bit
 from memkern.optim.fused_adamw import MIN_8BIT_NUMEL
 from memkern.optim.grad_buffer import ALIGN
-
-
-class Net(torch.nn.Module):
-    """Two weights above the 8-bit threshold (odd sizes, not multiples of the block), one
-    below, biases and a one-element gain (float32 state)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(37, 129)   # 4773 elements: 8-bit
-        self.fc2 = torch.nn.Linear(129, 41)   # 5289: 8-bit
-        self.fc3 = torch.nn.Linear(41, 7)     # 287: float32
-        self.gain = torch.nn.Parameter(torch.ones(1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x))))) * self.gain
-
-
-def make_net(seed: int, dtype=torch.float32) -> Net:
-    torch.manual_seed(seed)
-    return Net().to(dtype)
+from net8bit import apply, exact_gradients, gradient_steps, make_net
 
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05)
-
-
-def gradient_steps(model: Net, steps: int) -> list[list[torch.Tensor]]:
-    """Fixed gradients spanning 4 decades, so that blocks hold values of unequal size."""
-    return [[torch.randn_like(p) * 10.0 ** torch.empty(()).uniform_(-3, 1)
-             for p in model.parameters()] for _ in range(steps)]
-
-
-def apply(model: Net, opt, grads: list[list[torch.Tensor]]) -> None:
-    for step in grads:
-        opt.zero_grad()
-        for p, g in zip(model.parameters(), step):
-            if p.grad is None:
-                p.grad = g.to(p.dtype).clone()
-            else:
-                p.grad.copy_(g)
-        opt.step()
+SGD_HYPER = dict(lr=0.02, momentum=0.9, dampening=0.1, weight_decay=0.01)
+OPTIMIZERS = {  # name: the fused optimizer, torch's, hyper-parameters for both
+    "adamw": (mk.optim.FusedAdamW, torch.optim.AdamW, HYPER),
+    "sgd": (mk.optim.FusedSGD, torch.optim.SGD, SGD_HYPER),
+}
 
 
 def assert_equal_up_to_code_flips(actual: torch.Tensor, expected: torch.Tensor, lr: float,
@@ -125,11 +95,14 @@ def test_small_tensors_stay_32bit_and_state_dict_says_which():
         assert codes.dtype == torch.int8 and absmax.numel() == num_blocks(seg.weights.numel())
 
 
-def test_state_dict_round_trip_continues_bit_exactly():
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_state_dict_round_trip_continues_bit_exactly(name):
     """Saved after 3 steps (float32 values read back from the codes) and loaded into a fresh
-    optimizer (requantized): the next steps equal the uninterrupted ones bit for bit."""
+    optimizer made with another lr (the saved hyper-parameters come with the state dict) and
+    requantized: the next steps equal the uninterrupted ones bit for bit."""
+    fused, _, hyper = OPTIMIZERS[name]
     model = make_net(2, torch.bfloat16)
-    opt = mk.optim.FusedAdamW(model.parameters(), **HYPER, state_precision="8bit")
+    opt = fused(model.parameters(), **hyper, state_precision="8bit")
     grads = gradient_steps(model, 6)
     apply(model, opt, grads[:3])
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
@@ -138,9 +111,10 @@ def test_state_dict_round_trip_continues_bit_exactly():
 
     fresh = make_net(3, torch.bfloat16)
     fresh.load_state_dict(saved_model)
-    fresh_opt = mk.optim.FusedAdamW(fresh.parameters(), **HYPER, state_precision="8bit")
+    fresh_opt = fused(fresh.parameters(), lr=1.0, state_precision="8bit")
     fresh_opt.load_state_dict(saved_opt)
     loaded = [(c, a) for seg in fresh_opt.segments for c, a in seg.quantized_state.values()]
+    assert len(loaded) == len(before) > 0
     for (c0, a0), (c1, a1) in zip(before, loaded):
         assert torch.equal(c0, c1) and torch.equal(a0, a1)
     apply(model, opt, grads[3:])
@@ -149,20 +123,32 @@ def test_state_dict_round_trip_continues_bit_exactly():
         assert torch.equal(p, q)
 
 
-def test_8bit_tracks_torch_adamw_on_a_training_run():
+TRAINING_RUNS = {
+    # name: hyper-parameters, seeds of the data and the model, final loss / first that says it
+    # trains. Largest relative loss gap after warm-up, measured: AdamW 0.12%; SGD (Nesterov)
+    # over 20 seeds median 0.05%, max 0.10%. A wrong update is off by far more.
+    "adamw": (HYPER, (4, 5), 0.25),
+    "sgd": (dict(lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True), (25, 26), 0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRAINING_RUNS))
+def test_8bit_tracks_torch_on_a_training_run(name):
     """A noisy regression, a fresh batch each step, 200 steps: the 8-bit loss stays within 1%
-    of float32 torch.optim.AdamW's at every step after the first 20 (measured: 0.12%)."""
-    torch.manual_seed(4)
+    of the float32 torch optimizer's at every step after the first 20."""
+    fused, torch_optimizer, _ = OPTIMIZERS[name]
+    hyper, (data_seed, model_seed), trained = TRAINING_RUNS[name]
+    torch.manual_seed(data_seed)
     w_true = torch.randn(37, 7)
     data = []
     for _ in range(200):
         x = torch.randn(64, 37)
         data.append((x, torch.tanh(x @ w_true) + 0.3 * torch.randn(64, 7)))
     curves = {}
-    for name in ("torch", "8bit"):
-        model = make_net(5)
-        opt = (torch.optim.AdamW(model.parameters(), **HYPER) if name == "torch" else
-               mk.optim.FusedAdamW(model.parameters(), **HYPER, state_precision="8bit"))
+    for kind in ("torch", "8bit"):
+        model = make_net(model_seed)
+        opt = (torch_optimizer(model.parameters(), **hyper) if kind == "torch" else
+               fused(model.parameters(), **hyper, state_precision="8bit"))
         losses = []
         for x, y in data:
             opt.zero_grad()
@@ -170,24 +156,32 @@ def test_8bit_tracks_torch_adamw_on_a_training_run():
             loss.backward()
             opt.step()
             losses.append(loss.item())
-        curves[name] = torch.tensor(losses)
+        curves[kind] = torch.tensor(losses)
     rel = ((curves["8bit"] - curves["torch"]).abs() / curves["torch"])[20:]
     print(f"largest relative loss gap after warm-up: {rel.max().item():.2e}")
-    assert curves["torch"][-20:].mean() < 0.25 * curves["torch"][0]  # it trains
+    assert curves["torch"][-20:].mean() < trained * curves["torch"][0]  # it trains
     assert rel.max().item() <= 0.01
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2])
-def test_skipped_step_leaves_8bit_state_bit_identical(zero_stage):
+# One process: offload="cpu" takes the sharded path (world size 1), None the plain one.
+SHARDED = [pytest.param("adamw", dict(zero_stage=1), id="adamw-zero1"),
+           pytest.param("adamw", dict(zero_stage=2), id="adamw-zero2"),
+           pytest.param("sgd", dict(offload=None), id="sgd-in-place"),
+           pytest.param("sgd", dict(offload="cpu"), id="sgd-offload")]
+
+
+@pytest.mark.parametrize("name,options", SHARDED)
+def test_skipped_step_leaves_8bit_state_bit_identical(name, options):
     model = make_net(6, torch.bfloat16)
-    opt = mk.optim.ShardedOptimizer(model.parameters(), lr=1e-3, state_precision="8bit",
-                                    loss_scale="dynamic", accumulation_steps=2,
-                                    max_grad_norm=1.0, zero_stage=zero_stage)
+    opt = mk.optim.ShardedOptimizer(model.parameters(), name, **OPTIMIZERS[name][2],
+                                    state_precision="8bit", loss_scale="dynamic",
+                                    accumulation_steps=2, max_grad_norm=1.0, **options)
     x = torch.randn(8, 37, dtype=torch.bfloat16)
     for _ in range(4):
         opt.backward(model(x).float().square().mean())
         opt.step()
         opt.zero_grad()
+    assert any(seg.quantized and seg.quantized_state for seg in opt.segments)
     state = [t.clone() for seg in opt.segments for t in seg.stored_tensors().values()]
     params = [p.detach().clone() for p in model.parameters()]
     steps = [seg.step.clone() for seg in opt.segments]
@@ -198,13 +192,6 @@ def test_skipped_step_leaves_8bit_state_bit_identical(zero_stage):
     assert all(torch.equal(a, b) for a, b in zip(state, after))
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
     assert all(torch.equal(a, seg.step) for a, seg in zip(steps, opt.segments))
-
-
-def exact_gradients(model: Net) -> list[torch.Tensor]:
-    """Gradients on a coarse grid (integers below 2**10 times a power of two per tensor): sums
-    of two of them and divisions by a power of two are exact in float32."""
-    return [torch.randint(-2**10, 2**10, p.shape).float() * 2.0 ** -int(torch.randint(10, 22, ()))
-            for p in model.parameters()]
 
 
 def test_sharded_8bit_with_accumulation_equals_fused_8bit_on_the_whole_batch():
@@ -283,33 +270,52 @@ def test_requantized_float_state_round_trip_is_exact_for_the_flat_layout():
     assert torch.equal(again[0], codes) and torch.equal(again[1], absmax)
 
 
-BAD = [
-    (lambda m: mk.optim.FusedAdamW(m.parameters(), state_precision="4bit"), ValueError,
+BAD = [  # name, make(model), error, message fragment
+    ("adamw", lambda m: mk.optim.FusedAdamW(m.parameters(), state_precision="4bit"), ValueError,
      "state_precision must be one of"),
-    (lambda m: mk.optim.ShardedOptimizer(m.parameters(), lr=1e-3, state_precision="fp8"),
+    ("adamw", lambda m: mk.optim.ShardedOptimizer(m.parameters(), lr=1e-3, state_precision="fp8"),
      ValueError, "state_precision must be one of"),
-    (lambda m: mk.optim.FusedAdamW([{"params": m.parameters(), "state_precision": 8}]),
+    ("adamw", lambda m: mk.optim.FusedAdamW([{"params": m.parameters(), "state_precision": 8}]),
      ValueError, "state_precision=8"),
-    (lambda m: mk.optim.FusedAdamW([torch.zeros(5000, dtype=torch.int64)],
-                                   state_precision="8bit"), TypeError, "integer/bool dtype"),
+    ("adamw", lambda m: mk.optim.FusedAdamW([torch.zeros(5000, dtype=torch.int64)],
+                                            state_precision="8bit"), TypeError,
+     "integer/bool dtype"),
+    ("sgd", lambda m: mk.optim.FusedSGD(m.parameters(), lr=0.1, state_precision="4bit"),
+     ValueError, "state_precision must be one of"),
+    ("sgd", lambda m: mk.optim.ShardedOptimizer(m.parameters(), "sgd", lr=1e-3,
+                                                state_precision="fp8"),
+     ValueError, "state_precision must be one of"),
+    ("sgd", lambda m: mk.optim.FusedSGD([{"params": m.parameters(), "state_precision": 8}],
+                                        lr=0.1), ValueError, "state_precision=8"),
+    ("sgd", lambda m: mk.optim.FusedSGD([torch.zeros(5000, dtype=torch.int64)], lr=0.1,
+                                        state_precision="8bit"), TypeError,
+     "integer/bool dtype"),
 ]
 
 
-@pytest.mark.parametrize("case", range(len(BAD)), ids=[b[2][:24] for b in BAD])
+@pytest.mark.parametrize("case", range(len(BAD)), ids=[f"{b[0]}-{b[3][:24]}" for b in BAD])
 def test_bad_input_is_named(case):
-    make, error, match = BAD[case]
+    _, make, error, match = BAD[case]
     with pytest.raises(error, match=match):
         make(make_net(9))
 
 
-def test_checkpoint_of_another_state_precision_is_refused():
+CHECKPOINT_HYPER = {"adamw": dict(lr=1e-3), "sgd": dict(lr=1e-3, momentum=0.9)}
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINT_HYPER))
+def test_checkpoint_of_another_state_precision_is_refused(name):
+    fused, torch_optimizer, _ = OPTIMIZERS[name]
+    hyper = CHECKPOINT_HYPER[name]
     model = make_net(10)
-    eight = mk.optim.FusedAdamW(model.parameters(), lr=1e-3, state_precision="8bit")
+    eight = fused(model.parameters(), **hyper, state_precision="8bit")
     apply(model, eight, gradient_steps(model, 1))
-    other = make_net(10)
-    thirty_two = mk.optim.FusedAdamW(other.parameters(), lr=1e-3)
+    thirty_two = fused(make_net(10).parameters(), **hyper)
     with pytest.raises(ValueError, match="saved with state_precision='8bit'.*state_precision='8bit' to load"):
         thirty_two.load_state_dict(eight.state_dict())
-    torch_sd = torch.optim.AdamW(make_net(10).parameters()).state_dict()
+    torch_model = make_net(10)
+    torch_opt = torch_optimizer(torch_model.parameters(), **hyper)
+    apply(torch_model, torch_opt, gradient_steps(torch_model, 1))
     with pytest.raises(ValueError, match="saved with state_precision='32bit'"):
-        mk.optim.FusedAdamW(make_net(10).parameters(), state_precision="8bit").load_state_dict(torch_sd)
+        fused(make_net(10).parameters(), **hyper,
+              state_precision="8bit").load_state_dict(torch_opt.state_dict())
