@@ -79,6 +79,19 @@ def check_step_args(op: str, master: torch.Tensor, grads: torch.Tensor,
         check_scalar(op, name, t, master.device)
 
 
+def step_pointers(master: torch.Tensor, params: torch.Tensor | None, step: torch.Tensor,
+                  grad_multiplier: torch.Tensor | None, found_inf: torch.Tensor | None):
+    """``(pointers, flags)`` of an optimizer-step kernel: its ``params_ptr, step_ptr,
+    grad_multiplier_ptr, found_inf_ptr`` arguments (an absent tensor passed as a stand-in the
+    kernel never reads) and the ``HAS_PARAMS``, ``HAS_MULTIPLIER``, ``HAS_FOUND_INF`` flags."""
+    pointers = (params if params is not None else master, step,
+                grad_multiplier if grad_multiplier is not None else step,
+                found_inf if found_inf is not None else step)
+    flags = dict(HAS_PARAMS=params is not None, HAS_MULTIPLIER=grad_multiplier is not None,
+                 HAS_FOUND_INF=found_inf is not None)
+    return pointers, flags
+
+
 def device_guard(t: torch.Tensor):
     """Launch on ``t``'s GPU (Triton launches on the current device)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

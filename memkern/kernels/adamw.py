@@ -97,17 +97,13 @@ def adamw_step_(master, exp_avg, exp_avg_sq, grads, params, step, grad_multiplie
     _common.check_buffer(op, "exp_avg_sq", exp_avg_sq, _common.STATE_DTYPES, n)
 
     scalars, flags = hyper_args(lr, beta1, beta2, eps, weight_decay)
+    step_args, step_flags = _common.step_pointers(master, params, step, grad_multiplier, found_inf)
     with _common.device_guard(master):
         if n > 0:
             _adamw_kernel[_common.grid(n)](
-                master, exp_avg, exp_avg_sq, grads, params if params is not None else master,
-                step,
-                grad_multiplier if grad_multiplier is not None else step,
-                found_inf if found_inf is not None else step,
+                master, exp_avg, exp_avg_sq, grads, *step_args,
                 n, *scalars,
-                HAS_PARAMS=params is not None,
-                HAS_MULTIPLIER=grad_multiplier is not None,
-                HAS_FOUND_INF=found_inf is not None,
+                **step_flags,
                 BLOCK=_common.BLOCK,
                 num_warps=_common.NUM_WARPS,
                 **flags,

@@ -59,18 +59,14 @@ def adamw8bit_step_(master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absm
                          blocks)
 
     scalars, flags = hyper_args(lr, beta1, beta2, eps, weight_decay)
+    step_args, step_flags = _common.step_pointers(master, params, step, grad_multiplier, found_inf)
     with _common.device_guard(master):
         if n > 0:
             _adamw8bit_kernel[_common.grid(n)](
                 master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, grads,
-                params if params is not None else master,
-                step,
-                grad_multiplier if grad_multiplier is not None else step,
-                found_inf if found_inf is not None else step,
+                *step_args,
                 n, blocks, *scalars,
-                HAS_PARAMS=params is not None,
-                HAS_MULTIPLIER=grad_multiplier is not None,
-                HAS_FOUND_INF=found_inf is not None,
+                **step_flags,
                 BLOCK=_common.BLOCK, QBLOCK=QBLOCK,
                 num_warps=_common.NUM_WARPS,
                 **flags,

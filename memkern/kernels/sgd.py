@@ -78,23 +78,18 @@ def sgd_step_(master, momentum_buffer, grads, params, step, grad_multiplier, fou
     for name, t in (("step", step), ("grad_multiplier", grad_multiplier), ("found_inf", found_inf)):
         _common.check_scalar(op, name, t, master.device)
 
+    step_args, step_flags = _common.step_pointers(master, params, step, grad_multiplier, found_inf)
     with _common.device_guard(master):
         if n > 0:
             _sgd_kernel[_common.grid(n)](
-                master, momentum_buffer if has_momentum else master, grads,
-                params if params is not None else master,
-                step,
-                grad_multiplier if grad_multiplier is not None else step,
-                found_inf if found_inf is not None else step,
+                master, momentum_buffer if has_momentum else master, grads, *step_args,
                 n,
                 _common.f32(lr), _common.f32(momentum), _common.f32(1.0 - dampening),
                 _common.f32(weight_decay),
                 HAS_MOMENTUM=has_momentum,
                 HAS_WEIGHT_DECAY=weight_decay != 0.0,
                 NESTEROV=bool(nesterov),
-                HAS_PARAMS=params is not None,
-                HAS_MULTIPLIER=grad_multiplier is not None,
-                HAS_FOUND_INF=found_inf is not None,
+                **step_flags,
                 BLOCK=_common.BLOCK,
                 num_warps=_common.NUM_WARPS,
             )

@@ -55,22 +55,17 @@ def sgd8bit_step_(master, momentum_buffer, momentum_absmax, grads, params, step,
     _common.check_buffer(op, "momentum_buffer", momentum_buffer, (torch.int8,), n)
     _common.check_buffer(op, "momentum_absmax", momentum_absmax, _common.STATE_DTYPES, blocks)
 
+    step_args, step_flags = _common.step_pointers(master, params, step, grad_multiplier, found_inf)
     with _common.device_guard(master):
         if n > 0:
             _sgd8bit_kernel[_common.grid(n)](
-                master, momentum_buffer, momentum_absmax, grads,
-                params if params is not None else master,
-                step,
-                grad_multiplier if grad_multiplier is not None else step,
-                found_inf if found_inf is not None else step,
+                master, momentum_buffer, momentum_absmax, grads, *step_args,
                 n, blocks,
                 _common.f32(lr), _common.f32(momentum), _common.f32(1.0 - dampening),
                 _common.f32(weight_decay),
                 HAS_WEIGHT_DECAY=weight_decay != 0.0,
                 NESTEROV=bool(nesterov),
-                HAS_PARAMS=params is not None,
-                HAS_MULTIPLIER=grad_multiplier is not None,
-                HAS_FOUND_INF=found_inf is not None,
+                **step_flags,
                 BLOCK=_common.BLOCK, QBLOCK=QBLOCK,
                 num_warps=_common.NUM_WARPS,
             )

@@ -56,6 +56,19 @@ def scalar(op: str, name: str, t: torch.Tensor | None, like: torch.Tensor) -> No
         )
 
 
+def step_inputs(op: str, master: torch.Tensor, grads: torch.Tensor, params: torch.Tensor | None,
+                step: torch.Tensor, grad_multiplier: torch.Tensor | None,
+                found_inf: torch.Tensor | None) -> None:
+    """What every optimizer step takes besides master and its state: gradients and the
+    optional parameter copy of master's length, and the three one-element scalars."""
+    flat(op, "grads", grads, ORACLE_DTYPES, like=master)
+    if params is not None:
+        flat(op, "params", params, ORACLE_DTYPES, like=master)
+    scalar(op, "step", step, master)
+    scalar(op, "grad_multiplier", grad_multiplier, master)
+    scalar(op, "found_inf", found_inf, master)
+
+
 def keep_where_found_inf(found_inf: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``new``, or ``old`` unchanged when ``found_inf`` is set (no host sync)."""
     if found_inf is None:

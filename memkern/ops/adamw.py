@@ -47,12 +47,7 @@ def _check(master, exp_avg, exp_avg_sq, grads, params, step, grad_multiplier, fo
     _checks.flat(op, "master", master, state_dtypes)
     _checks.flat(op, "exp_avg", exp_avg, (master.dtype,), like=master)
     _checks.flat(op, "exp_avg_sq", exp_avg_sq, (master.dtype,), like=master)
-    _checks.flat(op, "grads", grads, _checks.ORACLE_DTYPES, like=master)
-    if params is not None:
-        _checks.flat(op, "params", params, _checks.ORACLE_DTYPES, like=master)
-    _checks.scalar(op, "step", step, master)
-    _checks.scalar(op, "grad_multiplier", grad_multiplier, master)
-    _checks.scalar(op, "found_inf", found_inf, master)
+    _checks.step_inputs(op, master, grads, params, step, grad_multiplier, found_inf)
     if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
         raise ValueError(f"memkern.{op}: betas must be in [0, 1), got ({beta1}, {beta2})")
     if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:

@@ -43,12 +43,7 @@ def _check(master, momentum_buffer, grads, params, step, grad_multiplier, found_
         if momentum_buffer is None:
             raise ValueError(f"memkern.{op}: momentum={momentum} needs a momentum_buffer")
         _checks.flat(op, "momentum_buffer", momentum_buffer, (master.dtype,), like=master)
-    _checks.flat(op, "grads", grads, _checks.ORACLE_DTYPES, like=master)
-    if params is not None:
-        _checks.flat(op, "params", params, _checks.ORACLE_DTYPES, like=master)
-    _checks.scalar(op, "step", step, master)
-    _checks.scalar(op, "grad_multiplier", grad_multiplier, master)
-    _checks.scalar(op, "found_inf", found_inf, master)
+    _checks.step_inputs(op, master, grads, params, step, grad_multiplier, found_inf)
     if lr < 0.0 or momentum < 0.0 or weight_decay < 0.0:
         raise ValueError(
             f"memkern.{op}: lr, momentum and weight_decay must be >= 0, got lr={lr}, "
