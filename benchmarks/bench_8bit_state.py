@@ -1,9 +1,10 @@
 """8-bit optimizer state (``state_precision="8bit"``) against the float32-state fused step.
 
 1. Step time: ``adamw8bit_step_`` against ``adamw_step_``, and ``sgd8bit_step_`` against
-   ``sgd_step_`` (momentum 0.9), on the same flat buffers (bf16 grads and params, fp32
-   master), on the default backend of the device; the bytes each moves per element and the
-   fraction of the measured copy bandwidth (target: 8-bit <= 1.1x the 32-bit step).
+   ``sgd_step_`` (momentum 0.9), interleaved, wall and CPU time, on the same flat buffers
+   (fp32 params; bf16 grads and params with an fp32 master), on the default backend of the
+   device; the bytes each moves per element and the fraction of the measured copy bandwidth
+   (target: 8-bit <= 1.1x the 32-bit step).
 2. Optimizer-side bytes per parameter (gradients + fp32 master + state), measured from the
    storages: ``memkern-full`` and ``memkern-full-8bit`` on the bench model, and a model of
    large layers only (target: <= 8.1 at W=1).
@@ -52,64 +53,95 @@ HYPER = (1e-4, 0.9, 0.999, 1e-8, 0.01)
 SGD_HYPER = (1e-3, 0.9, 0.0, 0.01, False)
 
 
-def bench_step(n: int, device: torch.device) -> dict[str, float]:
-    grads = torch.randn(n, device=device).to(torch.bfloat16)
+PARAM_DTYPES = (("fp32 params", torch.float32), ("bf16 params, fp32 master", torch.bfloat16))
+"""The step benchmarks' cases: float32 parameters (the master is the parameter), and bfloat16
+grads and parameters with a float32 master."""
+
+
+def bench_step(n: int, device: torch.device) -> dict[str, object]:
+    """``adamw8bit_step_`` against ``adamw_step_`` over the same ``n`` elements."""
+
+    def steps(dtype: torch.dtype):
+        grads, master, params = _step_buffers(n, device, dtype)
+        m, v = torch.randn(n, device=device) * 1e-3, torch.rand(n, device=device) * 1e-6
+        codes = [torch.empty(n, dtype=torch.int8, device=device),
+                 torch.empty(num_blocks(n), device=device),
+                 torch.empty(n, dtype=torch.uint8, device=device),
+                 torch.empty(num_blocks(n), device=device)]
+        adamw8bit.quantize(m, codes[0], codes[1])
+        adamw8bit.quantize(v, codes[2], codes[3])
+        step32, step8 = torch.zeros(1, device=device), torch.zeros(1, device=device)
+        master8 = master.clone()
+        return (lambda: memkern.ops.adamw_step_(master, m, v, grads, params, step32, None, None,
+                                                *HYPER),
+                lambda: memkern.ops.adamw8bit_step_(master8, *codes, grads, params, step8, None,
+                                                    None, *HYPER))
+
+    # state bytes per element: m and v 4 + 4 each (32-bit), or 1 + 1 each plus 2 x (4 + 4) /
+    # QBLOCK of absmax (8-bit)
+    return _compare_steps(n, device, steps, 16, 4 + 16 / QBLOCK)
+
+
+def bench_sgd_step(n: int, device: torch.device) -> dict[str, object]:
+    """``sgd8bit_step_`` against ``sgd_step_`` (momentum 0.9) over the same ``n`` elements."""
+
+    def steps(dtype: torch.dtype):
+        grads, master, params = _step_buffers(n, device, dtype)
+        buf = torch.randn(n, device=device) * 1e-3
+        codes = [torch.empty(n, dtype=torch.int8, device=device),
+                 torch.empty(num_blocks(n), device=device)]
+        adamw8bit.quantize(buf, *codes)
+        step32, step8 = torch.ones(1, device=device), torch.ones(1, device=device)
+        master8 = master.clone()
+        return (lambda: memkern.ops.sgd_step_(master, buf, grads, params, step32, None, None,
+                                              *SGD_HYPER),
+                lambda: memkern.ops.sgd8bit_step_(master8, *codes, grads, params, step8, None,
+                                                  None, *SGD_HYPER))
+
+    # state bytes per element: the buffer 4 + 4 (32-bit), or 1 + 1 plus (4 + 4) / QBLOCK of
+    # absmax (8-bit)
+    return _compare_steps(n, device, steps, 8, 2 + 8 / QBLOCK)
+
+
+def _step_buffers(n: int, device: torch.device, dtype: torch.dtype):
+    """grads of ``dtype``, a float32 master, and a ``dtype`` parameter copy (None for
+    float32: the master is the parameter)."""
     master = torch.randn(n, device=device)
-    params = master.to(torch.bfloat16)
-    m, v = torch.randn(n, device=device) * 1e-3, torch.rand(n, device=device) * 1e-6
-    codes = [torch.empty(n, dtype=torch.int8, device=device), torch.empty(num_blocks(n), device=device),
-             torch.empty(n, dtype=torch.uint8, device=device), torch.empty(num_blocks(n), device=device)]
-    adamw8bit.quantize(m, codes[0], codes[1])
-    adamw8bit.quantize(v, codes[2], codes[3])
-    step32, step8 = torch.zeros(1, device=device), torch.zeros(1, device=device)
-    master8 = master.clone()
-
-    def fp32_state():
-        memkern.ops.adamw_step_(master, m, v, grads, params, step32, None, None, *HYPER)
-
-    def int8_state():
-        memkern.ops.adamw8bit_step_(master8, *codes, grads, params, step8, None, None, *HYPER)
-
-    # per element: grads 2 read, params 2 written, master 4 + 4, m and v 4 + 4 each (fp32) or
-    # 1 + 1 each plus 2 x (4 + 4) / QBLOCK of absmax (8-bit)
-    return _compare_steps(n, device, fp32_state, int8_state, 2 + 2 + 8 + 16,
-                          2 + 2 + 8 + 4 + 16 / QBLOCK)
+    return (torch.randn(n, device=device).to(dtype), master,
+            master.to(dtype) if dtype != torch.float32 else None)
 
 
-def bench_sgd_step(n: int, device: torch.device) -> dict[str, float]:
-    grads = torch.randn(n, device=device).to(torch.bfloat16)
-    master = torch.randn(n, device=device)
-    params = master.to(torch.bfloat16)
-    buf = torch.randn(n, device=device) * 1e-3
-    codes = [torch.empty(n, dtype=torch.int8, device=device),
-             torch.empty(num_blocks(n), device=device)]
-    adamw8bit.quantize(buf, *codes)
-    step32, step8 = torch.ones(1, device=device), torch.ones(1, device=device)
-    master8 = master.clone()
-
-    def fp32_state():
-        memkern.ops.sgd_step_(master, buf, grads, params, step32, None, None, *SGD_HYPER)
-
-    def int8_state():
-        memkern.ops.sgd8bit_step_(master8, *codes, grads, params, step8, None, None, *SGD_HYPER)
-
-    # per element: grads 2 read, params 2 written, master 4 + 4, the buffer 4 + 4 (fp32) or
-    # 1 + 1 plus (4 + 4) / QBLOCK of absmax (8-bit)
-    return _compare_steps(n, device, fp32_state, int8_state, 2 + 2 + 8 + 8,
-                          2 + 2 + 8 + 2 + 8 / QBLOCK)
-
-
-def _compare_steps(n, device, fp32_state, int8_state, bytes32, bytes8) -> dict[str, float]:
-    """Median times of the two steps, their ratio, and each one's fraction of the copy
-    bandwidth counting ``bytes32``/``bytes8`` moved per element."""
-    t32 = common.median_seconds(fp32_state, device=device)
-    t8 = common.median_seconds(int8_state, device=device)
+def _compare_steps(n, device, steps, state32: float, state8: float,
+                   reps: int = 15) -> dict[str, object]:
+    """Per case of PARAM_DTYPES, ``steps(dtype)``'s 32-bit and 8-bit step alternating within
+    every repetition (after 3 warm-up ones, so that load from other processes on a shared
+    machine falls on both alike): medians of the wall time and of the process's CPU time,
+    their ratios, and each step's fraction of the copy bandwidth counting the bytes it moves
+    per element (grads and params, master 4 + 4, and ``state32``/``state8`` of state)."""
     copy_bw = common.copy_bandwidth(device)
-    return {"elements": n, "fp32_state_ms": t32 * 1e3, "int8_state_ms": t8 * 1e3,
-            "ratio_8bit_to_32bit": t8 / t32, "target_ratio": 1.1,
-            "copy_bandwidth_GBps": copy_bw / 1e9,
-            "fp32_state_fraction_of_copy": bytes32 * n / t32 / copy_bw,
-            "int8_state_fraction_of_copy": bytes8 * n / t8 / copy_bw}
+    out: dict[str, object] = {"elements": n, "target_ratio": 1.1, "repetitions": reps,
+                              "copy_bandwidth_GBps": copy_bw / 1e9}
+    for name, dtype in PARAM_DTYPES:
+        fp32_state, int8_state = steps(dtype)
+        cpu: dict[str, list[float]] = {}
+        wall = common.interleaved_times(
+            {"32bit": (common.nothing, fp32_state), "8bit": (common.nothing, int8_state)},
+            warmup=3, reps=reps, device=device, cpu_times=cpu)
+        t32, t8 = statistics.median(wall["32bit"]), statistics.median(wall["8bit"])
+        cpu32, cpu8 = statistics.median(cpu["32bit"]), statistics.median(cpu["8bit"])
+        moved = dtype.itemsize * (2 if dtype != torch.float32 else 1) + 8
+        ratios = [b / a for a, b in zip(wall["32bit"], wall["8bit"])]
+        out[name] = {"fp32_state_ms": t32 * 1e3, "int8_state_ms": t8 * 1e3,
+                     "ratio_8bit_to_32bit": t8 / t32,
+                     # CPU seconds of all threads: the work itself, less the waiting for a
+                     # core that a machine shared with other processes adds to wall time
+                     "cpu_time_fp32_state_ms": cpu32 * 1e3, "cpu_time_int8_state_ms": cpu8 * 1e3,
+                     "cpu_time_ratio_8bit_to_32bit": cpu8 / cpu32,
+                     "ratio_per_repetition_min_median_max":
+                         [min(ratios), statistics.median(ratios), max(ratios)],
+                     "fp32_state_fraction_of_copy": (moved + state32) * n / t32 / copy_bw,
+                     "int8_state_fraction_of_copy": (moved + state8) * n / t8 / copy_bw}
+    return out
 
 
 def bytes_per_param(cfg: GPTConfig, device: torch.device) -> dict[str, float]:
@@ -412,15 +444,19 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
 
     if "step" in sections:
-        results["step"] = step = bench_step(n, device)
-        print(f"step over {n} elements: 32-bit state {step['fp32_state_ms']:.2f} ms, 8-bit "
-              f"{step['int8_state_ms']:.2f} ms = {step['ratio_8bit_to_32bit']:.2f}x (target <= "
-              f"1.1x); {step['int8_state_fraction_of_copy']:.0%} of copy bandwidth "
-              f"({step['copy_bandwidth_GBps']:.1f} GB/s) counting the bytes it moves")
-        results["sgd_step"] = sgd = bench_sgd_step(n, device)
-        print(f"SGD momentum step over {n} elements: 32-bit buffer {sgd['fp32_state_ms']:.2f} "
-              f"ms, 8-bit {sgd['int8_state_ms']:.2f} ms = {sgd['ratio_8bit_to_32bit']:.2f}x "
-              f"(target <= 1.1x); {sgd['int8_state_fraction_of_copy']:.0%} of copy bandwidth")
+        results["step"] = bench_step(n, device)
+        results["sgd_step"] = bench_sgd_step(n, device)
+        for key, what in (("step", "AdamW step"), ("sgd_step", "SGD momentum step")):
+            for name, _ in PARAM_DTYPES:
+                r = results[key][name]
+                low, _, high = r["ratio_per_repetition_min_median_max"]
+                print(f"{what} over {n} elements, {name}: 32-bit state {r['fp32_state_ms']:.2f} "
+                      f"ms, 8-bit {r['int8_state_ms']:.2f} ms = {r['ratio_8bit_to_32bit']:.2f}x "
+                      f"(target <= 1.1x; per repetition {low:.2f} to {high:.2f}); CPU time "
+                      f"{r['cpu_time_ratio_8bit_to_32bit']:.2f}x; "
+                      f"{r['int8_state_fraction_of_copy']:.0%} of copy bandwidth "
+                      f"({results[key]['copy_bandwidth_GBps']:.1f} GB/s) counting the bytes it "
+                      "moves")
 
     if "bytes" in sections:
         results["bytes_per_param"] = bpp = bytes_per_param(cfg, device)

@@ -36,9 +36,11 @@ def median_seconds(fn: Callable[[], object], *, warmup: int = 2, reps: int = 7,
 
 
 def interleaved_times(cases: dict[str, tuple[Callable[[], None], Callable[[], object]]], *,
-                      warmup: int, reps: int, device: torch.device) -> dict[str, list[float]]:
+                      warmup: int, reps: int, device: torch.device,
+                      cpu_times: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Seconds of each case's step in every timed repetition, each run after its untimed
-    prepare.
+    prepare; ``cpu_times``, when given, receives each repetition's process CPU time (all
+    threads) per case as well.
 
     The cases take turns within every repetition, so that load from other processes on a
     shared machine falls on all of them alike rather than on whichever ran last.
@@ -49,11 +51,13 @@ def interleaved_times(cases: dict[str, tuple[Callable[[], None], Callable[[], ob
         for name, (prepare, step) in cases.items():
             prepare()
             sync()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             step()
             sync()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
+                if cpu_times is not None:
+                    cpu_times.setdefault(name, []).append(time.process_time() - cpu_start)
     return times
 
 

@@ -145,6 +145,25 @@ def odd_multiplier() -> float:
     return float(torch.tensor(2.0 ** -randint(4, 12) * uniform(0.55, 0.95)))
 
 
+def scaled_grads(n: int, dtype: torch.dtype, multiplier: float | None) -> torch.Tensor:
+    """Random gradients as the backward of a scaled loss leaves them (never zero)."""
+    g = torch.randn(n)
+    if multiplier is not None:
+        g = g / multiplier
+    return g.to(dtype)
+
+
+def step_inputs(n: int, dtype: torch.dtype, device, with_optionals: bool):
+    """``(grads, params, grad_multiplier, found_inf)`` of an optimizer step: CPU gradients of
+    ``dtype`` scaled by 1 / multiplier, and, ``with_optionals``, a NaN-poisoned parameter copy,
+    an odd multiplier and a clear found_inf on ``device`` (else None each)."""
+    if not with_optionals:
+        return scaled_grads(n, dtype, None), None, None, None
+    multiplier = odd_multiplier()
+    return (scaled_grads(n, dtype, multiplier), poison(n, dtype, device),
+            scalar(multiplier, device), scalar(0.0, device))
+
+
 def adamw_hyper() -> dict:
     """Random AdamW hyperparameters: both torch.lerp branches, eps large enough to matter."""
     return dict(

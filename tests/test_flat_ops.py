@@ -45,14 +45,6 @@ def calls(n: int) -> int:
     return 2 if n < 65537 else 1
 
 
-def scaled_grads(n: int, dtype: torch.dtype, multiplier: float | None) -> torch.Tensor:
-    """Random gradients as the backward of a scaled loss leaves them (never zero)."""
-    g = torch.randn(n)
-    if multiplier is not None:
-        g = g / multiplier
-    return g.to(dtype)
-
-
 # --------------------------------------------------------------------------------------------
 # unscale_
 
@@ -63,7 +55,7 @@ def scaled_grads(n: int, dtype: torch.dtype, multiplier: float | None) -> torch.
 def test_unscale(backend, device, n, dtype, flag):
     dev = fo.need(backend, device)
     inv = fo.odd_multiplier()
-    g = scaled_grads(n, dtype, inv)
+    g = fo.scaled_grads(n, dtype, inv)
     grads, found_inf, inv_scale = g.to(dev, copy=True), scalar(flag, dev), scalar(inv, dev)
 
     run(backend, ops.unscale_, grads, found_inf, inv_scale)
@@ -91,7 +83,7 @@ def test_unscale(backend, device, n, dtype, flag):
 def test_unscale_non_finite(backend, device, dtype, value, position):
     dev = fo.need(backend, device)
     inv = fo.odd_multiplier()
-    g = scaled_grads(N_MULTI_PROGRAM, dtype, inv)
+    g = fo.scaled_grads(N_MULTI_PROGRAM, dtype, inv)
     i = fo.inject(g, position, value)
     grads, found_inf = g.to(dev, copy=True), scalar(0.0, dev)
 
@@ -153,11 +145,7 @@ def test_l2_norm_non_finite(backend, device, dtype, value, position):
 def _adamw_step_and_check(backend, dev, dtype, state, step, hyper, *, with_optionals, it):
     """One step on the backend and on a float64 oracle started from the same state."""
     n = state[0].numel()
-    multiplier = fo.odd_multiplier() if with_optionals else None
-    g = scaled_grads(n, dtype, multiplier)
-    params = fo.poison(n, dtype, dev) if with_optionals else None
-    mult_t = scalar(multiplier, dev) if with_optionals else None
-    found_inf = scalar(0.0, dev) if with_optionals else None
+    g, params, mult_t, found_inf = fo.step_inputs(n, dtype, dev, with_optionals)
     before = [f64(t) for t in state]
     oracle, oracle_step = fo.adamw_torch(*before, g, step, fo.cpu_clone(mult_t),
                                          fo.cpu_clone(found_inf), *hyper.values())
@@ -238,11 +226,7 @@ SGD_PARAMS = [
 
 def _sgd_step_and_check(backend, dev, dtype, master, buf, step, hyper, *, with_optionals, it):
     n = master.numel()
-    multiplier = fo.odd_multiplier() if with_optionals else None
-    g = scaled_grads(n, dtype, multiplier)
-    params = fo.poison(n, dtype, dev) if with_optionals else None
-    mult_t = scalar(multiplier, dev) if with_optionals else None
-    found_inf = scalar(0.0, dev) if with_optionals else None
+    g, params, mult_t, found_inf = fo.step_inputs(n, dtype, dev, with_optionals)
     mag_master, mag_buf = fo.sgd_magnitudes(f64(master), f64(buf), f64(g), step,
                                             fo.cpu_clone(mult_t), hyper)
     oracle_master, oracle_buf = fo.sgd_torch(master, buf, g, step, fo.cpu_clone(mult_t),
@@ -284,7 +268,7 @@ def test_sgd_step(backend, device, n, variant, start, dtype):
 
 
 def _optimizer_args(op: str, n: int, dtype, dev, *, step0: int, found_inf, beta1=None):
-    g = scaled_grads(n, dtype, None)
+    g = fo.scaled_grads(n, dtype, None)
     fo.inject(g, fo.choice(POSITIONS), math.inf)  # what a skipped step usually sees
     common = dict(grads=g.to(dev, copy=True), params=fo.poison(n, dtype, dev), step=scalar(step0, dev),
                   grad_multiplier=scalar(fo.odd_multiplier(), dev), found_inf=found_inf)

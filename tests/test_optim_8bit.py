@@ -1,9 +1,9 @@
 """``state_precision="8bit"`` on FusedAdamW and ShardedOptimizer (single process; the
 distributed cases are in test_optim_distributed.py): the fused optimizer against per-parameter
 float64 runs of the quantized algorithm and against torch.optim.AdamW, the size threshold,
-loss scaling with accumulation, memory; and for FusedAdamW and FusedSGD alike (the rest of
-SGD's: test_optim_sgd8bit.py): state dicts, training against torch, skipped steps, bad input,
-checkpoints of the other precision."""
+memory; and for FusedAdamW and FusedSGD alike (the rest of SGD's: test_optim_sgd8bit.py):
+state dicts, training against torch, skipped steps and loss scaling with accumulation and
+clipping on ShardedOptimizer, bad input, checkpoints of the other precision."""
 from __future__ import annotations
 
 import copy
@@ -194,19 +194,23 @@ def test_skipped_step_leaves_8bit_state_bit_identical(name, options):
     assert all(torch.equal(a, seg.step) for a, seg in zip(steps, opt.segments))
 
 
-def test_sharded_8bit_with_accumulation_equals_fused_8bit_on_the_whole_batch():
-    """Three windows of two micro-batches, with num_items and a loss scale, against FusedAdamW
-    stepped on the window's mean gradient computed by hand. The losses are (p * G).sum(), so
-    each micro-batch's gradient is exactly G (times the scale), and G sits on a grid where the
-    sum, the unscale and the division by the 64 items are exact: both optimizers see the same
-    float32 gradient bit for bit, so the same 8-bit algorithm must give the same parameters
-    and the same codes, bit for bit, in every window (no rounding-order code flips to allow
-    for). A normaliser or item count that is not reset, a micro-batch dropped or a scale not
-    undone changes the gradient and fails the comparison."""
+@pytest.mark.parametrize("name,options", SHARDED)
+def test_sharded_accumulation_scaling_clipping_equal_fused_on_the_whole_batch(name, options):
+    """Three windows of two micro-batches with num_items, a loss scale and clipping that
+    bites, against the fused optimizer stepped on the window's mean gradient computed by hand,
+    times the clip coefficient torch's rule gives for the reported norm. The losses are
+    (p * G).sum() with G on a coarse grid (exact sums, unscale and division by the 64 items):
+    both see the same float32 gradient bit for bit, so the same 8-bit algorithm must give the
+    same parameters and the same codes, bit for bit, in every window (no rounding-order code
+    flips to allow for). A normaliser or item count that is not reset, a micro-batch dropped
+    or a scale not undone changes the gradient and fails the comparison."""
+    fused_optimizer, _, hyper = OPTIMIZERS[name]
     a, b = make_net(7), make_net(7)
-    sharded = mk.optim.ShardedOptimizer(a.parameters(), lr=1e-2, state_precision="8bit",
-                                        accumulation_steps=2, loss_scale=1024.0)
-    fused = mk.optim.FusedAdamW(b.parameters(), lr=1e-2, state_precision="8bit")
+    max_norm = 1e-3
+    sharded = mk.optim.ShardedOptimizer(a.parameters(), name, **hyper, state_precision="8bit",
+                                        accumulation_steps=2, loss_scale=1024.0,
+                                        max_grad_norm=max_norm, **options)
+    fused = fused_optimizer(b.parameters(), **hyper, state_precision="8bit")
     for window in range(3):
         sharded.zero_grad()
         fused.zero_grad()
@@ -221,7 +225,13 @@ def test_sharded_8bit_with_accumulation_equals_fused_8bit_on_the_whole_batch():
                 q.grad = mean
             else:
                 q.grad.copy_(mean)
-        fused.step()
+        norm = torch.tensor(sharded.grad_norm, dtype=torch.float32)
+        expected_norm = torch.linalg.vector_norm(torch.cat([q.grad.reshape(-1)
+                                                            for q in b.parameters()]).double())
+        assert abs(norm.item() - expected_norm.item()) <= 1e-5 * expected_norm.item()
+        clip = (max_norm / (norm + 1e-6)).clamp(max=1.0).reshape(1)
+        assert clip.item() < 1.0  # clipping bites
+        fused.step(grad_multiplier=clip)
         for i, (p, q) in enumerate(zip(a.parameters(), b.parameters())):
             assert torch.equal(p, q), f"window {window}, param {i}: differs"
         codes = [[t for pair in seg.quantized_state.values() for t in pair]

@@ -40,12 +40,7 @@ def random_state(n: int, dev) -> list[torch.Tensor]:
 
 def step_and_check(backend, dev, dtype, state, step, hyper, *, with_optionals, it):
     n = state[0].numel()
-    multiplier = fo.odd_multiplier() if with_optionals else None
-    g = torch.randn(n)
-    g = (g / multiplier if multiplier is not None else g).to(dtype)
-    params = fo.poison(n, dtype, dev) if with_optionals else None
-    mult_t = scalar(multiplier, dev) if with_optionals else None
-    found_inf = scalar(0.0, dev) if with_optionals else None
+    g, params, mult_t, found_inf = fo.step_inputs(n, dtype, dev, with_optionals)
     oracle = fo.oracle_state(state)
     before_buf = fo.dequantize64(oracle[1], oracle[2])
     step_before = step.item()
