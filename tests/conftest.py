@@ -48,25 +48,31 @@ def cpu_backends() -> list[str]:
 
 
 # The layers whose autograd runs in C++ when the extension is built (memkern.ops.linear,
-# dropout_layer, norm_layer, linear_cross_entropy_layer), named by the memkern.nn.functional
-# module that routes them.
-_CPP_AUTOGRAD_ROUTES = ("linear", "dropout", "norm", "linear_cross_entropy")
+# dropout_layer, norm_layer, linear_cross_entropy_layer, mlp_layer, swiglu_layer), named by the
+# memkern.nn.functional module that routes them (_common: MLP's and SwiGLU's).
+_CPP_AUTOGRAD_ROUTES = ("linear", "dropout", "norm", "linear_cross_entropy", "_common")
+
+
+def use_python_autograd(monkeypatch) -> None:
+    """Route every layer to its Python ``autograd.Function``, as without the extension."""
+    import dataclasses
+    import sys
+
+    from memkern._extension import compiled
+    for name in _CPP_AUTOGRAD_ROUTES:  # the modules, not the functions of these names
+        monkeypatch.setattr(sys.modules[f"memkern.nn.functional.{name}"], "compiled",
+                            dataclasses.replace(compiled, has_cpu=False))
 
 
 @pytest.fixture(params=["cpp", "python"])
 def layer_autograd(request, monkeypatch):
     """The two implementations of the layers' algorithms: C++ autograd (``memkern::linear``,
-    ``memkern::dropout_layer``, ``memkern::norm_layer``, ``memkern::linear_cross_entropy``;
-    extension built) and the Python ``autograd.Function``s (no extension, autocast, compile,
-    a forced backend, ...)."""
-    import dataclasses
-    import sys
-
+    ``memkern::dropout_layer``, ``memkern::norm_layer``, ``memkern::linear_cross_entropy``,
+    ``memkern::mlp_layer``, ``memkern::swiglu_layer``; extension built) and the Python
+    ``autograd.Function``s (no extension, autocast, compile, a forced backend, ...)."""
     from memkern._extension import compiled
     if request.param == "cpp" and not compiled.has_cpu:
         pytest.skip("the compiled extension is not built")
     if request.param == "python":
-        for name in _CPP_AUTOGRAD_ROUTES:  # the modules, not the functions of these names
-            monkeypatch.setattr(sys.modules[f"memkern.nn.functional.{name}"], "compiled",
-                                dataclasses.replace(compiled, has_cpu=False))
+        use_python_autograd(monkeypatch)
     return request.param

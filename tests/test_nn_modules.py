@@ -18,6 +18,8 @@ from torch.utils._pytree import tree_leaves
 
 import memkern as mk
 from compare import rel_err
+from conftest import use_python_autograd
+from memkern.profile import SavedTensorsRecorder
 
 # Documented tolerances (relative to the largest magnitude of the tensor): float32 exact to
 # 1e-5; 16-bit results may differ from torch's by the rounding of intermediates that memkern
@@ -389,14 +391,14 @@ def _torch_mlp(m: mk.nn.MLP) -> nn.Sequential:
 
 @pytest.mark.parametrize("recompute", ["none", "activation", "full"])
 @pytest.mark.parametrize("activation", list(_ACTS))
-def test_mlp_matches_torch_fp32(activation, recompute):
+def test_mlp_matches_torch_fp32(activation, recompute, layer_autograd):
     m = mk.nn.MLP(13, 29, 11, activation=activation, recompute=recompute)
     assert_same(m, _torch_mlp(m), _input((2, 7, 13), torch.float32), tol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES[1:])
 @pytest.mark.parametrize("recompute", ["activation", "full"])
-def test_mlp_matches_torch_low_precision(dtype, recompute):
+def test_mlp_matches_torch_low_precision(dtype, recompute, layer_autograd):
     m = mk.nn.MLP(37, 61, activation="gelu_tanh", bias=True, recompute=recompute).to(dtype)
     assert_same(m, _torch_mlp(m), _input((9, 37), dtype), tol=TOL[dtype])
 
@@ -416,12 +418,12 @@ class _TorchSwiGLU(nn.Module):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("recompute", ["none", "activation", "full"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_swiglu_matches_torch(recompute, dtype, bias):
+def test_swiglu_matches_torch(recompute, dtype, bias, layer_autograd):
     m = mk.nn.SwiGLU(13, 23, 11, bias=bias, recompute=recompute).to(dtype)
     assert_same(m, _TorchSwiGLU(m), _input((3, 5, 13), dtype), tol=TOL[dtype])
 
 
-def test_mlp_dropout_and_structure():
+def test_mlp_dropout_and_structure(layer_autograd):
     m = mk.nn.MLP(16, 32, dropout=0.25)
     assert set(dict(m.named_children())) == {"fc1", "fc2", "dropout"}
     assert isinstance(m.fc1, mk.nn.Linear) and m.fc2.out_features == 16
@@ -440,7 +442,7 @@ def test_mlp_rejects_bad_arguments(bad):
         mk.nn.MLP(4, 8, **bad)
 
 
-def test_frozen_weights_only_input_grad():
+def test_frozen_weights_only_input_grad(layer_autograd):
     m = mk.nn.MLP(13, 17, recompute="full").requires_grad_(False)
     x = torch.randn(3, 13, requires_grad=True)
     ref = _torch_mlp(m)
@@ -527,3 +529,176 @@ def test_modules_on_cuda_match_torch(dtype):
     y = mk.nn.Dropout(0.2)(x)
     (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
     assert torch.equal(y != 0, gx != 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# a norm's output as a layer's input: the layer saves the norm's recipe (its input and
+# parameters, which the norm saves anyway) instead of the output, and rebuilds it in backward
+
+
+_EPS = 1e-2  # far from the modules' defaults, so that a rebuild with another eps shows
+
+
+def _norm_case(name: str, d: int, dtype: torch.dtype):
+    """(memkern norm, its float64 oracle, fresh random parameters), each called as
+    ``f(x, *params)``; ``*_2d`` normalises the last two dimensions, ``(3, d)``."""
+    shape = (3, d) if name.endswith("2d") else (d,)
+    w = (torch.randn(shape) + 1).to(dtype).requires_grad_()
+    if name.startswith("layer_norm"):
+        return (lambda x, w, b: mk.nn.functional.layer_norm(x, shape, w, b, _EPS),
+                lambda x, w, b: F.layer_norm(x, shape, w, b, _EPS),
+                [w, torch.randn(shape).to(dtype).requires_grad_()])
+    return (lambda x, w: mk.nn.functional.rms_norm(x, shape, w, _EPS),
+            lambda x, w: F.rms_norm(x, shape, w, _EPS), [w])
+
+
+_ORACLE_ACTS = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+                "relu": F.relu, "silu": F.silu}
+
+
+def _layer_case(name: str, d: int, dtype: torch.dtype):
+    """(memkern layer, its oracle in plain torch ops, fresh random parameters, the name of its
+    autograd Function), called as ``f(y, *params)``, for a GEMM layer on ``d`` features:
+    ``linear``, ``conv1d``, ``mlp-<recompute>[-<activation>][-transposed]``,
+    ``swiglu-<recompute>``."""
+    def param(*shape):
+        return (torch.randn(shape) / shape[-1] ** 0.5).to(dtype).requires_grad_()
+
+    kind, *rest = name.split("-")
+    if kind in ("linear", "conv1d"):
+        t = kind == "conv1d"
+        return (lambda y, w, b: mk.nn.functional.linear(y, w, b, transposed=t),
+                lambda y, w, b: F.linear(y, w.t() if t else w, b),
+                [param(d, 11) if t else param(11, d), param(11)], "LinearFunction")
+    if kind == "mlp":
+        recompute, t = rest[0], "transposed" in rest
+        act = next((a for a in rest[1:] if a in _ORACLE_ACTS), "gelu_tanh")
+
+        def oracle(y, w1, b1, w2, b2):
+            def lin(a, w, b):
+                return F.linear(a, w.t() if t else w, b)
+            return lin(_ORACLE_ACTS[act](lin(y, w1, b1)), w2, b2)
+        return (lambda y, w1, b1, w2, b2: mk.nn.functional.mlp(
+                    y, w1, b1, w2, b2, activation=act, recompute=recompute, transposed=t),
+                oracle, [param(d, 29) if t else param(29, d), param(29),
+                         param(29, 11) if t else param(11, 29), param(11)], "MLPFunction")
+    return (lambda y, wg, wu, wd, bu: mk.nn.functional.swiglu(y, wg, wu, wd, up_bias=bu,
+                                                              recompute=rest[0]),
+            lambda y, wg, wu, wd, bu: F.linear(F.silu(F.linear(y, wg)) * F.linear(y, wu, bu), wd),
+            [param(23, d), param(23, d), param(11, 23), param(23)], "SwiGLUFunction")
+
+
+_LAYERS = ["linear", "conv1d", "mlp-none", "mlp-activation-gelu", "mlp-full", "mlp-full-relu",
+           "mlp-activation-silu-transposed", "swiglu-none", "swiglu-activation", "swiglu-full"]
+_NORMS = ["layer_norm", "rms_norm", "layer_norm_2d", "rms_norm_2d"]
+
+
+def _saved_storages(fn, *args) -> tuple[torch.Tensor, set[int]]:
+    """fn(*args) and the data pointers of the storages it saved for backward."""
+    with SavedTensorsRecorder(include_parameters=True) as rec:
+        out = fn(*args)
+    return out, {key[1] for key in rec.entries}
+
+
+def _leaves(tensors, dtype=None):
+    return [t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
+
+
+@pytest.mark.parametrize("layer", _LAYERS)
+@pytest.mark.parametrize("norm", _NORMS)
+def test_layer_after_a_norm_saves_its_recipe_and_matches_float64(norm, layer, layer_autograd):
+    """norm -> layer in float64 on odd sizes against F.layer_norm/F.rms_norm + F.linear: the
+    C++ node runs (or the Python one), the layer saves the norm's input but not its output,
+    and every gradient — added into an existing .grad for half the layer's weights — is right."""
+    x = torch.randn(2, 5, 3, 13, dtype=torch.float64, requires_grad=True)
+    norm_fn, norm_oracle, norm_params = _norm_case(norm, 13, torch.float64)
+    fn, oracle, params, function = _layer_case(layer, 13, torch.float64)
+    earlier = [torch.randn_like(p) if i % 2 == 0 else None for i, p in enumerate(params)]
+    for p, e in zip(params, earlier):
+        p.grad = None if e is None else e.clone()
+    y = norm_fn(x, *norm_params)
+    out, saved = _saved_storages(fn, y, *params)
+    assert ("CppNode" in out.grad_fn.name()) == (layer_autograd == "cpp")
+    assert function in out.grad_fn.name()
+    assert y.untyped_storage().data_ptr() not in saved, "the normalised output was saved"
+    assert x.untyped_storage().data_ptr() in saved
+    g = torch.randn_like(out)
+    out.backward(g)
+    rx, rn, rp = _leaves([x]), _leaves(norm_params), _leaves(params)
+    expected = oracle(norm_oracle(rx[0], *rn), *rp)
+    expected.backward(g)
+    assert rel_err(out, expected) < 1e-12
+    for name, a, r, e in [("x", x, rx[0], None), *(("norm param", a, r, None) for a, r in
+                                                 zip(norm_params, rn)),
+                          *(("layer param", a, r, e) for a, r, e in zip(params, rp, earlier))]:
+        want = r.grad if e is None else r.grad + e
+        assert rel_err(a.grad, want) < 1e-10, name
+
+
+def _norm_then_layer_grads(norm, layer, dtype, seed):
+    """Output and every gradient of norm -> layer on data drawn from ``seed``."""
+    torch.manual_seed(seed)
+    x = torch.randn(4, 3, 13).to(dtype).requires_grad_()
+    norm_fn, _, norm_params = _norm_case(norm, 13, dtype)
+    fn, _, params, _ = _layer_case(layer, 13, dtype)
+    for p in params[:2]:
+        p.grad = torch.randn_like(p)
+    out = fn(norm_fn(x, *norm_params), *params)
+    out.backward(torch.randn_like(out))
+    return [out, *(t.grad for t in (x, *norm_params, *params))]
+
+
+@pytest.mark.skipif(not mk.compiled.has_cpu, reason="the compiled extension is not built")
+@pytest.mark.parametrize("dtype", DTYPES[:2])
+@pytest.mark.parametrize("layer", _LAYERS)
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm_2d"])
+def test_cpp_and_python_autograd_are_bit_identical_after_a_norm(norm, layer, dtype, monkeypatch):
+    """The C++ node rebuilds the norm's output with the op the norm ran (torch's
+    native_layer_norm; memkern::norm_forward for RMSNorm and 16-bit LayerNorm on the CPU) and
+    computes what the Python Function does: every result is equal, bit for bit."""
+    seed = int(torch.randint(0, 2**31, ()))
+    cpp = _norm_then_layer_grads(norm, layer, dtype, seed)
+    use_python_autograd(monkeypatch)
+    python = _norm_then_layer_grads(norm, layer, dtype, seed)
+    for i, (a, b) in enumerate(zip(cpp, python)):
+        assert torch.equal(a, b), f"result {i}"
+
+
+@pytest.mark.parametrize("layer", ["linear", "mlp-activation", "mlp-full-transposed", "swiglu-full"])
+@pytest.mark.parametrize("changed", ["norm_input", "norm_output"])
+def test_stale_recipe_makes_the_layer_save_its_input(changed, layer, layer_autograd):
+    """The norm's input (or its output) modified in place between the norm and the layer: the
+    output can no longer be rebuilt from the norm's tensors, so the layer saves it itself and
+    its gradients are those of the values it was given."""
+    base = torch.randn(5, 13, dtype=torch.float64)
+    norm_fn, _, norm_params = _norm_case("layer_norm", 13, torch.float64)
+    fn, oracle, params, _ = _layer_case(layer, 13, torch.float64)
+    y = norm_fn(base, *norm_params)
+    if changed == "norm_input":
+        base.mul_(2.0)
+    else:
+        y.mul_(1.5)
+    given = y.detach().clone()
+    out, saved = _saved_storages(fn, y, *params)
+    assert y.untyped_storage().data_ptr() in saved
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, params, g)  # the layer's: the norm's would see base changed
+    ref = _leaves(params)
+    want = torch.autograd.grad(oracle(given, *ref), ref, g)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-10
+
+
+@pytest.mark.parametrize("layer", ["linear", "mlp-activation", "mlp-full-transposed", "swiglu-full"])
+def test_norm_input_modified_after_the_layer_ran_raises_as_torch(layer, layer_autograd):
+    """The norm's input modified in place between forward and backward: rebuilding the
+    output from it would be wrong, and the layer's backward raises autograd's error (as it
+    would for any saved tensor modified in place), even when only the layer's own weight
+    gradients are asked for."""
+    base = torch.randn(5, 13, dtype=torch.float64)
+    norm_fn, _, norm_params = _norm_case("rms_norm", 13, torch.float64)
+    fn, _, params, _ = _layer_case(layer, 13, torch.float64)
+    out = fn(norm_fn(base, *norm_params), *params)
+    base.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, params, torch.randn_like(out))

@@ -3,6 +3,9 @@ as one op whose autograd is C++ (csrc/autograd/linear.cpp): the weight gradient 
 straight into ``W.grad`` when that exists (see :mod:`memkern.nn.functional._grad`), at the host
 cost of ``nn.Linear``'s call.
 
+When ``x`` is a memkern norm's output, the ``norm_*`` arguments (:mod:`._norm_recipe`) say how
+to rebuild it, and the op saves those tensors instead of ``x``.
+
 Only the compiled extension registers its kernels (``Autograd`` and, below autograd,
 ``CompositeExplicitAutograd``); without it :mod:`memkern.nn.functional.linear` runs the same
 algorithm as a Python ``autograd.Function``. Callers pass one dtype for ``x``, ``W`` and ``b``
@@ -12,13 +15,15 @@ from __future__ import annotations
 
 import torch
 
+from memkern.ops import _norm_recipe
 from memkern.ops._registry import LIBRARY
 
-LIBRARY.define("linear(Tensor x, Tensor weight, Tensor? bias, bool transposed) -> Tensor")
+LIBRARY.define(f"linear(Tensor x, Tensor weight, Tensor? bias, bool transposed, "
+               f"{_norm_recipe.SCHEMA}) -> Tensor")
 
 
 @torch.library.register_fake("memkern::linear", lib=LIBRARY)
-def _fake(x, weight, bias, transposed):
+def _fake(x, weight, bias, transposed, *norm_recipe):
     out_features = weight.shape[1] if transposed else weight.shape[0]
     return x.new_empty((*x.shape[:-1], out_features))
 

@@ -1,9 +1,13 @@
-"""Small helpers shared by the autograd Functions: the compute dtype under autocast, flattening."""
+"""Small helpers shared by the autograd Functions: the compute dtype under autocast, flattening,
+which calls the C++ autograd layers take."""
 from __future__ import annotations
 
 import contextlib
 
 import torch
+
+from memkern import backend
+from memkern._extension import compiled
 
 _NOTHING = contextlib.nullcontext()
 
@@ -39,3 +43,13 @@ def no_autocast(device_type: str):
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return _NOTHING
+
+
+def cpp_autograd(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """Whether a layer's C++ autograd op computes exactly what its Python Function would: the
+    extension is built, every tensor has ``x``'s dtype, no autocast, no forced backend (the
+    op runs memkern's elementwise ops through the dispatcher, i.e. on the default backend),
+    not compiling (the compiler traces the Python Function)."""
+    return (compiled.has_cpu and not torch.is_autocast_enabled(x.device.type)
+            and all(p is None or p.dtype == x.dtype for p in params)
+            and backend.requested() is None and not torch.compiler.is_compiling())

@@ -11,6 +11,13 @@ The recipe holds only weak references (it never keeps a tensor alive) and the te
 counters; if anything was freed or modified in place since, the consumer saves the output
 itself, as it would without this mechanism.
 
+A recipe is data as well as a Python closure: which norm (``norm_kind``, one of
+:mod:`memkern.ops._norm_recipe`'s kinds), over how many trailing dimensions, with which eps. The
+Python Functions rebuild through the closure; the layers with C++ autograd
+(``memkern::linear``, ``memkern::mlp_layer``, ``memkern::swiglu_layer``) receive the data as
+their ``norm_*`` arguments (:func:`recipe_args`) and rebuild through the same op
+(csrc/autograd/saved_input.h).
+
 Under ``torch.compile`` tensors carry no Python attributes, and the compiler merges a
 backward's recomputation with the forward op it repeats (then keeps that op's output). There
 the functions run inside :func:`compiled_region` instead: a selective-checkpoint region
@@ -22,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 
 import torch
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
@@ -36,6 +43,9 @@ class _Recipe:
     fn: Callable[..., torch.Tensor]
     refs: tuple
     versions: tuple
+    kind: int  # memkern.ops._norm_recipe: NATIVE_LAYER_NORM, LAYER_NORM or RMS_NORM
+    dims: int  # normalised trailing dimensions
+    eps: float
 
     def tensors(self) -> list[torch.Tensor | None] | None:
         out = []
@@ -51,18 +61,36 @@ class _Recipe:
 
 
 def mark_recomputable(out: torch.Tensor, fn: Callable[..., torch.Tensor],
-                      tensors: Sequence[torch.Tensor | None]) -> None:
-    """Record that ``out == fn(*tensors)`` (bit for bit) for the consumers of ``out``."""
+                      tensors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None], *,
+                      kind: int, dims: int, eps: float) -> None:
+    """Record that ``out == fn(x, weight, bias)`` (bit for bit) for the consumers of ``out``,
+    ``fn`` being the norm ``kind`` (:mod:`memkern.ops._norm_recipe`) over the last ``dims``
+    dimensions of ``x`` with ``eps``."""
     if torch.compiler.is_compiling() or not isinstance(out, torch.Tensor):
         return
     refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
     versions = tuple(None if t is None else t._version for t in tensors)
-    setattr(out, _ATTR, _Recipe(fn, refs, versions))
+    setattr(out, _ATTR, _Recipe(fn, refs, versions, kind, dims, eps))
 
 
-def has_recipe(t: torch.Tensor) -> bool:
-    """Whether ``t`` was marked recomputable (a consumer would save the recipe instead)."""
-    return getattr(t, _ATTR, None) is not None
+def _valid_tensors(t: torch.Tensor) -> tuple[_Recipe, list] | tuple[None, None]:
+    """``t``'s recipe and its tensors, while it can still rebuild ``t``: nothing freed or
+    modified in place since (``t`` itself included)."""
+    recipe = getattr(t, _ATTR, None)
+    tensors = recipe.tensors() if recipe is not None else None
+    if tensors is None or t._version != 0:
+        return None, None
+    return recipe, tensors
+
+
+def recipe_args(t: torch.Tensor) -> tuple:
+    """The ``norm_*`` arguments (:mod:`memkern.ops._norm_recipe`) that make a C++ autograd layer
+    save ``t``'s recipe instead of ``t``: ``(x, weight, bias, kind, dims, eps)``, or ``()``
+    when ``t`` has no valid recipe (the layer then saves ``t``, as :class:`Saver` would)."""
+    recipe, tensors = _valid_tensors(t)
+    if recipe is None:
+        return ()
+    return (*tensors, recipe.kind, recipe.dims, recipe.eps)
 
 
 class Saver:
@@ -73,11 +101,10 @@ class Saver:
         self._layout: list[tuple] = []
 
     def add(self, t: torch.Tensor | None, *, recompute: bool = True) -> int:
-        recipe = None
+        recipe = tensors = None
         if recompute and t is not None and not torch.compiler.is_compiling():
-            recipe = getattr(t, _ATTR, None)
-        tensors = recipe.tensors() if recipe is not None else None
-        if tensors is not None and t._version == 0:
+            recipe, tensors = _valid_tensors(t)
+        if recipe is not None:
             self._layout.append(("recipe", recipe.fn, len(self._tensors), len(tensors)))
             self._tensors.extend(tensors)
         else:

@@ -14,6 +14,11 @@ recompute      saved                       recomputed in backward
 ``x`` itself is not stored when it is a memkern norm's output (:mod:`._saved`). Weight
 gradients are accumulated straight into existing ``.grad`` buffers (:mod:`._grad`).
 ``transposed=True`` takes both weights stored ``[in, out]`` (GPT-2's ``Conv1D``).
+
+Host time per call: with one dtype, no autocast and the default backend, the call runs as the
+``memkern::mlp_layer`` op (:mod:`memkern.ops.mlp_layer`: this algorithm with C++ autograd, the
+input's recipe passed along) when the extension is built; :class:`MLPFunction` serves the rest
+(autocast, mixed dtypes, a forced backend, ``torch.compile``, no extension).
 """
 from __future__ import annotations
 
@@ -112,6 +117,8 @@ def mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None
         return mlp(x.unsqueeze(0), fc1_weight, fc1_bias, fc2_weight, fc2_bias,
                    activation=activation, recompute=recompute, transposed=transposed).squeeze(0)
     args = (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recompute, transposed)
+    if _common.cpp_autograd(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
+        return ops.mlp_layer(*args, *_saved.recipe_args(x))
     if recompute == "none":
         return MLPFunction.apply(*args)
     # compiled: what the Function recomputes in backward, recomputed ("full": every op)

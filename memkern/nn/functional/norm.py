@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 from memkern import backend, ops
 from memkern._extension import compiled
 from memkern.nn.functional import _saved
+from memkern.ops import _norm_recipe
 
 
 def _flat(x: torch.Tensor, n_norm: int) -> torch.Tensor:
@@ -112,17 +113,18 @@ def _norm(x, normalized_shape, weight, bias, eps, rms, name):
 
 def _norm_saving_input(x, shape, weight, bias, eps, rms):
     if not rms and _native_layer_norm_ok(x, weight, bias):
-        rebuild = _native_layer_norm(shape, eps)
+        kind, rebuild = _norm_recipe.NATIVE_LAYER_NORM, _native_layer_norm(shape, eps)
         if torch.is_autocast_enabled(x.device.type):  # autocast would save a float32 copy of x
             with torch.autocast(x.device.type, enabled=False):
                 y = rebuild(x, weight, bias)
         else:
             y = rebuild(x, weight, bias)
     else:
+        kind = _norm_recipe.RMS_NORM if rms else _norm_recipe.LAYER_NORM
         rebuild = _recompute(len(shape), eps, rms)
         y = _norm_autograd(x, weight, bias, len(shape), eps, rms)
     if y.requires_grad and torch.is_grad_enabled():
-        _saved.mark_recomputable(y, rebuild, (x, weight, bias))
+        _saved.mark_recomputable(y, rebuild, (x, weight, bias), kind=kind, dims=len(shape), eps=eps)
     return y
 
 

@@ -12,6 +12,12 @@ recompute      saved                         recomputed in backward
 =============  ============================  ==================================================
 
 ``x`` itself is not stored when it is a memkern norm's output (:mod:`._saved`).
+
+Host time per call: with one dtype, no autocast and the default backend, the call runs as the
+``memkern::swiglu_layer`` op (:mod:`memkern.ops.swiglu_layer`: this algorithm with C++
+autograd, the input's recipe passed along) when the extension is built;
+:class:`SwiGLUFunction` serves the rest (autocast, mixed dtypes, a forced backend,
+``torch.compile``, no extension).
 """
 from __future__ import annotations
 
@@ -99,6 +105,8 @@ def swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
         return swiglu(x.unsqueeze(0), gate_weight, up_weight, down_weight, gate_bias, up_bias,
                       down_bias, recompute=recompute).squeeze(0)
     args = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, recompute)
+    if _common.cpp_autograd(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias):
+        return ops.swiglu_layer(*args, *_saved.recipe_args(x))
     if recompute == "none":
         return SwiGLUFunction.apply(*args)
     # compiled: what the Function recomputes in backward, recomputed ("full": every op)

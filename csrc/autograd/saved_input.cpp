@@ -1,0 +1,74 @@
+// See saved_input.h.
+#include "saved_input.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+
+#include <tuple>
+
+namespace memkern::autograd {
+namespace {
+
+constexpr const char* kKindKey = "norm_kind";
+constexpr const char* kDimsKey = "norm_dims";
+constexpr const char* kEpsKey = "norm_eps";
+
+std::optional<at::Tensor> flat(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t.reshape({-1})) : std::nullopt;
+}
+
+// What memkern/nn/functional/norm.py's rebuild closures compute (_native_layer_norm,
+// _recompute), through the same ops.
+at::Tensor rebuild(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                   int64_t kind, int64_t dims, double eps) {
+  at::NoGradGuard no_grad;
+  const at::IntArrayRef normalized = x.sizes().slice(x.dim() - dims);
+  if (kind == kNativeLayerNorm) {
+    return std::get<0>(at::native_layer_norm(x, normalized, weight, bias, eps));
+  }
+  static const auto norm_forward =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memkern::norm_forward", "")
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+              const at::Tensor&, const std::optional<at::Tensor>&,
+              const std::optional<at::Tensor>&, double, bool)>();
+  int64_t features = 1;
+  for (const int64_t n : normalized) {
+    features *= n;
+  }
+  const at::Tensor y = std::get<0>(norm_forward.call(x.reshape({-1, features}).contiguous(),
+                                                     flat(weight), flat(bias), eps,
+                                                     kind == kRmsNorm));
+  return y.view(x.sizes());
+}
+
+}  // namespace
+
+void save_input(torch::autograd::AutogradContext* ctx, std::vector<at::Tensor>& to_save,
+                const at::Tensor& input, const NormRecipe& recipe) {
+  if (!input.defined() || recipe.kind == kNoNorm) {
+    to_save.insert(to_save.end(), {input, at::Tensor(), at::Tensor()});
+    return;
+  }
+  TORCH_CHECK(recipe.kind >= kNativeLayerNorm && recipe.kind <= kRmsNorm && recipe.x.has_value() &&
+                  recipe.x->defined() && recipe.dims >= 0 && recipe.dims <= recipe.x->dim(),
+              "memkern: invalid norm recipe (norm_kind=", recipe.kind, ", norm_dims=",
+              recipe.dims, "); pass the norm_* arguments of memkern.nn.functional._saved");
+  to_save.insert(to_save.end(), {*recipe.x, recipe.weight.value_or(at::Tensor()),
+                                 recipe.bias.value_or(at::Tensor())});
+  ctx->saved_data[kKindKey] = recipe.kind;
+  ctx->saved_data[kDimsKey] = recipe.dims;
+  ctx->saved_data[kEpsKey] = recipe.eps;
+}
+
+at::Tensor load_input(torch::autograd::AutogradContext* ctx,
+                      const torch::autograd::variable_list& saved) {
+  const auto kind = ctx->saved_data.find(kKindKey);
+  if (kind == ctx->saved_data.end()) {
+    return saved[0];
+  }
+  return rebuild(saved[0], saved[1], saved[2], kind->second.toInt(),
+                 ctx->saved_data[kDimsKey].toInt(), ctx->saved_data[kEpsKey].toDouble());
+}
+
+}  // namespace memkern::autograd

@@ -1,0 +1,21 @@
+"""The ``norm_*`` arguments of memkern's C++ autograd layers (``memkern::linear``,
+``memkern::mlp_layer``, ``memkern::swiglu_layer``): the layer input's *recipe* when it is a
+memkern norm's output (:mod:`memkern.nn.functional._saved`), so that the layer saves the
+norm's input and parameters instead of the normalised output and rebuilds it in backward
+(csrc/autograd/saved_input.h).
+
+Arguments
+    norm_x, norm_weight, norm_bias   the norm's input and parameters (None: no recipe; the
+                                     layer saves its input itself).
+    norm_kind    which op rebuilds the output: :data:`NATIVE_LAYER_NORM`
+                 (``torch.native_layer_norm``), :data:`LAYER_NORM` / :data:`RMS_NORM`
+                 (``memkern::norm_forward`` over the flattened trailing dimensions).
+    norm_dims    how many trailing dimensions of ``norm_x`` are normalised.
+    norm_eps     the norm's eps.
+"""
+from __future__ import annotations
+
+NATIVE_LAYER_NORM, LAYER_NORM, RMS_NORM = 1, 2, 3
+
+SCHEMA = ("Tensor? norm_x=None, Tensor? norm_weight=None, Tensor? norm_bias=None, "
+          "int norm_kind=0, int norm_dims=0, float norm_eps=0.")
