@@ -5,8 +5,10 @@ autograd, the dispatcher, and on a GPU the kernel launches. Three parts, one pro
 
 * **layers**: forward + backward of each memkern layer on an ``[8, 64]`` input against its
   torch counterpart (median per call of ``--reps`` interleaved batches of ``--calls`` calls,
-  single-threaded: ``torch.set_num_threads(1)``). Targets (issue 12): every layer
-  ≤ 1.2× torch's, Linear / LayerNorm / RMSNorm / Dropout ≤ 1.0×.
+  single-threaded: ``torch.set_num_threads(1)``), and of a norm followed by Linear / MLP /
+  SwiGLU (a transformer block's common case: the layer's input is the norm's output). Targets
+  (issue 12): every layer ≤ 1.2× torch's, Linear / LayerNorm / RMSNorm / Dropout (and
+  LayerNorm→Linear) ≤ 1.0×.
 * **launches**: per layer call, the kernel launches of the GPU path, counted from the code
   path so that it runs on the CPU too: a child process runs each layer with the Triton backend
   (``MEMKERN_BACKEND=triton``, ``TRITON_INTERPRET=1`` without a GPU) and counts every Triton
@@ -44,7 +46,8 @@ from memkern.bench.model import GPTConfig  # noqa: E402
 
 ROWS, WIDTH, CLASSES = 8, 64, 1000
 TARGETS = {"Linear": 1.0, "LayerNorm": 1.0, "RMSNorm": 1.0, "Dropout": 1.0, "MLP": 1.2,
-           "SwiGLU": 1.2, "LinearCrossEntropy": 1.2}
+           "SwiGLU": 1.2, "LinearCrossEntropy": 1.2, "LayerNorm→Linear": 1.0,
+           "LayerNorm→MLP": 1.2, "RMSNorm→SwiGLU": 1.2}
 TINY = GPTConfig(layers=2, width=WIDTH, heads=2, seq=16)
 TINY_BATCH = 8
 STEP_TARGET = ("memkern-full", "torch-amp", 1.0)
@@ -72,6 +75,19 @@ def layer_pairs(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Cal
                           nn.Linear(4 * WIDTH, WIDTH)),
             mk.nn.MLP(WIDTH, 4 * WIDTH, activation="gelu_tanh")),
         "SwiGLU": modules(_TorchSwiGLU(WIDTH, 4 * WIDTH), mk.nn.SwiGLU(WIDTH, 4 * WIDTH)),
+        # the common case in a transformer block: the layer's input is a norm's output (memkern's
+        # layer saves the norm's input and rebuilds the output in backward)
+        "LayerNorm→Linear": modules(
+            nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 3 * WIDTH)),
+            nn.Sequential(mk.nn.LayerNorm(WIDTH), mk.nn.Linear(WIDTH, 3 * WIDTH))),
+        "LayerNorm→MLP": modules(
+            nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 4 * WIDTH),
+                          nn.GELU(approximate="tanh"), nn.Linear(4 * WIDTH, WIDTH)),
+            nn.Sequential(mk.nn.LayerNorm(WIDTH),
+                          mk.nn.MLP(WIDTH, 4 * WIDTH, activation="gelu_tanh"))),
+        "RMSNorm→SwiGLU": modules(
+            nn.Sequential(nn.RMSNorm(WIDTH), _TorchSwiGLU(WIDTH, 4 * WIDTH)),
+            nn.Sequential(mk.nn.RMSNorm(WIDTH), mk.nn.SwiGLU(WIDTH, 4 * WIDTH))),
         "LinearCrossEntropy": (
             lambda: F.cross_entropy(lin_t(x).float(), target).backward(),
             lambda: lin_m(x, target).backward()),

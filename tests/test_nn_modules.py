@@ -609,7 +609,8 @@ def _leaves(tensors, dtype=None):
 def test_layer_after_a_norm_saves_its_recipe_and_matches_float64(norm, layer, layer_autograd):
     """norm -> layer in float64 on odd sizes against F.layer_norm/F.rms_norm + F.linear: the
     C++ node runs (or the Python one), the layer saves the norm's input but not its output,
-    and every gradient — added into an existing .grad for half the layer's weights — is right."""
+    and every gradient — added into an existing .grad for half the layer's weights — is
+    right."""
     x = torch.randn(2, 5, 3, 13, dtype=torch.float64, requires_grad=True)
     norm_fn, norm_oracle, norm_params = _norm_case(norm, 13, torch.float64)
     fn, oracle, params, function = _layer_case(layer, 13, torch.float64)
@@ -664,7 +665,10 @@ def test_cpp_and_python_autograd_are_bit_identical_after_a_norm(norm, layer, dty
         assert torch.equal(a, b), f"result {i}"
 
 
-@pytest.mark.parametrize("layer", ["linear", "mlp-activation", "mlp-full-transposed", "swiglu-full"])
+_STALE_LAYERS = ["linear", "mlp-activation", "mlp-full-transposed", "swiglu-full"]
+
+
+@pytest.mark.parametrize("layer", _STALE_LAYERS)
 @pytest.mark.parametrize("changed", ["norm_input", "norm_output"])
 def test_stale_recipe_makes_the_layer_save_its_input(changed, layer, layer_autograd):
     """The norm's input (or its output) modified in place between the norm and the layer: the
@@ -689,7 +693,7 @@ def test_stale_recipe_makes_the_layer_save_its_input(changed, layer, layer_autog
         assert rel_err(a, b) < 1e-10
 
 
-@pytest.mark.parametrize("layer", ["linear", "mlp-activation", "mlp-full-transposed", "swiglu-full"])
+@pytest.mark.parametrize("layer", _STALE_LAYERS)
 def test_norm_input_modified_after_the_layer_ran_raises_as_torch(layer, layer_autograd):
     """The norm's input modified in place between forward and backward: rebuilding the
     output from it would be wrong, and the layer's backward raises autograd's error (as it
