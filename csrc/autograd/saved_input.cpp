@@ -53,7 +53,8 @@ void save_input(torch::autograd::AutogradContext* ctx, std::vector<at::Tensor>& 
   TORCH_CHECK(recipe.kind >= kNativeLayerNorm && recipe.kind <= kRmsNorm && recipe.x.has_value() &&
                   recipe.x->defined() && recipe.dims >= 0 && recipe.dims <= recipe.x->dim(),
               "memkern: invalid norm recipe (norm_kind=", recipe.kind, ", norm_dims=",
-              recipe.dims, "); pass the norm_* arguments of memkern.nn.functional._saved");
+              recipe.dims,
+              "); pass the norm_* arguments that memkern.nn.functional._saved.recipe_args gives");
   to_save.insert(to_save.end(), {*recipe.x, recipe.weight.value_or(at::Tensor()),
                                  recipe.bias.value_or(at::Tensor())});
   ctx->saved_data[kKindKey] = recipe.kind;

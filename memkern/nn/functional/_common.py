@@ -50,6 +50,10 @@ def cpp_autograd(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     extension is built, every tensor has ``x``'s dtype, no autocast, no forced backend (the
     op runs memkern's elementwise ops through the dispatcher, i.e. on the default backend),
     not compiling (the compiler traces the Python Function)."""
-    return (compiled.has_cpu and not torch.is_autocast_enabled(x.device.type)
-            and all(p is None or p.dtype == x.dtype for p in params)
-            and backend.requested() is None and not torch.compiler.is_compiling())
+    if not compiled.has_cpu or torch.compiler.is_compiling():
+        return False
+    dtype = x.dtype
+    for p in params:  # a loop, not all(...): this runs on every layer call
+        if p is not None and p.dtype != dtype:
+            return False
+    return not torch.is_autocast_enabled(x.device.type) and backend.requested() is None
