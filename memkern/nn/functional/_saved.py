@@ -73,6 +73,11 @@ def mark_recomputable(out: torch.Tensor, fn: Callable[..., torch.Tensor],
     setattr(out, _ATTR, _Recipe(fn, refs, versions, kind, dims, eps))
 
 
+def has_recipe(t: torch.Tensor) -> bool:
+    """Whether ``t`` was marked recomputable (a consumer would save the recipe instead)."""
+    return getattr(t, _ATTR, None) is not None
+
+
 def _valid_tensors(t: torch.Tensor) -> tuple[_Recipe, list] | tuple[None, None]:
     """``t``'s recipe and its tensors, while it can still rebuild ``t``: nothing freed or
     modified in place since (``t`` itself included)."""
