@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MEMKERN_VECTOR_CLONES \
@@ -87,6 +88,29 @@ inline c10::Half from_float<c10::Half>(float f) {
   const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
   const uint16_t half = uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
   return c10::Half(half, c10::Half::from_bits());
+}
+
+// The math type of the row/elementwise kernels: float32 for float32 and 16-bit inputs (rounded
+// once on the way out), float64 for float64; widen/narrow convert one element to and from it.
+template <typename scalar_t>
+using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+template <typename scalar_t>
+inline acc_type<scalar_t> widen(scalar_t v) {
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return v;
+  } else {
+    return to_float(v);
+  }
+}
+
+template <typename scalar_t>
+inline scalar_t narrow(acc_type<scalar_t> v) {
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return v;
+  } else {
+    return from_float<scalar_t>(v);
+  }
 }
 
 // inf or NaN: the exponent bits are all ones.

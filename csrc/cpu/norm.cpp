@@ -24,24 +24,6 @@ namespace {
 constexpr int kLanes = 16;
 constexpr int64_t kRowChunk = 32;
 
-template <typename acc_t, typename scalar_t>
-inline acc_t widen(scalar_t v) {
-  if constexpr (std::is_same_v<acc_t, double>) {
-    return static_cast<double>(v);
-  } else {
-    return to_float(v);
-  }
-}
-
-template <typename scalar_t, typename acc_t>
-inline scalar_t narrow(acc_t v) {
-  if constexpr (std::is_same_v<scalar_t, double>) {
-    return v;
-  } else {
-    return from_float<scalar_t>(v);
-  }
-}
-
 template <typename acc_t>
 inline acc_t fold(const acc_t (&lanes)[kLanes]) {
   acc_t total = 0;
@@ -85,7 +67,7 @@ void forward_rows(const scalar_t* __restrict x, const acc_t* __restrict w,
   const acc_t inv_d = acc_t(1) / static_cast<acc_t>(D);
   for (int64_t r = first; r < last; ++r) {
     const scalar_t* xrow = x + r * D;
-    for (int64_t i = 0; i < D; ++i) xr[i] = widen<acc_t>(xrow[i]);
+    for (int64_t i = 0; i < D; ++i) xr[i] = widen(xrow[i]);
     acc_t mu = 0;
     if (!rms) {
       mu = lane_dot<acc_t>(xr, nullptr, D) * inv_d;
@@ -119,7 +101,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward_cpu(
   at::Tensor rstd = at::empty({rows}, x.options().dtype(acc));
   if (rows == 0 || D == 0) return {y, mean, rstd};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "norm_forward", [&] {
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    using acc_t = acc_type<scalar_t>;
     const acc_t* wp = w ? w->const_data_ptr<acc_t>() : nullptr;
     const acc_t* bp = b ? b->const_data_ptr<acc_t>() : nullptr;
     at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / D), [&](int64_t first, int64_t last) {
@@ -147,8 +129,8 @@ void backward_rows(const scalar_t* __restrict dy, const scalar_t* __restrict x,
     const acc_t mu = mean == nullptr ? acc_t(0) : mean[r];
     const acc_t rs = rstd[r];
     for (int64_t i = 0; i < D; ++i) {
-      xhat[i] = (widen<acc_t>(x[r * D + i]) - mu) * rs;
-      g[i] = widen<acc_t>(dy[r * D + i]);
+      xhat[i] = (widen(x[r * D + i]) - mu) * rs;
+      g[i] = widen(dy[r * D + i]);
       gw[i] = w == nullptr ? g[i] : g[i] * w[i];
     }
     // LayerNorm: dx = rstd (gw - mean(gw) - xhat mean(gw xhat)); RMSNorm: no mean(gw) term.
@@ -190,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward_cpu(
   if (rows == 0 || D == 0) return {dx, dw, db};
   const int64_t chunks = (rows + kRowChunk - 1) / kRowChunk;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "norm_backward", [&] {
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    using acc_t = acc_type<scalar_t>;
     std::vector<acc_t> partials(w ? 2 * chunks * D : 0, acc_t(0));
     const acc_t* wp = w ? w->const_data_ptr<acc_t>() : nullptr;
     const acc_t* mp = rms ? nullptr : mc.const_data_ptr<acc_t>();

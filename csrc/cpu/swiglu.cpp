@@ -13,27 +13,6 @@
 namespace memkern::cpu {
 namespace {
 
-template <typename scalar_t>
-using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-
-template <typename scalar_t>
-inline acc_type<scalar_t> widen(scalar_t v) {
-  if constexpr (std::is_same_v<scalar_t, double>) {
-    return v;
-  } else {
-    return to_float(v);
-  }
-}
-
-template <typename scalar_t>
-inline scalar_t narrow(acc_type<scalar_t> v) {
-  if constexpr (std::is_same_v<scalar_t, double>) {
-    return v;
-  } else {
-    return from_float<scalar_t>(v);
-  }
-}
-
 void check_like(const char* op, const char* name, const at::Tensor& t, const at::Tensor& gate) {
   TORCH_CHECK(t.sizes() == gate.sizes() && t.scalar_type() == gate.scalar_type(), "memkern.",
               op, ": ", name, " has shape ", t.sizes(), " and dtype ", t.scalar_type(),
