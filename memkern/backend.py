@@ -35,6 +35,24 @@ ENV_VAR = "MEMKERN_BACKEND"
 _DEFAULT_ORDER = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "reference")}
 _forced: list[str] = []
 
+# os.environ.get encodes the key and decodes the value on every call (about 1 µs), and the
+# backend is looked up on every op and layer call. On POSIX, os.environ keeps its variables
+# in a bytes-keyed mapping that it updates with every assignment, so a read of that mapping
+# sees what os.environ.get would, in a tenth of the time. It is a CPython detail, read here
+# only, with os.environ.get as the fallback where it is absent.
+_ENV_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
+if not isinstance(_ENV_BYTES, dict):
+    _ENV_BYTES = None
+_ENV_VAR_KEY, _INTERPRET_KEY = os.fsencode(ENV_VAR), b"TRITON_INTERPRET"
+
+
+def _environ(key: bytes) -> bytes | None:
+    """The raw value of environment variable ``key``, or None."""
+    if _ENV_BYTES is not None:
+        return _ENV_BYTES.get(key)
+    value = os.environ.get(os.fsdecode(key))
+    return None if value is None else os.fsencode(value)
+
 
 @functools.cache
 def _triton_importable() -> bool:
@@ -42,7 +60,7 @@ def _triton_importable() -> bool:
 
 
 def _triton_interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _environ(_INTERPRET_KEY) == b"1"
 
 
 def backends() -> dict[str, bool]:
@@ -75,7 +93,13 @@ def requested() -> str | None:
     """The backend asked for by :func:`force` or ``MEMKERN_BACKEND``, if any."""
     if _forced:
         return _forced[-1]
-    name = os.environ.get(ENV_VAR, "").strip().lower()
+    raw = _environ(_ENV_VAR_KEY)
+    return None if raw is None else _parse_requested(raw)
+
+
+@functools.cache
+def _parse_requested(raw: bytes) -> str | None:
+    name = os.fsdecode(raw).strip().lower()
     if not name:
         return None
     if name not in NAMES:
@@ -97,13 +121,12 @@ def select(device: torch.device) -> str:
     # Called on every op call: only the inputs of the choice are read here (two environment
     # lookups), the choice itself is computed once per distinct input.
     forced = _forced[-1] if _forced else None
-    env = os.environ
-    return _select(device.type, forced, env.get(ENV_VAR), env.get("TRITON_INTERPRET"))
+    return _select(device.type, forced, _environ(_ENV_VAR_KEY), _environ(_INTERPRET_KEY))
 
 
 @functools.cache
-def _select(device_type: str, forced: str | None, env_value: str | None,
-            interpret: str | None) -> str:
+def _select(device_type: str, forced: str | None, env_value: bytes | None,
+            interpret: bytes | None) -> str:
     device = torch.device(device_type)
     wanted = requested()
     if wanted is not None and runs_on(wanted, device):
