@@ -99,7 +99,7 @@ def extensions() -> tuple[list, dict]:
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     cxx_flags = CXX_FLAGS + openmp_flags()
-    cpp_sources = (sources("csrc/memkern.cpp") + sources("csrc/cpu/*.cpp")
+    cpp_sources = (sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
                    + sources("csrc/autograd/*.cpp"))
     if want_cuda():
         archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")

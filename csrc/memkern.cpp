@@ -1,7 +1,10 @@
 // The Python module memkern._C: importing it registers the C++ (and CUDA) kernels with the
 // dispatcher (their TORCH_LIBRARY_IMPL blocks in csrc/cpu and csrc/cuda); the op schemas are
-// defined in memkern/ops. The module itself only reports how it was built.
+// defined in memkern/ops. The module itself reports how it was built and holds the layers'
+// direct entry points (python_entries.h).
 #include <pybind11/pybind11.h>
+
+#include "python_entries.h"
 
 #ifndef MEMKERN_CUDA_ARCHS
 #define MEMKERN_CUDA_ARCHS ""
@@ -26,4 +29,5 @@ PYBIND11_MODULE(_C, m) {
      "torch's intra-op threads only then).");
   m.def("cuda_archs", [] { return std::string(MEMKERN_CUDA_ARCHS); },
         "The CUDA architectures the kernels were compiled for ('' without CUDA).");
+  memkern::add_layer_entries(m);
 }

@@ -49,8 +49,12 @@ def cpu_backends() -> list[str]:
 
 # The layers whose autograd runs in C++ when the extension is built (memkern.ops.linear,
 # dropout_layer, norm_layer, linear_cross_entropy_layer, mlp_layer, swiglu_layer), named by the
-# memkern.nn.functional module that routes them (_common: MLP's and SwiGLU's).
-_CPP_AUTOGRAD_ROUTES = ("linear", "dropout", "norm", "linear_cross_entropy", "_common")
+# memkern.nn.functional module that routes them (_common: MLP's and SwiGLU's) and what that
+# module reads to choose: the extension's build info, or the op's direct entry point (None
+# without the extension).
+_CPP_AUTOGRAD_ROUTES = {"linear": ("linear_entry",), "dropout": ("dropout_layer_entry",),
+                        "norm": ("compiled",), "_common": ("compiled",),
+                        "linear_cross_entropy": ("compiled", "linear_cross_entropy_entry")}
 
 
 def use_python_autograd(monkeypatch) -> None:
@@ -59,9 +63,21 @@ def use_python_autograd(monkeypatch) -> None:
     import sys
 
     from memkern._extension import compiled
-    for name in _CPP_AUTOGRAD_ROUTES:  # the modules, not the functions of these names
-        monkeypatch.setattr(sys.modules[f"memkern.nn.functional.{name}"], "compiled",
-                            dataclasses.replace(compiled, has_cpu=False))
+    without_extension = {"compiled": dataclasses.replace(compiled, has_cpu=False),
+                         "linear_entry": None, "dropout_layer_entry": None,
+                         "linear_cross_entropy_entry": None}
+    for name, switches in _CPP_AUTOGRAD_ROUTES.items():  # the modules, not the functions
+        for switch in switches:
+            monkeypatch.setattr(sys.modules[f"memkern.nn.functional.{name}"], switch,
+                                without_extension[switch])
+
+
+def runs_cpp_autograd(node) -> bool:
+    """Whether autograd node ``node`` (a ``grad_fn``) is one of memkern's C++ ones: a
+    ``torch::autograd::Node`` named ``memkern::<Layer>Backward``, or the ``CppNode<...>`` of a
+    ``torch::autograd::Function``."""
+    name = node.name()
+    return name.startswith("memkern::") or "CppNode" in name
 
 
 @pytest.fixture(params=["cpp", "python"])

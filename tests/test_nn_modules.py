@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 import memkern as mk
 from compare import rel_err
-from conftest import use_python_autograd
+from conftest import runs_cpp_autograd, use_python_autograd
 from memkern.profile import SavedTensorsRecorder
 
 # Documented tolerances (relative to the largest magnitude of the tensor): float32 exact to
@@ -63,9 +63,29 @@ def test_linear_with_a_grad_runs_the_cpp_autograd(layer_autograd):
     m = mk.nn.Linear(13, 7)
     m.weight.grad = torch.zeros_like(m.weight)
     name = m(torch.randn(3, 13)).grad_fn.name()
-    assert ("CppNode" in name) == (layer_autograd == "cpp") and "LinearFunction" in name
+    assert name == ("memkern::LinearBackward" if layer_autograd == "cpp"
+                    else "LinearFunctionBackward"), name
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert "CppNode" not in m(torch.randn(3, 13)).grad_fn.name()
+        assert m(torch.randn(3, 13)).grad_fn.name() == "LinearFunctionBackward"
+
+
+@pytest.mark.parametrize("layer", ["linear", "dropout"])
+def test_cpp_autograd_refuses_double_backward(layer, layer_autograd):
+    """The C++ nodes' gradients are not differentiable (Linear's adds into ``.grad`` in
+    place): a backward that builds a graph is refused with a message, as
+    ``once_differentiable`` refuses the second backward on the Python path."""
+    m = mk.nn.Linear(13, 7) if layer == "linear" else mk.nn.Dropout(0.25)
+    if layer == "linear":
+        m.weight.grad = torch.zeros_like(m.weight)
+    x = torch.randn(3, 13, requires_grad=True)
+    y = m(x).square().sum()
+    if layer_autograd == "cpp":
+        with pytest.raises(RuntimeError, match="double backward"):
+            torch.autograd.grad(y, x, create_graph=True)
+    else:
+        (gx,) = torch.autograd.grad(y, x, create_graph=True)
+        with pytest.raises(RuntimeError):
+            gx.sum().backward()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -355,7 +375,7 @@ def test_dropout_mask_is_the_reference_mask_of_the_drawn_seed(p, layer_autograd)
     expected = reference(x, draw_seed(x.device), p)
     torch.manual_seed(11)
     y = mk.nn.Dropout(p)(x.requires_grad_())
-    assert ("CppNode" in y.grad_fn.name()) == (layer_autograd == "cpp")
+    assert runs_cpp_autograd(y.grad_fn) == (layer_autograd == "cpp")
     assert torch.equal(y, expected)
     (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
     assert torch.equal(gx != 0, expected != 0)
@@ -569,7 +589,7 @@ def _layer_case(name: str, d: int, dtype: torch.dtype):
         t = kind == "conv1d"
         return (lambda y, w, b: mk.nn.functional.linear(y, w, b, transposed=t),
                 lambda y, w, b: F.linear(y, w.t() if t else w, b),
-                [param(d, 11) if t else param(11, d), param(11)], "LinearFunction")
+                [param(d, 11) if t else param(11, d), param(11)], "Linear")
     if kind == "mlp":
         recompute, t = rest[0], "transposed" in rest
         act = next((a for a in rest[1:] if a in _ORACLE_ACTS), "gelu_tanh")
@@ -619,7 +639,7 @@ def test_layer_after_a_norm_saves_its_recipe_and_matches_float64(norm, layer, la
         p.grad = None if e is None else e.clone()
     y = norm_fn(x, *norm_params)
     out, saved = _saved_storages(fn, y, *params)
-    assert ("CppNode" in out.grad_fn.name()) == (layer_autograd == "cpp")
+    assert runs_cpp_autograd(out.grad_fn) == (layer_autograd == "cpp")
     assert function in out.grad_fn.name()
     assert y.untyped_storage().data_ptr() not in saved, "the normalised output was saved"
     assert x.untyped_storage().data_ptr() in saved

@@ -1,5 +1,5 @@
-// memkern::dropout_layer: mk.nn.Dropout's autograd in C++ (torch::autograd::Function), so a
-// layer call costs what nn.Dropout's does on the host: no Python autograd.Function per call.
+// memkern::dropout_layer: mk.nn.Dropout's autograd in C++ (a torch::autograd::Node, node.h), so
+// a layer call costs what nn.Dropout's does on the host: no Python autograd.Function per call.
 //
 // Forward draws an int64 seed from torch's generator of x's device (when none is given: the
 // same draw as memkern.nn.functional.dropout.draw_seed, so both paths give the same masks) and
@@ -8,14 +8,14 @@
 // the dispatcher: the C++ CPU kernel, or on CUDA whatever kernel is registered there.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <optional>
 
+#include "node.h"
+
 namespace {
 
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr int64_t kSeedHigh = int64_t{1} << 62;  // memkern.nn.functional.dropout._SEED_HIGH
@@ -34,25 +34,40 @@ at::Tensor seed_or_draw(const at::Tensor& x, const std::optional<at::Tensor>& se
   return at::randint(0, kSeedHigh, {}, x.options().dtype(at::kLong));
 }
 
-struct DropoutFunction : public torch::autograd::Function<DropoutFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
-                            const std::optional<at::Tensor>& seed, double p) {
-    const at::Tensor s = seed_or_draw(x, seed);
-    ctx->save_for_backward({s});
-    ctx->saved_data["p"] = p;
-    return masked(x, s, p);
+// The backward of one call; its one input (next edge) is x.
+struct DropoutBackward : public torch::autograd::Node {
+  torch::autograd::SavedVariable seed;
+  double p = 0.0;
+
+  variable_list apply(variable_list&& grads) override {
+    memkern::autograd::check_not_double_backward("Dropout");
+    if (!grads[0].defined()) {
+      return {at::Tensor()};
+    }
+    return {masked(grads[0], seed.unpack(), p)};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const at::Tensor seed = ctx->get_saved_variables()[0];
-    return {masked(grad_outputs[0], seed, ctx->saved_data["p"].toDouble()), at::Tensor(),
-            at::Tensor()};
-  }
+  void release_variables() override { seed.reset_data(); }
+
+  std::string name() const override { return "memkern::DropoutBackward"; }
 };
 
 at::Tensor dropout_layer_autograd(const at::Tensor& x, const std::optional<at::Tensor>& seed,
                                   double p) {
-  return DropoutFunction::apply(x, seed, p);
+  const at::Tensor s = seed_or_draw(x, seed);
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    out = masked(x, s, p);
+  }
+  if (torch::autograd::compute_requires_grad(x)) {
+    auto node = memkern::autograd::make_node<DropoutBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x));
+    node->seed = torch::autograd::SavedVariable(s, /*is_output=*/false);
+    node->p = p;
+    torch::autograd::set_history(out, node);
+  }
+  return out;
 }
 
 at::Tensor dropout_layer_forward(const at::Tensor& x, const std::optional<at::Tensor>& seed,

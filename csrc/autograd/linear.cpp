@@ -1,5 +1,5 @@
-// memkern::linear: the autograd of memkern's Linear in C++ (torch::autograd::Function), so a
-// layer call costs what nn.Linear's does on the host: no Python autograd.Function per call.
+// memkern::linear: the autograd of memkern's Linear in C++ (a torch::autograd::Node, node.h), so
+// a layer call costs what nn.Linear's does on the host: no Python autograd.Function per call.
 //
 // What it computes and saves is memkern.nn.functional.linear's LinearFunction for one dtype and
 // no autocast (the Python module routes only those calls here): out = x @ W^T + b (x @ W + b
@@ -9,19 +9,18 @@
 // (weight_grad.h). Device-generic: only ATen ops and memkern ops through the dispatcher,
 // registered for the Autograd dispatch key.
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <optional>
 
 #include "gemm.h"
+#include "node.h"
 #include "saved_input.h"
 #include "weight_grad.h"
 
 namespace {
 
 using memkern::autograd::NormRecipe;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 namespace mka = memkern::autograd;
 
@@ -31,41 +30,43 @@ at::Tensor forward_only(const at::Tensor& x, const at::Tensor& weight,
   return out.view(mka::with_last(x.sizes(), out.size(-1)));
 }
 
-struct LinearFunction : public torch::autograd::Function<LinearFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, bool transposed,
-                            const NormRecipe& recipe) {
-    std::vector<at::Tensor> to_save;
-    mka::save_input(ctx, to_save, weight.requires_grad() ? x : at::Tensor(), recipe);
-    to_save.push_back(weight);
-    ctx->save_for_backward(to_save);
-    ctx->saved_data["transposed"] = transposed;
-    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
-    return forward_only(x, weight, bias, transposed);
+// The backward of one call; its inputs (next edges) are x, weight, bias.
+struct LinearBackward : public torch::autograd::Node {
+  mka::SavedInput input;  // x, when the weight needs a gradient
+  torch::autograd::SavedVariable weight;
+  bool transposed = false;
+  bool has_bias = false;
+
+  variable_list apply(variable_list&& grads) override {
+    mka::check_not_double_backward("Linear");
+    const at::Tensor& grad_out = grads[0];
+    variable_list out(3);
+    if (!grad_out.defined()) {
+      return out;
+    }
+    const at::Tensor w = weight.unpack();
+    const at::Tensor g = mka::rows(grad_out);
+    if (task_should_compute_output(0)) {
+      const int64_t in_features = transposed ? w.size(0) : w.size(1);
+      out[0] = mka::input_grad(g, w, transposed)
+                   .view(mka::with_last(grad_out.sizes(), in_features));
+    }
+    if (task_should_compute_output(1)) {
+      const auto [a, b] = mka::weight_grad_operands(g, mka::rows(input.load()), transposed);
+      out[1] = mka::weight_grad(w, a, b);
+    }
+    if (has_bias && task_should_compute_output(2)) {
+      out[2] = g.sum(0);
+    }
+    return out;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& weight = saved[mka::kSavedInputSlots];
-    const bool transposed = ctx->saved_data["transposed"].toBool();
-    const at::Tensor& grad_out = grad_outputs[0];
-    const at::Tensor g = mka::rows(grad_out);
-    at::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(0)) {
-      const int64_t in_features = transposed ? weight.size(0) : weight.size(1);
-      dx = mka::input_grad(g, weight, transposed)
-               .view(mka::with_last(grad_out.sizes(), in_features));
-    }
-    if (ctx->needs_input_grad(1)) {
-      const auto [a, b] =
-          mka::weight_grad_operands(g, mka::rows(mka::load_input(ctx, saved)), transposed);
-      dw = mka::weight_grad(weight, a, b);
-    }
-    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {
-      db = g.sum(0);
-    }
-    return {dx, dw, db, at::Tensor(), at::Tensor()};
+  void release_variables() override {
+    input.release();
+    weight.reset_data();
   }
+
+  std::string name() const override { return "memkern::LinearBackward"; }
 };
 
 at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& weight,
@@ -74,9 +75,23 @@ at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& norm_weight,
                            const std::optional<at::Tensor>& norm_bias, int64_t norm_kind,
                            int64_t norm_dims, double norm_eps) {
-  return LinearFunction::apply(
-      x, weight, bias, transposed,
-      NormRecipe{norm_x, norm_weight, norm_bias, norm_kind, norm_dims, norm_eps});
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    out = forward_only(x, weight, bias, transposed);
+  }
+  const at::Tensor b = bias.value_or(at::Tensor());
+  if (torch::autograd::compute_requires_grad(x, weight, b)) {
+    auto node = mka::make_node<LinearBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x, weight, b));
+    node->input.save(weight.requires_grad() ? x : at::Tensor(),
+                     NormRecipe{norm_x, norm_weight, norm_bias, norm_kind, norm_dims, norm_eps});
+    node->weight = torch::autograd::SavedVariable(weight, /*is_output=*/false);
+    node->transposed = transposed;
+    node->has_bias = b.defined();
+    torch::autograd::set_history(out, node);
+  }
+  return out;
 }
 
 at::Tensor linear_no_autograd(const at::Tensor& x, const at::Tensor& weight,

@@ -42,19 +42,27 @@ at::Tensor rebuild(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   return y.view(x.sizes());
 }
 
-}  // namespace
-
-void save_input(torch::autograd::AutogradContext* ctx, std::vector<at::Tensor>& to_save,
-                const at::Tensor& input, const NormRecipe& recipe) {
+// Whether `input` is saved through `recipe` (checked: the arguments come from Python).
+bool uses_recipe(const at::Tensor& input, const NormRecipe& recipe) {
   if (!input.defined() || recipe.kind == kNoNorm) {
-    to_save.insert(to_save.end(), {input, at::Tensor(), at::Tensor()});
-    return;
+    return false;
   }
   TORCH_CHECK(recipe.kind >= kNativeLayerNorm && recipe.kind <= kRmsNorm && recipe.x.has_value() &&
                   recipe.x->defined() && recipe.dims >= 0 && recipe.dims <= recipe.x->dim(),
               "memkern: invalid norm recipe (norm_kind=", recipe.kind, ", norm_dims=",
               recipe.dims,
               "); pass the norm_* arguments that memkern.nn.functional._saved.recipe_args gives");
+  return true;
+}
+
+}  // namespace
+
+void save_input(torch::autograd::AutogradContext* ctx, std::vector<at::Tensor>& to_save,
+                const at::Tensor& input, const NormRecipe& recipe) {
+  if (!uses_recipe(input, recipe)) {
+    to_save.insert(to_save.end(), {input, at::Tensor(), at::Tensor()});
+    return;
+  }
   to_save.insert(to_save.end(), {*recipe.x, recipe.weight.value_or(at::Tensor()),
                                  recipe.bias.value_or(at::Tensor())});
   ctx->saved_data[kKindKey] = recipe.kind;
@@ -70,6 +78,33 @@ at::Tensor load_input(torch::autograd::AutogradContext* ctx,
   }
   return rebuild(saved[0], saved[1], saved[2], kind->second.toInt(),
                  ctx->saved_data[kDimsKey].toInt(), ctx->saved_data[kEpsKey].toDouble());
+}
+
+void SavedInput::save(const at::Tensor& input, const NormRecipe& recipe) {
+  using torch::autograd::SavedVariable;
+  if (!uses_recipe(input, recipe)) {
+    x_ = SavedVariable(input, /*is_output=*/false);
+    return;
+  }
+  x_ = SavedVariable(*recipe.x, false);
+  weight_ = SavedVariable(recipe.weight.value_or(at::Tensor()), false);
+  bias_ = SavedVariable(recipe.bias.value_or(at::Tensor()), false);
+  kind_ = recipe.kind;
+  dims_ = recipe.dims;
+  eps_ = recipe.eps;
+}
+
+at::Tensor SavedInput::load() const {
+  if (kind_ == kNoNorm) {
+    return x_.unpack();
+  }
+  return rebuild(x_.unpack(), weight_.unpack(), bias_.unpack(), kind_, dims_, eps_);
+}
+
+void SavedInput::release() {
+  x_.reset_data();
+  weight_.reset_data();
+  bias_.reset_data();
 }
 
 }  // namespace memkern::autograd

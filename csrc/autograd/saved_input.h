@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/saved_variable.h>
 
 #include <optional>
 #include <vector>
@@ -44,5 +45,24 @@ void save_input(torch::autograd::AutogradContext* ctx, std::vector<at::Tensor>& 
 // (without building a graph) by the op the norm ran.
 at::Tensor load_input(torch::autograd::AutogradContext* ctx,
                       const torch::autograd::variable_list& saved);
+
+// The same for a layer whose autograd is a torch::autograd::Node (node.h): the saved tensors
+// and the recipe are members of the node.
+class SavedInput {
+ public:
+  // Saves `input` (undefined: nothing, it is not needed in backward) or, when `recipe` has a
+  // norm, the norm's tensors and the recipe.
+  void save(const at::Tensor& input, const NormRecipe& recipe);
+  // The saved input, or the norm's output rebuilt (without building a graph).
+  at::Tensor load() const;
+  // Frees the saved tensors (Node::release_variables, once backward has run).
+  void release();
+
+ private:
+  torch::autograd::SavedVariable x_, weight_, bias_;
+  int64_t kind_ = kNoNorm;
+  int64_t dims_ = 0;
+  double eps_ = 0.0;
+};
 
 }  // namespace memkern::autograd

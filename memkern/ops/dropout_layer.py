@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from memkern._extension import compiled
 from memkern.ops._registry import LIBRARY
 
 LIBRARY.define("dropout_layer(Tensor x, Tensor? seed, float p) -> Tensor")
@@ -25,3 +26,9 @@ def _fake(x, seed, p):
 
 
 dropout_layer = torch.ops.memkern.dropout_layer.default
+
+# The op's eager entry point from Python for a drawn seed, ``(x, p)`` (csrc/python_entries.cpp):
+# the call through a typed dispatcher handle instead of the boxed torch.ops path.
+dropout_layer_entry = None
+if compiled.has_cpu:
+    from memkern._C import dropout_layer as dropout_layer_entry  # noqa: F811

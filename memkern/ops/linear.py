@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from memkern._extension import compiled
 from memkern.ops import _norm_recipe
 from memkern.ops._registry import LIBRARY
 
@@ -29,3 +30,11 @@ def _fake(x, weight, bias, transposed, *norm_recipe):
 
 
 linear = torch.ops.memkern.linear.default
+
+# The op's eager entry point from Python (csrc/python_entries.cpp): the same arguments, the call
+# through a typed dispatcher handle instead of the boxed torch.ops path. It returns
+# torch.nn.functional.linear's result when there is no W.grad, no recipe and no transpose, and
+# None when the op does not serve the call (mixed dtypes, autocast, a shape mismatch).
+linear_entry = None
+if compiled.has_cpu:
+    from memkern._C import linear as linear_entry  # noqa: F811

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from memkern._extension import compiled
 from memkern.ops._registry import LIBRARY
 
 LIBRARY.define(
@@ -35,3 +36,12 @@ def _fake(x, weight, bias, target, num_items, divisor, reduction, ignore_index,
 
 
 linear_cross_entropy_layer = torch.ops.memkern.linear_cross_entropy.default
+
+# The functional's eager entry point from Python (csrc/python_entries.cpp): ``(input, weight,
+# target, bias, ignore_index, reduction, label_smoothing, num_items, softcap, chunk_size)``
+# with ``num_items`` None or a tensor and ``softcap`` a number (0: none); it checks the
+# arguments and flattens the inputs in C++ and calls the op through a typed dispatcher handle,
+# or returns None when the call is not one the op serves (the functional then takes it).
+linear_cross_entropy_entry = None
+if compiled.has_cpu:
+    from memkern._C import linear_cross_entropy as linear_cross_entropy_entry  # noqa: F811

@@ -26,7 +26,6 @@ partitioner rebuilds in backward rather than saving — what the eager mechanism
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Collection
@@ -38,14 +37,20 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 _ATTR = "_memkern_recipe"
 
 
-@dataclasses.dataclass(frozen=True)
 class _Recipe:
-    fn: Callable[..., torch.Tensor]
-    refs: tuple
-    versions: tuple
-    kind: int  # memkern.ops._norm_recipe: NATIVE_LAYER_NORM, LAYER_NORM or RMS_NORM
-    dims: int  # normalised trailing dimensions
-    eps: float
+    """How to rebuild a norm's output (a plain class with slots: one is made per norm call, and
+    a dataclass's construction costs several times as much host time)."""
+
+    __slots__ = ("fn", "refs", "versions", "kind", "dims", "eps")
+
+    def __init__(self, fn: Callable[..., torch.Tensor], refs: tuple, versions: tuple, kind: int,
+                 dims: int, eps: float) -> None:
+        self.fn = fn
+        self.refs = refs  # weak references to the norm's (x, weight, bias); None for an absent one
+        self.versions = versions  # their version counters at the norm's call
+        self.kind = kind  # memkern.ops._norm_recipe: NATIVE_LAYER_NORM, LAYER_NORM or RMS_NORM
+        self.dims = dims  # normalised trailing dimensions
+        self.eps = eps
 
     def tensors(self) -> list[torch.Tensor | None] | None:
         out = []
@@ -68,8 +73,11 @@ def mark_recomputable(out: torch.Tensor, fn: Callable[..., torch.Tensor],
     dimensions of ``x`` with ``eps``."""
     if torch.compiler.is_compiling() or not isinstance(out, torch.Tensor):
         return
-    refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
-    versions = tuple(None if t is None else t._version for t in tensors)
+    x, weight, bias = tensors  # spelled out: this runs on every norm call
+    refs = (weakref.ref(x), None if weight is None else weakref.ref(weight),
+            None if bias is None else weakref.ref(bias))
+    versions = (x._version, None if weight is None else weight._version,
+                None if bias is None else bias._version)
     setattr(out, _ATTR, _Recipe(fn, refs, versions, kind, dims, eps))
 
 

@@ -8,7 +8,7 @@ from torch's generator of the input's device (``torch.manual_seed`` makes runs r
 
 Host time per call: a call with a drawn seed, not in place, on the default backend runs as the
 ``memkern::dropout_layer`` op (:mod:`memkern.ops.dropout_layer`: this algorithm with C++
-autograd) when the extension is built; the Python Function below serves the rest (a given
+autograd, called through its direct entry point) when the extension is built; the Python Function below serves the rest (a given
 seed, ``inplace``, a forced backend, ``torch.compile``, no extension). Both draw the same seed.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from memkern import backend, ops
-from memkern._extension import compiled
+from memkern.ops.dropout_layer import dropout_layer_entry
 
 _SEED_HIGH = 1 << 62
 
@@ -52,9 +52,9 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
         raise ValueError(f"memkern.nn.functional.dropout: p={p} must be a probability in [0, 1]")
     if not training or p == 0.0:
         return x
-    if (seed is None and not inplace and compiled.has_cpu and backend.requested() is None
-            and not torch.compiler.is_compiling()):
-        return ops.dropout_layer(x, None, float(p))
+    if (seed is None and not inplace and dropout_layer_entry is not None
+            and backend.requested() is None and not torch.compiler.is_compiling()):
+        return dropout_layer_entry(x, float(p))
     if seed is None:
         seed = draw_seed(x.device)
     return DropoutFunction.apply(x, seed, float(p), inplace)

@@ -8,13 +8,13 @@ backward instead of being kept). Nothing else.
 ``transposed=True`` takes the weight stored ``[in, out]`` (GPT-2's ``Conv1D``), computing
 ``x @ weight + bias``.
 
-Host time per call: with one dtype and no autocast the call runs with C++ autograd — as
-``F.linear`` when there is no ``weight.grad`` yet and the input is not a norm's recomputable
-output (memkern's Linear then saves and computes exactly what torch's does), else as the
-``memkern::linear`` op (:mod:`memkern.ops.linear`, this algorithm in C++, the input's recipe
-passed along) when the extension is built. The Python Function below serves the rest
-(autocast, mixed dtypes, ``torch.compile``, no extension, a recomputable input under a forced
-backend).
+Host time per call: with one dtype and no autocast the call runs with C++ autograd, through
+the op's direct entry point (:data:`memkern.ops.linear.linear_entry`) — as ``F.linear`` when
+there is no ``weight.grad`` yet and the input is not a norm's recomputable output (memkern's
+Linear then saves and computes exactly what torch's does), else as the ``memkern::linear`` op
+(:mod:`memkern.ops.linear`, this algorithm in C++, the input's recipe passed along) when the
+extension is built. The Python Function below serves the rest (autocast, mixed dtypes,
+``torch.compile``, no extension, a recomputable input under a forced backend).
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from memkern import backend, ops
-from memkern._extension import compiled
+from memkern import backend
 from memkern.nn.functional import _common, _grad, _saved
+from memkern.ops.linear import linear_entry
 
 
 class LinearFunction(torch.autograd.Function):
@@ -77,6 +77,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            transposed: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (``x @ weight + bias`` with ``transposed=True``), saving
     only the input for backward and accumulating the weight gradient into ``weight.grad``."""
+    if linear_entry is not None and not torch.compiler.is_compiling():
+        recipe = _saved.recipe_args(x)
+        # a recipe of a memkern norm is rebuilt by the op the default backend runs
+        if not recipe or backend.requested() is None:
+            out = linear_entry(x, weight, bias, transposed, *recipe)
+            if out is not None:
+                return out
     in_features = weight.shape[0] if transposed else weight.shape[-1]
     if x.shape[-1:] != (in_features,):
         raise ValueError(
@@ -84,14 +91,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             f"(shape {tuple(x.shape)}) but the weight {tuple(weight.shape)} expects {in_features}"
         )
     if (x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
+            and not transposed and weight.grad is None and not _saved.has_recipe(x)
             and not torch.is_autocast_enabled(x.device.type)
             and not torch.compiler.is_compiling()):
-        recipe = _saved.recipe_args(x)
-        if not recipe and not transposed and weight.grad is None:
-            return F.linear(x, weight, bias)
-        # a recipe of a memkern norm is rebuilt by the op the default backend runs
-        if compiled.has_cpu and (not recipe or backend.requested() is None):
-            return ops.linear(x, weight, bias, transposed, *recipe)
+        return F.linear(x, weight, bias)
     if x.dim() == 1:
         return LinearFunction.apply(x.unsqueeze(0), weight, bias, transposed).squeeze(0)
     return LinearFunction.apply(x, weight, bias, transposed)

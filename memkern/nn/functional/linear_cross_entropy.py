@@ -28,6 +28,7 @@ import torch
 
 from memkern import backend, ops
 from memkern._extension import compiled
+from memkern.ops.linear_cross_entropy_layer import linear_cross_entropy_entry
 from memkern.profile.saved import note_saved, recording
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -153,6 +154,19 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
     ``final_logit_softcapping``); None or 0: none.
     ``chunk_size``: tokens per chunk (default: :func:`default_chunk_size`).
     """
+    if (linear_cross_entropy_entry is not None and input.dim()
+            and (num_items is None or isinstance(num_items, torch.Tensor))
+            and backend.requested() is None and not recording()
+            and not torch.compiler.is_compiling()):
+        hidden = input.shape[-1]
+        if chunk_size is None:
+            chunk_size = default_chunk_size(input.numel() // max(hidden, 1), weight.shape[0],
+                                            hidden, input.device)
+        loss = linear_cross_entropy_entry(input, weight, target, bias, ignore_index, reduction,
+                                          label_smoothing, num_items,
+                                          0.0 if softcap is None else softcap, chunk_size)
+        if loss is not None:
+            return loss
     where = "memkern.nn.functional.linear_cross_entropy"
     if reduction not in REDUCTIONS:
         raise ValueError(f"{where}: reduction={reduction!r} is not one of {REDUCTIONS}")
