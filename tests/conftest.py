@@ -49,11 +49,11 @@ def cpu_backends() -> list[str]:
 
 # The layers whose autograd runs in C++ when the extension is built (memkern.ops.linear,
 # dropout_layer, norm_layer, linear_cross_entropy_layer, mlp_layer, swiglu_layer), named by the
-# memkern.nn.functional module that routes them (_common: MLP's and SwiGLU's) and what that
-# module reads to choose: the extension's build info, or the op's direct entry point (None
-# without the extension).
+# memkern.nn.functional module that routes them and what that module reads to choose: the op's
+# direct entry point (None without the extension), or the extension's build info.
 _CPP_AUTOGRAD_ROUTES = {"linear": ("linear_entry",), "dropout": ("dropout_layer_entry",),
-                        "norm": ("compiled",), "_common": ("compiled",),
+                        "norm": ("norm_layer_entry",), "mlp": ("mlp_layer_entry",),
+                        "swiglu": ("swiglu_layer_entry",),
                         "linear_cross_entropy": ("compiled", "linear_cross_entropy_entry")}
 
 
@@ -65,7 +65,8 @@ def use_python_autograd(monkeypatch) -> None:
     from memkern._extension import compiled
     without_extension = {"compiled": dataclasses.replace(compiled, has_cpu=False),
                          "linear_entry": None, "dropout_layer_entry": None,
-                         "linear_cross_entropy_entry": None}
+                         "norm_layer_entry": None, "mlp_layer_entry": None,
+                         "swiglu_layer_entry": None, "linear_cross_entropy_entry": None}
     for name, switches in _CPP_AUTOGRAD_ROUTES.items():  # the modules, not the functions
         for switch in switches:
             monkeypatch.setattr(sys.modules[f"memkern.nn.functional.{name}"], switch,

@@ -443,6 +443,23 @@ def test_swiglu_matches_torch(recompute, dtype, bias, layer_autograd):
     assert_same(m, _TorchSwiGLU(m), _input((3, 5, 13), dtype), tol=TOL[dtype])
 
 
+@pytest.mark.parametrize("name", ["MLP", "SwiGLU"])
+def test_gemm_layers_route_autocast_and_mixed_dtypes_to_the_python_function(name,
+                                                                             layer_autograd):
+    """The routing: one dtype, no autocast runs the C++ node when the extension is built;
+    under autocast, or with a parameter in another dtype, the Python Function runs (it casts
+    per autocast and reports mixed dtypes)."""
+    m = mk.nn.MLP(13, 23) if name == "MLP" else mk.nn.SwiGLU(13, 23)
+    x = torch.randn(3, 13)
+    assert runs_cpp_autograd(m(x).grad_fn) == (layer_autograd == "cpp")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+    assert f"{name}FunctionBackward" == y.grad_fn.name() and y.dtype == torch.bfloat16
+    list(m.parameters())[-1].data = list(m.parameters())[-1].data.double()
+    with pytest.raises(RuntimeError, match="a parameter has torch.float64"):  # memkern's message
+        m(x)
+
+
 def test_mlp_dropout_and_structure(layer_autograd):
     m = mk.nn.MLP(16, 32, dropout=0.25)
     assert set(dict(m.named_children())) == {"fc1", "fc2", "dropout"}

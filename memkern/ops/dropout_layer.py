@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from memkern._extension import compiled
-from memkern.ops._registry import LIBRARY
+from memkern.ops._registry import LIBRARY, eager_entry
 
 LIBRARY.define("dropout_layer(Tensor x, Tensor? seed, float p) -> Tensor")
 
@@ -29,6 +28,4 @@ dropout_layer = torch.ops.memkern.dropout_layer.default
 
 # The op's eager entry point from Python for a drawn seed, ``(x, p)`` (csrc/python_entries.cpp):
 # the call through a typed dispatcher handle instead of the boxed torch.ops path.
-dropout_layer_entry = None
-if compiled.has_cpu:
-    from memkern._C import dropout_layer as dropout_layer_entry  # noqa: F811
+dropout_layer_entry = eager_entry("dropout_layer")

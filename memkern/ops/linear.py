@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from memkern._extension import compiled
 from memkern.ops import _norm_recipe
-from memkern.ops._registry import LIBRARY
+from memkern.ops._registry import LIBRARY, eager_entry
 
 LIBRARY.define(f"linear(Tensor x, Tensor weight, Tensor? bias, bool transposed, "
                f"{_norm_recipe.SCHEMA}) -> Tensor")
@@ -35,6 +34,4 @@ linear = torch.ops.memkern.linear.default
 # through a typed dispatcher handle instead of the boxed torch.ops path. It returns
 # torch.nn.functional.linear's result when there is no W.grad, no recipe and no transpose, and
 # None when the op does not serve the call (mixed dtypes, autocast, a shape mismatch).
-linear_entry = None
-if compiled.has_cpu:
-    from memkern._C import linear as linear_entry  # noqa: F811
+linear_entry = eager_entry("linear")

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from memkern._extension import compiled
-from memkern.ops._registry import LIBRARY
+from memkern.ops._registry import LIBRARY, eager_entry
 
 LIBRARY.define(
     "linear_cross_entropy(Tensor x, Tensor weight, Tensor? bias, Tensor target, "
@@ -42,6 +41,4 @@ linear_cross_entropy_layer = torch.ops.memkern.linear_cross_entropy.default
 # with ``num_items`` None or a tensor and ``softcap`` a number (0: none); it checks the
 # arguments and flattens the inputs in C++ and calls the op through a typed dispatcher handle,
 # or returns None when the call is not one the op serves (the functional then takes it).
-linear_cross_entropy_entry = None
-if compiled.has_cpu:
-    from memkern._C import linear_cross_entropy as linear_cross_entropy_entry  # noqa: F811
+linear_cross_entropy_entry = eager_entry("linear_cross_entropy")

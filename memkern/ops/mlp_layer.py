@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from memkern.ops import _norm_recipe
-from memkern.ops._registry import LIBRARY
+from memkern.ops._registry import LIBRARY, eager_entry
 
 LIBRARY.define(
     "mlp_layer(Tensor x, Tensor fc1_weight, Tensor? fc1_bias, Tensor fc2_weight, "
@@ -36,3 +36,7 @@ def _fake(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recompute, 
 
 
 mlp_layer = torch.ops.memkern.mlp_layer.default
+
+# The eager entry point of memkern.nn.functional.mlp (:func:`memkern.ops._registry.eager_entry`): the
+# op's arguments; None when the op does not serve the call.
+mlp_layer_entry = eager_entry("mlp_layer")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from memkern.ops._registry import LIBRARY
+from memkern.ops._registry import LIBRARY, eager_entry
 
 LIBRARY.define("norm_layer(Tensor x, Tensor? weight, Tensor? bias, int n_norm, float eps, "
                "bool rms) -> Tensor")
@@ -28,3 +28,7 @@ def _fake(x, weight, bias, n_norm, eps, rms):
 
 
 norm_layer = torch.ops.memkern.norm_layer.default
+
+# The eager entry point of the norms (:func:`memkern.ops._registry.eager_entry`), with the
+# op's arguments.
+norm_layer_entry = eager_entry("norm_layer")

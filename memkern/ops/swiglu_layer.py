@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from memkern.ops import _norm_recipe
-from memkern.ops._registry import LIBRARY
+from memkern.ops._registry import LIBRARY, eager_entry
 
 LIBRARY.define(
     "swiglu_layer(Tensor x, Tensor gate_weight, Tensor? gate_bias, Tensor up_weight, "
@@ -34,3 +34,7 @@ def _fake(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
 
 
 swiglu_layer = torch.ops.memkern.swiglu_layer.default
+
+# The eager entry point of memkern.nn.functional.swiglu (:func:`memkern.ops._registry.eager_entry`): the
+# op's arguments; None when the op does not serve the call.
+swiglu_layer_entry = eager_entry("swiglu_layer")

@@ -1,13 +1,10 @@
-"""Small helpers shared by the autograd Functions: the compute dtype under autocast, flattening,
-which calls the C++ autograd layers take."""
+"""Small helpers shared by the autograd Functions: the compute dtype under autocast, flattening."""
 from __future__ import annotations
 
 import contextlib
 
 import torch
 
-from memkern import backend
-from memkern._extension import compiled
 
 _NOTHING = contextlib.nullcontext()
 
@@ -43,17 +40,3 @@ def no_autocast(device_type: str):
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return _NOTHING
-
-
-def cpp_autograd(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
-    """Whether a layer's C++ autograd op computes exactly what its Python Function would: the
-    extension is built, every tensor has ``x``'s dtype, no autocast, no forced backend (the
-    op runs memkern's elementwise ops through the dispatcher, i.e. on the default backend),
-    not compiling (the compiler traces the Python Function)."""
-    if not compiled.has_cpu or torch.compiler.is_compiling():
-        return False
-    dtype = x.dtype
-    for p in params:  # a loop, not all(...): this runs on every layer call
-        if p is not None and p.dtype != dtype:
-            return False
-    return not torch.is_autocast_enabled(x.device.type) and backend.requested() is None

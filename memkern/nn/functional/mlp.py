@@ -25,9 +25,10 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from memkern import ops
+from memkern import backend, ops
 from memkern.nn.functional import _common, _grad, _saved
 from memkern.ops.activation import KINDS as ACTIVATIONS
+from memkern.ops.mlp_layer import mlp_layer_entry
 
 RECOMPUTE = ("none", "activation", "full")
 
@@ -107,6 +108,12 @@ def mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None
         recompute: str = "activation", transposed: bool = False) -> torch.Tensor:
     """``fc2(act(fc1(x)))`` saving, per ``recompute``, what the module docstring lists."""
     check_args(activation, recompute, "memkern.nn.functional.mlp")
+    if (mlp_layer_entry is not None and backend.requested() is None
+            and not torch.compiler.is_compiling()):
+        out = mlp_layer_entry(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation,
+                              recompute, transposed, *_saved.recipe_args(x))
+        if out is not None:
+            return out
     in_features = fc1_weight.shape[0] if transposed else fc1_weight.shape[1]
     if x.shape[-1:] != (in_features,):
         raise ValueError(
@@ -117,8 +124,6 @@ def mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None
         return mlp(x.unsqueeze(0), fc1_weight, fc1_bias, fc2_weight, fc2_bias,
                    activation=activation, recompute=recompute, transposed=transposed).squeeze(0)
     args = (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recompute, transposed)
-    if _common.cpp_autograd(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
-        return ops.mlp_layer(*args, *_saved.recipe_args(x))
     if recompute == "none":
         return MLPFunction.apply(*args)
     # compiled: what the Function recomputes in backward, recomputed ("full": every op)

@@ -20,9 +20,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from memkern import backend, ops
-from memkern._extension import compiled
 from memkern.nn.functional import _saved
 from memkern.ops import _norm_recipe
+from memkern.ops.norm_layer import norm_layer_entry
 
 
 def _flat(x: torch.Tensor, n_norm: int) -> torch.Tensor:
@@ -59,8 +59,9 @@ class NormFunction(torch.autograd.Function):
 def _norm_autograd(x, weight, bias, n_norm, eps, rms):
     """NormFunction's algorithm: with C++ autograd (``memkern::norm_layer``) when the extension
     is built, on the default backend, outside ``torch.compile``; else the Python Function."""
-    if compiled.has_cpu and backend.requested() is None and not torch.compiler.is_compiling():
-        return ops.norm_layer(x, weight, bias, n_norm, eps, rms)
+    if (norm_layer_entry is not None and backend.requested() is None
+            and not torch.compiler.is_compiling()):
+        return norm_layer_entry(x, weight, bias, n_norm, eps, rms)
     return NormFunction.apply(x, weight, bias, n_norm, eps, rms)
 
 

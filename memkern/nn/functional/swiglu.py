@@ -24,9 +24,10 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from memkern import ops
+from memkern import backend, ops
 from memkern.nn.functional import _common, _grad, _saved
 from memkern.nn.functional.mlp import RECOMPUTE
+from memkern.ops.swiglu_layer import swiglu_layer_entry
 
 
 def _lin(a, w, b):
@@ -96,6 +97,12 @@ def swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
     """``down(silu(gate(x)) * up(x))`` saving, per ``recompute``, what the module docstring lists."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"memkern.nn.functional.swiglu: recompute={recompute!r} is not one of {RECOMPUTE}")
+    if (swiglu_layer_entry is not None and backend.requested() is None
+            and not torch.compiler.is_compiling()):
+        out = swiglu_layer_entry(x, gate_weight, gate_bias, up_weight, up_bias, down_weight,
+                                 down_bias, recompute, *_saved.recipe_args(x))
+        if out is not None:
+            return out
     if x.shape[-1:] != gate_weight.shape[1:]:
         raise ValueError(
             f"memkern.nn.functional.swiglu: input shape {tuple(x.shape)} does not end with "
@@ -105,8 +112,6 @@ def swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
         return swiglu(x.unsqueeze(0), gate_weight, up_weight, down_weight, gate_bias, up_bias,
                       down_bias, recompute=recompute).squeeze(0)
     args = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, recompute)
-    if _common.cpp_autograd(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias):
-        return ops.swiglu_layer(*args, *_saved.recipe_args(x))
     if recompute == "none":
         return SwiGLUFunction.apply(*args)
     # compiled: what the Function recomputes in backward, recomputed ("full": every op)
