@@ -30,12 +30,13 @@ bool one_dtype(const at::Tensor& x, const at::Tensor& weight, const OptTensor& b
 }
 
 // What a GEMM layer's C++ autograd requires of a call (the rest goes to its Python Function):
-// one dtype for x and every (weight, bias) pair, no autocast on x's device, and x's last
-// dimension equal to the first weight's in_features (`in_dim`: its dimension holding them).
+// x with at least `min_dim` dimensions, one dtype for x and every (weight, bias) pair, no
+// autocast on x's device, and x's last dimension equal to the first weight's in_features
+// (`in_dim`: its dimension holding them).
 bool gemm_layer_call(const at::Tensor& x,
                      std::initializer_list<std::pair<const at::Tensor*, const OptTensor*>> params,
-                     int64_t in_dim) {
-  if (x.dim() < 2 || params.begin()->first->dim() != 2 ||
+                     int64_t in_dim, int64_t min_dim = 2) {
+  if (x.dim() < min_dim || params.begin()->first->dim() != 2 ||
       x.size(-1) != params.begin()->first->size(in_dim)) {
     return false;
   }
@@ -54,9 +55,7 @@ OptTensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor&
                  bool transposed, const OptTensor& norm_x, const OptTensor& norm_weight,
                  const OptTensor& norm_bias, int64_t norm_kind, int64_t norm_dims,
                  double norm_eps) {
-  if (x.dim() == 0 || weight.dim() != 2 ||
-      x.size(-1) != weight.size(transposed ? 0 : 1) || !one_dtype(x, weight, bias) ||
-      at::autocast::is_autocast_enabled(x.device().type())) {
+  if (!gemm_layer_call(x, {{&weight, &bias}}, transposed ? 0 : 1, /*min_dim=*/1)) {
     return std::nullopt;
   }
   if (!norm_x.has_value() && !transposed && !weight.grad().defined()) {
