@@ -12,18 +12,19 @@
 // where the float32 accumulators need no 16-bit cuBLAS path (CPU, or 32/64-bit inputs).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
 
+#include "node.h"
+
 namespace {
 
 using at::Tensor;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr int64_t kRowOpBytes = int64_t{8} << 20;  // memkern.ops.linear_cross_entropy.ROW_OP_BYTES
@@ -133,120 +134,6 @@ Tensor in_dtype(const Tensor& t, at::ScalarType dtype) {
   return t.scalar_type() == dtype ? t : t.to(dtype);
 }
 
-struct LinearCrossEntropyFunction
-    : public torch::autograd::Function<LinearCrossEntropyFunction> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
-                        const std::optional<Tensor>& bias, const Tensor& target,
-                        const std::optional<Tensor>& num_items, std::optional<double> divisor,
-                        c10::string_view reduction, int64_t ignore_index,
-                        double label_smoothing, int64_t chunk_size, double softcap,
-                        int64_t needs) {
-    const bool none = reduction == "none";
-    ctx->saved_data["reduction_none"] = none;
-    ctx->saved_data["ignore_index"] = ignore_index;
-    ctx->saved_data["label_smoothing"] = label_smoothing;
-    ctx->saved_data["chunk_size"] = chunk_size;
-    ctx->saved_data["softcap"] = softcap;
-    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
-    if (none) {
-      Grads g = chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
-                        false, false, false, softcap, std::nullopt);
-      ctx->save_for_backward({x, weight, bias.value_or(Tensor()), target});
-      return in_dtype(g.loss, x.scalar_type());
-    }
-    const bool need_x = needs & 1, need_w = needs & 2, need_b = needs & 4;
-    Grads g = chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, need_x,
-                      need_w, need_b, softcap, std::nullopt);
-    const Tensor total = g.loss.sum();
-    Tensor out = total;  // "sum"
-    if (num_items.has_value() && num_items->defined()) {
-      const Tensor denom = in_dtype(*num_items, total.scalar_type());
-      out = total / denom;
-      ctx->saved_data["divisor"] = denom;
-    } else if (divisor.has_value()) {
-      out = total / *divisor;
-      ctx->saved_data["divisor"] = *divisor;
-    } else if (reduction == "mean") {
-      const Tensor count = target.ne(ignore_index).sum(total.scalar_type());
-      out = total / count;  // NaN when every token is ignored, as F.cross_entropy
-      ctx->saved_data["divisor"] = count.clamp_min(1.0);  // ... whose gradient is then 0
-    }
-    // Kept in saved_data, not save_for_backward: the backward hands them to autograd without
-    // another reference, so AccumulateGrad can take them without a copy.
-    if (need_x) ctx->saved_data["dx"] = g.dx;
-    if (need_w) ctx->saved_data["dw"] = g.dw;
-    if (need_b && bias.has_value() && bias->defined()) ctx->saved_data["db"] = g.db;
-    ctx->saved_data["dtypes"] = std::vector<int64_t>{
-        int64_t(x.scalar_type()), int64_t(weight.scalar_type()),
-        int64_t(bias.has_value() && bias->defined() ? bias->scalar_type() : weight.scalar_type())};
-    ctx->saved_data["pending"] = true;
-    return in_dtype(out, x.scalar_type());
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1),
-               need_b = ctx->needs_input_grad(2) && ctx->saved_data["has_bias"].toBool();
-    const Tensor& grad_loss = grad_outputs[0];
-    variable_list out(12);
-    if (ctx->saved_data["reduction_none"].toBool()) {
-      const auto saved = ctx->get_saved_variables();
-      const Tensor& x = saved[0];
-      const Tensor& weight = saved[1];
-      std::optional<Tensor> bias;
-      if (saved[2].defined()) bias = saved[2];
-      const Tensor gl = grad_loss.reshape({-1}).to(compute_dtype(x)).contiguous();
-      Grads g = chunked(x, weight, bias, saved[3], ctx->saved_data["ignore_index"].toInt(),
-                        ctx->saved_data["label_smoothing"].toDouble(),
-                        ctx->saved_data["chunk_size"].toInt(), need_x, need_w, need_b,
-                        ctx->saved_data["softcap"].toDouble(), gl);
-      if (need_x) out[0] = g.dx;
-      if (need_w) out[1] = in_dtype(g.dw, weight.scalar_type());
-      if (need_b) out[2] = in_dtype(g.db, bias->scalar_type());
-      return out;
-    }
-    TORCH_CHECK(ctx->saved_data.count("pending"),
-                "memkern linear_cross_entropy: backward ran twice through the same graph. Its "
-                "gradients are computed in forward and handed over on the first backward; "
-                "recompute the loss for a second backward (or use reduction='none').");
-    ctx->saved_data.erase("pending");
-    const auto dtypes = ctx->saved_data["dtypes"].toIntVector();
-    Tensor scale = grad_loss.reshape({}).to(
-        c10::promoteTypes(grad_loss.scalar_type(), at::kFloat));
-    auto divisor = ctx->saved_data.find("divisor");
-    if (divisor != ctx->saved_data.end()) {
-      scale = divisor->second.isTensor() ? scale / divisor->second.toTensor()
-                                         : scale / divisor->second.toDouble();
-      ctx->saved_data.erase(divisor);
-    }
-    const char* names[] = {"dx", "dw", "db"};
-    for (int i = 0; i < 3; ++i) {
-      auto it = ctx->saved_data.find(names[i]);
-      if (it == ctx->saved_data.end()) continue;
-      Tensor g = it->second.toTensor();
-      ctx->saved_data.erase(it);
-      g.mul_(scale);  // a 0-dim tensor: multiplied in float32 even for 16-bit g
-      out[i] = in_dtype(g, static_cast<at::ScalarType>(dtypes[i]));
-    }
-    return out;
-  }
-};
-
-Tensor lce_autograd(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
-                    const Tensor& target, const std::optional<Tensor>& num_items,
-                    std::optional<double> divisor, c10::string_view reduction,
-                    int64_t ignore_index, double label_smoothing, int64_t chunk_size,
-                    double softcap) {
-  // Which gradients the forward computes (the Python Function's needs_input_grad[:3]); known
-  // here, before apply() turns grad mode off.
-  const bool grad = at::GradMode::is_enabled();
-  const int64_t needs = (grad && x.requires_grad() ? 1 : 0) |
-                        (grad && weight.requires_grad() ? 2 : 0) |
-                        (grad && bias.has_value() && bias->defined() && bias->requires_grad() ? 4 : 0);
-  return LinearCrossEntropyFunction::apply(x, weight, bias, target, num_items, divisor,
-                                           reduction, ignore_index, label_smoothing, chunk_size,
-                                           softcap, needs);
-}
-
 // Below autograd: the loss only.
 Tensor lce_forward(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
                    const Tensor& target, const std::optional<Tensor>& num_items,
@@ -267,6 +154,143 @@ Tensor lce_forward(const Tensor& x, const Tensor& weight, const std::optional<Te
     out = total / target.ne(ignore_index).sum(total.scalar_type());
   }
   return in_dtype(out, x.scalar_type());
+}
+
+// The backward of one call; its inputs (next edges) are x, weight, bias.
+struct LinearCrossEntropyBackward : public torch::autograd::Node {
+  bool reduction_none = false;
+  // reduction "none": the recompute backward's inputs and settings.
+  torch::autograd::SavedVariable x, weight, bias, target;
+  int64_t ignore_index = 0;
+  double label_smoothing = 0.0;
+  int64_t chunk_size = 1;
+  double softcap = 0.0;
+  // "mean"/"sum": the gradients of the summed loss, computed in forward and handed over (scaled
+  // in place) on the one backward — plain members, not saved variables, so that autograd gets
+  // them without another reference and AccumulateGrad can take them without a copy.
+  std::mutex handover;
+  bool pending = false;
+  Tensor grads[3];
+  at::ScalarType dtypes[3] = {at::kFloat, at::kFloat, at::kFloat};
+  Tensor divisor_tensor;  // the loss's divisor: a tensor (num_items, the token count) ...
+  std::optional<double> divisor_number;  // ... or a number (or neither: "sum")
+
+  variable_list apply(variable_list&& grad_outputs) override {
+    memkern::autograd::check_not_double_backward("linear cross-entropy");
+    const Tensor& grad_loss = grad_outputs[0];
+    variable_list out(3);
+    if (reduction_none) {
+      if (!grad_loss.defined()) return out;
+      const Tensor xs = x.unpack(), ws = weight.unpack(), bs = bias.unpack();
+      const bool need_b = bs.defined() && task_should_compute_output(2);
+      std::optional<Tensor> b;
+      if (bs.defined()) b = bs;
+      const Tensor gl = grad_loss.reshape({-1}).to(compute_dtype(xs)).contiguous();
+      Grads g = chunked(xs, ws, b, target.unpack(), ignore_index, label_smoothing, chunk_size,
+                        task_should_compute_output(0), task_should_compute_output(1), need_b,
+                        softcap, gl);
+      if (task_should_compute_output(0)) out[0] = g.dx;
+      if (task_should_compute_output(1)) out[1] = in_dtype(g.dw, ws.scalar_type());
+      if (need_b) out[2] = in_dtype(g.db, bs.scalar_type());
+      return out;
+    }
+    std::lock_guard<std::mutex> lock(handover);
+    TORCH_CHECK(pending,
+                "memkern linear_cross_entropy: backward ran twice through the same graph. Its "
+                "gradients are computed in forward and handed over on the first backward; "
+                "recompute the loss for a second backward (or use reduction='none').");
+    pending = false;
+    if (!grad_loss.defined()) return out;
+    Tensor scale = grad_loss.reshape({}).to(
+        c10::promoteTypes(grad_loss.scalar_type(), at::kFloat));
+    if (divisor_tensor.defined()) {
+      scale = scale / divisor_tensor;
+    } else if (divisor_number.has_value()) {
+      scale = scale / *divisor_number;
+    }
+    for (int i = 0; i < 3; ++i) {
+      if (!grads[i].defined()) continue;
+      Tensor g = std::move(grads[i]);
+      g.mul_(scale);  // a 0-dim tensor: multiplied in float32 even for 16-bit g
+      out[i] = in_dtype(g, dtypes[i]);
+    }
+    return out;
+  }
+
+  void release_variables() override {
+    x.reset_data();
+    weight.reset_data();
+    bias.reset_data();
+    target.reset_data();
+    std::lock_guard<std::mutex> lock(handover);
+    for (Tensor& g : grads) g.reset();
+    divisor_tensor.reset();
+  }
+
+  std::string name() const override { return "memkern::LinearCrossEntropyBackward"; }
+};
+
+Tensor lce_autograd(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                    const Tensor& target, const std::optional<Tensor>& num_items,
+                    std::optional<double> divisor, c10::string_view reduction,
+                    int64_t ignore_index, double label_smoothing, int64_t chunk_size,
+                    double softcap) {
+  const Tensor b = bias.value_or(Tensor());
+  if (!torch::autograd::compute_requires_grad(x, weight, b)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return lce_forward(x, weight, bias, target, num_items, divisor, reduction, ignore_index,
+                       label_smoothing, chunk_size, softcap);
+  }
+  auto node = memkern::autograd::make_node<LinearCrossEntropyBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(x, weight, b));
+  Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    if (reduction == "none") {
+      node->reduction_none = true;
+      node->x = torch::autograd::SavedVariable(x, /*is_output=*/false);
+      node->weight = torch::autograd::SavedVariable(weight, false);
+      node->bias = torch::autograd::SavedVariable(b, false);
+      node->target = torch::autograd::SavedVariable(target, false);
+      node->ignore_index = ignore_index;
+      node->label_smoothing = label_smoothing;
+      node->chunk_size = chunk_size;
+      node->softcap = softcap;
+      out = in_dtype(chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
+                             false, false, false, softcap, std::nullopt)
+                         .loss,
+                     x.scalar_type());
+    } else {
+      const bool need[3] = {x.requires_grad(), weight.requires_grad(),
+                            b.defined() && b.requires_grad()};
+      Grads g = chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
+                        need[0], need[1], need[2], softcap, std::nullopt);
+      const Tensor total = g.loss.sum();
+      out = total;  // "sum"
+      if (num_items.has_value() && num_items->defined()) {
+        node->divisor_tensor = in_dtype(*num_items, total.scalar_type());
+        out = total / node->divisor_tensor;
+      } else if (divisor.has_value()) {
+        node->divisor_number = *divisor;
+        out = total / *divisor;
+      } else if (reduction == "mean") {
+        const Tensor count = target.ne(ignore_index).sum(total.scalar_type());
+        out = total / count;  // NaN when every token is ignored, as F.cross_entropy
+        node->divisor_tensor = count.clamp_min(1.0);  // ... whose gradient is then 0
+      }
+      const Tensor computed[3] = {g.dx, g.dw, g.db};
+      const at::ScalarType dtypes[3] = {x.scalar_type(), weight.scalar_type(),
+                                        b.defined() ? b.scalar_type() : weight.scalar_type()};
+      for (int i = 0; i < 3; ++i) {
+        if (need[i]) node->grads[i] = computed[i];
+        node->dtypes[i] = dtypes[i];
+      }
+      node->pending = true;
+      out = in_dtype(out, x.scalar_type());
+    }
+  }
+  torch::autograd::set_history(out, node);
+  return out;
 }
 
 }  // namespace
