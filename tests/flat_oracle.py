@@ -283,9 +283,11 @@ def block_max(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize64(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, absmax)`` of ``x`` in float64: per block ``absmax = max |x|`` and
-    ``c = sign(x) floor(C (|x| / absmax) ** (1 / p) + 1/2)``; a block with a non-finite value
-    gets NaN and zero codes, an all-zero block absmax 0 and zero codes."""
+    """``(codes, absmax)`` of ``x`` in float64: per block ``absmax = max |x|`` and ``c`` the
+    code whose value ``sign(c) (|c| / C) ** p absmax`` is nearest to ``x`` (the smaller ``|c|``
+    on a tie): ``|c|`` counts the midpoints between consecutive code values that lie below
+    ``|x| / absmax``. A block with a non-finite value gets NaN and zero codes, an all-zero block
+    absmax 0 and zero codes."""
     top, power = CODE_MAPS[dtype]
     x = x.detach().cpu().to(torch.float64)
     n = x.numel()
@@ -296,10 +298,11 @@ def quantize64(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     absmax = blocks.abs().nan_to_num(0.0, posinf=0.0).amax(dim=1)
     usable = ~bad & (absmax > 0)
     scale = torch.where(usable, absmax, torch.ones_like(absmax))[:, None]
-    root = torch.where(usable[:, None], blocks.abs() / scale, torch.zeros_like(blocks)).sqrt()
-    if power == 4:
-        root = root.sqrt()
-    codes = torch.floor(top * root + 0.5) * torch.sign(blocks).nan_to_num(0.0)
+    relative = torch.where(usable[:, None], blocks.abs() / scale, torch.zeros_like(blocks))
+    values = torch.tensor([(k / top) ** power for k in range(top + 1)], dtype=torch.float64)
+    midpoints = (values[:-1] + values[1:]) / 2
+    magnitude = torch.searchsorted(midpoints, relative.reshape(-1), side="left")
+    codes = magnitude.to(torch.float64).view_as(blocks) * torch.sign(blocks).nan_to_num(0.0)
     absmax = torch.where(bad, torch.full_like(absmax, math.nan), absmax)
     return codes.reshape(-1)[:n].to(dtype), absmax
 

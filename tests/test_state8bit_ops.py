@@ -97,6 +97,75 @@ def test_map_by_hand():
     assert vcodes.tolist() == [255, 200, 0] and scale.item() == 4.0
 
 
+# Relative values |x| / absmax between the root-space midpoint of codes k and k + 1,
+# ((k + 1/2) / C) ** p, and their value-space midpoint, ((k / C) ** p + ((k + 1) / C) ** p) / 2
+# (the map is convex: the first lies below): rounding the root to the nearest integer gives
+# k + 1, the nearest value is k's. Just above the value-space midpoint, k + 1's is nearest.
+# Square map: the midpoints are (k^2 + k + 1/4) / 127^2 and (k^2 + k + 1/2) / 127^2.
+M_KS = (0, 1, 5, 40, 126)
+M_BETWEEN = [(k * k + k + 0.375) / 127**2 for k in M_KS]
+M_ABOVE = [(k * k + k + 0.625) / 127**2 for k in M_KS]
+
+
+def _v_midpoints(k: int) -> tuple[float, float]:
+    """4th-power map: (root-space, value-space) midpoints of codes k and k + 1."""
+    return ((k + 0.5) / 255) ** 4, ((k / 255) ** 4 + ((k + 1) / 255) ** 4) / 2
+
+
+V_KS = (0, 1, 3, 20, 100, 254)
+V_BETWEEN = [sum(_v_midpoints(k)) / 2 for k in V_KS]
+V_ABOVE = [1.5 * _v_midpoints(k)[1] - 0.5 * _v_midpoints(k)[0] for k in V_KS]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_reference_code_is_the_nearest_value(dtype):
+    """Between the root-space and the value-space midpoint of two codes the lower code is
+    nearer; just above the value-space midpoint the upper one: both maps, both signs."""
+    scale = 0.75
+    m = torch.tensor([1.0] + M_BETWEEN + [-r for r in M_BETWEEN] + M_ABOVE
+                     + [-r for r in M_ABOVE], dtype=torch.float64) * scale
+    codes, absmax = torch.empty(m.numel(), dtype=torch.int8), torch.empty(1, dtype=dtype)
+    adamw8bit.quantize(m.to(dtype), codes, absmax)
+    above = [k + 1 for k in M_KS]
+    assert codes.tolist() == [127, *M_KS, *(-k for k in M_KS), *above, *(-k for k in above)]
+    v = torch.tensor([1.0] + V_BETWEEN + V_ABOVE, dtype=torch.float64) * scale
+    vcodes = torch.empty(v.numel(), dtype=torch.uint8)
+    adamw8bit.quantize(v.to(dtype), vcodes, absmax)
+    assert vcodes.tolist() == [255, *V_KS, *(k + 1 for k in V_KS)]
+
+
+@pytest.mark.parametrize("backend,device", BACKEND_CASES)
+def test_code_is_the_nearest_value_on_every_backend(backend, device):
+    """The same values through adamw8bit_step_ with betas (0, 0), which stores m = g and
+    v = g * g: in each of the two blocks (the second one partial), an element with |g| = 1 sets
+    both absmax to 1, the others are random below 1/2."""
+    dev = fo.need(backend, device)
+    n = QBLOCK + 101
+    g = torch.rand(n, dtype=torch.float64) - 0.5
+    m_at, v_at = [], []
+    for start in (0, QBLOCK):
+        g[start] = -1.0
+        m_rel = M_BETWEEN + [-r for r in M_BETWEEN] + M_ABOVE + [-r for r in M_ABOVE]
+        m_at += range(start + 1, start + 1 + len(m_rel))
+        g[m_at[-len(m_rel):]] = torch.tensor(m_rel, dtype=torch.float64)
+        v_rel = V_BETWEEN + V_ABOVE
+        v_at += range(m_at[-1] + 1, m_at[-1] + 1 + len(v_rel))
+        g[v_at[-len(v_rel):]] = torch.tensor(v_rel, dtype=torch.float64).sqrt()
+    state = [torch.randn(n)]
+    for dtype in (torch.int8, torch.uint8):
+        state += [torch.zeros(n, dtype=dtype), torch.zeros(fo.blocks_of(n))]
+    state = [t.to(dev) for t in state]
+    run(backend, "adamw8bit_step_", *state, g.to(torch.float32).to(dev), None,
+        scalar(0.0, dev), None, None, 0.01, 0.0, 0.0, 1e-8, 0.0)
+    m_codes, m_absmax, v_codes, v_absmax = (t.cpu() for t in state[1:])
+    assert m_absmax.tolist() == [1.0, 1.0] and v_absmax.tolist() == [1.0, 1.0]
+    above = [k + 1 for k in M_KS]
+    expected_m = [*M_KS, *(-k for k in M_KS), *above, *(-k for k in above)]
+    assert m_codes[m_at].tolist() == expected_m * 2
+    expected_v = [*V_KS, *(k + 1 for k in V_KS)]
+    assert v_codes[v_at].tolist() == expected_v * 2
+
+
 def test_blocks_are_independent():
     x = torch.randn(3 * QBLOCK + 5, dtype=torch.float64)
     x[QBLOCK:2 * QBLOCK] *= 1e-6  # a block of tiny values keeps its own scale

@@ -29,22 +29,30 @@ constexpr float kUnsignedCodes = 255.0f;  // uint8: (c / 255)^4 * absmax
 // another order of float32 roundings: values within a few ulp of the reference's, codes equal
 // but for a value within an ulp of a code boundary.
 
+// The per-block factors of the two maps: a code's value is a power of the code, scaled by a
+// power of two so that it is exact (or nearly), times absmax * factor (both maps keep this
+// product as far from underflow as absmax itself).
+constexpr float kSignedFactor = 0x1p14f / (kSignedCodes * kSignedCodes);
+constexpr float kUnsignedFactor = static_cast<float>(0x1p32 / (255.0 * 255.0 * 255.0 * 255.0));
+
 // The value of a signed code (first moments, momentum): sign(c) * (|c| / 127)^2 * absmax as
 // (c |c| 2^-14) (exact) times absmax 2^14 / 127^2.
 MEMKERN_INLINE float dequantize(int8_t code, float absmax) {
   const float c = static_cast<float>(code);
-  constexpr float kFactor = 0x1p14f / (kSignedCodes * kSignedCodes);
-  return ((c * std::fabs(c)) * 0x1p-14f) * (absmax * kFactor);
+  return ((c * std::fabs(c)) * 0x1p-14f) * (absmax * kSignedFactor);
 }
 
-// The value of an unsigned code (second moments, >= 0): (c / 255)^4 * absmax as
-// ((c / 256)^2)^2 (the square exact) times absmax (256 / 255)^4; the powers of two keep the
-// per-block factor as far from underflow as absmax itself.
-MEMKERN_INLINE float dequantize(uint8_t code, float absmax) {
-  const float q = static_cast<float>(code) * 0x1p-8f;
+// (c / 256)^4 for an integer-valued c in [0, 256]: the square is exact.
+MEMKERN_INLINE float fourth_power_over_256(float c) {
+  const float q = c * 0x1p-8f;
   const float q2 = q * q;
-  constexpr float kFactor = static_cast<float>(0x1p32 / (255.0 * 255.0 * 255.0 * 255.0));
-  return (q2 * q2) * (absmax * kFactor);
+  return q2 * q2;
+}
+
+// The value of an unsigned code (second moments, >= 0): (c / 255)^4 * absmax as (c / 256)^4
+// times absmax (256 / 255)^4.
+MEMKERN_INLINE float dequantize(uint8_t code, float absmax) {
+  return fourth_power_over_256(static_cast<float>(code)) * (absmax * kUnsignedFactor);
 }
 
 // The absmax of n values as the bits of a float: the largest |x| (inf and NaN bits order above
@@ -75,9 +83,14 @@ MEMKERN_INLINE float store_absmax(const float* __restrict x, int64_t n,
   return *absmax;
 }
 
-// Quantization: c = floor(C (|x| / absmax)^(1/p) + 0.5) is computed as
-// |x|^(1/p) (C / absmax^(1/p)) + 0.5, truncated: the factor is finite for every positive absmax,
-// even a subnormal one, and the result never exceeds C.
+// Quantization: the code of nearest value (memkern/ops/adamw8bit.py) without a division per
+// element, on the root r = C (|x| / absmax)^(1/p) (per-block factor C / absmax^(1/p), finite for
+// every positive absmax, even a subnormal one). Its truncation lo is the code below (or one
+// off where r rounds across an integer: the comparison then still picks the nearer code; lo is
+// C for the absmax itself, and stays C); c = lo + 1 where r^p lies above the mean of lo^p and
+// (lo + 1)^p, written in u = lo + 1/2: u^2 + 1/4 (p = 2) and u^4 + (3/2) u^2 + 1/16 (p = 4),
+// exact in float32. The select is on integers: GCC if-converts (and so vectorises) no float
+// operation that may trap.
 
 // Codes and absmax of one block of n <= kQBlock values of any sign: NaN and zero codes when a
 // value is not finite, zero codes for an all-zero block.
@@ -85,22 +98,30 @@ MEMKERN_INLINE void quantize_block(const float* __restrict x, int64_t n,
                                    int8_t* __restrict codes, float* absmax) {
   const float amax = store_absmax(x, n, codes, absmax);
   if (amax == 0.0f) return;
-  const float factor = kSignedCodes / std::sqrt(amax);
+  const float root_factor = kSignedCodes / std::sqrt(amax);
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t c = static_cast<int32_t>(std::sqrt(std::fabs(x[i])) * factor + 0.5f);
+    const float root = std::sqrt(std::fabs(x[i])) * root_factor;
+    const int32_t lo = static_cast<int32_t>(root);
+    const float u = static_cast<float>(lo) + 0.5f;
+    const int32_t c = lo + (root * root > u * u + 0.25f ? 1 : 0);
     codes[i] = static_cast<int8_t>(x[i] < 0.0f ? -c : c);
   }
 }
 
 // As above for n values >= 0 (uint8 codes), given their square roots `sqrt_x` as well: the
-// AdamW update has sqrt(v) at hand, which saves one of the two roots per element.
+// AdamW update has sqrt(v) at hand, which gives r^2 = sqrt_x C^2 / sqrt(absmax) by a product.
 MEMKERN_INLINE void quantize_block(const float* __restrict x, const float* __restrict sqrt_x,
                                    int64_t n, uint8_t* __restrict codes, float* absmax) {
   const float amax = store_absmax(x, n, codes, absmax);
   if (amax == 0.0f) return;
-  const float factor = kUnsignedCodes / std::sqrt(std::sqrt(amax));
+  const float square_root_factor = kUnsignedCodes * kUnsignedCodes / std::sqrt(amax);
   for (int64_t i = 0; i < n; ++i) {
-    codes[i] = static_cast<uint8_t>(static_cast<int32_t>(std::sqrt(sqrt_x[i]) * factor + 0.5f));
+    const float root2 = sqrt_x[i] * square_root_factor;
+    const int32_t lo = static_cast<int32_t>(std::sqrt(root2));
+    const float u = static_cast<float>(lo) + 0.5f;
+    const float u2 = u * u;
+    const int32_t up = root2 * root2 > (u2 + 1.5f) * u2 + 0.0625f ? 1 : 0;
+    codes[i] = static_cast<uint8_t>(lo + up);
   }
 }
 

@@ -44,17 +44,21 @@ def _power_of(q, POWER: tl.constexpr):
 
 
 @triton.jit
+def _relative_value(c, SIGNED: tl.constexpr):
+    """``(|c| / C) ** p`` of the float32 codes ``c``: a code's value over its block's absmax."""
+    if SIGNED:
+        return _power_of(tl.div_rn(tl.abs(c), tl.full(c.shape, _SIGNED_CODES, tl.float32)),
+                         _SIGNED_POWER)
+    return _power_of(tl.div_rn(c, tl.full(c.shape, _UNSIGNED_CODES, tl.float32)),
+                     _UNSIGNED_POWER)
+
+
+@triton.jit
 def dequantize(codes, absmax, SIGNED: tl.constexpr):
     """float32 values of a ``[rows, QBLOCK]`` tile of ``codes`` (int8 when ``SIGNED``, else
     uint8) with one ``absmax`` per row."""
     c = codes.to(tl.float32)
-    if SIGNED:
-        q = _power_of(tl.div_rn(tl.abs(c), tl.full(c.shape, _SIGNED_CODES, tl.float32)),
-                      _SIGNED_POWER)
-    else:
-        q = _power_of(tl.div_rn(c, tl.full(c.shape, _UNSIGNED_CODES, tl.float32)),
-                      _UNSIGNED_POWER)
-    x = q * absmax[:, None]
+    x = _relative_value(c, SIGNED) * absmax[:, None]
     if SIGNED:
         x = tl.where(c < 0, -x, x)
     return x
@@ -71,12 +75,15 @@ def quantize(x, valid, SIGNED: tl.constexpr):
     scale = tl.max(a, axis=1)
     any_bad = tl.max(tl.where(valid & (finite == 0), 1, 0), axis=1) > 0
     usable = (any_bad == 0) & (scale > 0)
-    r = tl.sqrt_rn(tl.div_rn(a, tl.where(usable, scale, 1.0)[:, None]))
+    rel = tl.div_rn(a, tl.where(usable, scale, 1.0)[:, None])
+    r = tl.sqrt_rn(rel)
     if SIGNED:
-        c = tl.floor(r * _SIGNED_CODES + 0.5)
+        lo = tl.floor(r * _SIGNED_CODES)
     else:
-        c = tl.floor(tl.sqrt_rn(r) * _UNSIGNED_CODES + 0.5)
-    c = tl.where(usable[:, None], c, 0.0)
+        lo = tl.floor(tl.sqrt_rn(r) * _UNSIGNED_CODES)
+    # the code of nearer value of lo and lo + 1 (the lower one on a tie), as the reference
+    above = rel - _relative_value(lo, SIGNED) > _relative_value(lo + 1.0, SIGNED) - rel
+    c = tl.where(usable[:, None], tl.where(above, lo + 1.0, lo), 0.0)
     if SIGNED:
         c = tl.where(x < 0, -c, c)
     nan = tl.full(scale.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)

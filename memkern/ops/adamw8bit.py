@@ -115,6 +115,13 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return padded.view(-1, block)
 
 
+def _relative_value(c: torch.Tensor, levels: int, power: int) -> torch.Tensor:
+    """``(|c| / levels) ** power`` of the float codes ``c``, a code's value over its block's
+    absmax, in the order of roundings every backend follows."""
+    q = c.abs() / levels
+    return q * q if power == 2 else (q * q) * (q * q)
+
+
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype, *,
                block: int = QBLOCK) -> torch.Tensor:
     """The moments stored as ``codes`` (int8: ``m``; uint8: ``v``) and per-block ``absmax``,
@@ -123,9 +130,8 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype, *,
     n = codes.numel()
     signed = codes.dtype == torch.int8
     levels, power = (SIGNED_CODES, SIGNED_POWER) if signed else (UNSIGNED_CODES, UNSIGNED_POWER)
-    q = _blocks(codes.to(dtype), block).abs() / levels
-    q = q * q if power == 2 else (q * q) * (q * q)
-    values = q * absmax.to(dtype)[:, None]
+    values = _relative_value(_blocks(codes.to(dtype), block), levels, power)
+    values = values * absmax.to(dtype)[:, None]
     if signed:
         values = values * _blocks(codes.to(dtype), block).sign()
     return values.reshape(-1)[:n]
@@ -143,10 +149,15 @@ def quantize(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, *,
     finite = torch.isfinite(rows).all(dim=1, keepdim=True)
     scale = torch.where(torch.isfinite(rows), rows.abs(), 0).amax(dim=1, keepdim=True)
     usable = finite & (scale > 0)
-    r = torch.where(usable, rows.abs() / torch.where(usable, scale, 1), 0).sqrt()
+    rel = torch.where(usable, rows.abs() / torch.where(usable, scale, 1), 0)
+    r = rel.sqrt()
     if power == 4:
         r = r.sqrt()
-    c = torch.floor(r * levels + 0.5)
+    # the code below rel (C for the absmax), then the nearer of it and the next (the lower on
+    # a tie); where r rounds across an integer lo is one off, and the comparison still holds
+    lo = torch.floor(r * levels)
+    above = rel - _relative_value(lo, levels, power) > _relative_value(lo + 1, levels, power) - rel
+    c = lo + above.to(lo.dtype)
     if signed:
         c = torch.where(usable, c * rows.sign(), 0)
     codes.copy_(c.reshape(-1)[:n].to(codes.dtype))

@@ -20,18 +20,23 @@ constexpr int kQPerLane = kQBlock / 32;   // elements of a block per lane of its
 constexpr float kSignedCodes = 127.0f;    // int8:  sign(c) * (|c| / 127)^2 * absmax
 constexpr float kUnsignedCodes = 255.0f;  // uint8: (c / 255)^4 * absmax
 
+// A code's value over its block's absmax, (|c| / C)^p, for a float code c.
+template <bool kSigned>
+__device__ __forceinline__ float relative_value(float c) {
+  const float q = __fdiv_rn(fabsf(c), kSigned ? kSignedCodes : kUnsignedCodes);
+  const float q2 = __fmul_rn(q, q);
+  return kSigned ? q2 : __fmul_rn(q2, q2);
+}
+
 // The value of a signed code (first moments, momentum).
 __device__ __forceinline__ float dequantize(int8_t code, float absmax) {
-  const float q = __fdiv_rn(fabsf(static_cast<float>(code)), kSignedCodes);
-  const float x = __fmul_rn(__fmul_rn(q, q), absmax);
+  const float x = __fmul_rn(relative_value<true>(static_cast<float>(code)), absmax);
   return code < 0 ? -x : x;
 }
 
 // The value of an unsigned code (second moments, >= 0).
 __device__ __forceinline__ float dequantize(uint8_t code, float absmax) {
-  const float q = __fdiv_rn(static_cast<float>(code), kUnsignedCodes);
-  const float q2 = __fmul_rn(q, q);
-  return __fmul_rn(__fmul_rn(q2, q2), absmax);
+  return __fmul_rn(relative_value<false>(static_cast<float>(code)), absmax);
 }
 
 // Codes of the warp's block (x[k] of element `first + lane + 32 k`, `valid[k]` when it exists)
@@ -64,12 +69,17 @@ __device__ __forceinline__ void quantize_block(const float (&x)[kQPerLane],
     if (!valid[k]) {
       continue;
     }
-    float r = __fsqrt_rn(__fdiv_rn(fabsf(x[k]), divisor));
+    // The code of nearest value: lo, the code below (C for the absmax), or lo + 1 (where the
+    // root rounds across an integer lo is one off, and the comparison still holds).
+    const float rel = __fdiv_rn(fabsf(x[k]), divisor);
+    float r = __fsqrt_rn(rel);
     if constexpr (!kSigned) {
       r = __fsqrt_rn(r);
     }
-    float c = floorf(__fadd_rn(__fmul_rn(r, kSigned ? kSignedCodes : kUnsignedCodes), 0.5f));
-    c = usable ? c : 0.0f;
+    const float lo = floorf(__fmul_rn(r, kSigned ? kSignedCodes : kUnsignedCodes));
+    const bool above = __fsub_rn(rel, relative_value<kSigned>(lo)) >
+                       __fsub_rn(relative_value<kSigned>(__fadd_rn(lo, 1.0f)), rel);
+    float c = usable ? (above ? __fadd_rn(lo, 1.0f) : lo) : 0.0f;
     if constexpr (kSigned) {
       c = x[k] < 0.0f ? -c : c;
     }
