@@ -228,13 +228,13 @@ def test_8bit_state_loss_curve_follows_32bit():
     bfloat16 curves against the issue's 1%.)
 
     Bounds from this run for seeds 0-7 (``python benchmarks/bench_8bit_state.py --sections
-    ci``, benchmarks/results/cpu-8bit-ci-bound.json): the largest step gap in the first 20
-    steps was 0.002-0.005% for seven seeds and 0.069% for one (the 32-bit step with another
-    rounding order: 0.00002%); the largest gap of 10-step window means 0.007-0.66%, of single
-    steps 0.07-6.0% (seed 0, this test's, is the largest of both). Held to 0.2%, 1.5% and 12%.
-    A wrong requantization (codes truncated instead of rounded) gave 0.55% in the first 20
-    steps (window 0.36%, step 7.7%: only the first bound sees it); ``v`` requantized with
-    ``m``'s square map made the loss explode."""
+    ci``, benchmarks/results/cpu-8bit-ci-bound.json, codes of nearest value): the largest step
+    gap in the first 20 steps was 0.007-0.011% for seven seeds and 0.071% for one (the 32-bit
+    step with another rounding order: 0.00001%); the largest gap of 10-step window means
+    0.010-0.91%, of single steps 0.07-4.6% (seed 0, this test's: 0.0068%, 0.27%, 1.4%). Held to
+    0.2%, 1.5% and 12%. A wrong requantization (codes truncated, never rounded up) gave 0.59%
+    in the first 20 steps (window 0.72%, step 10.0%: only the first bound sees it); ``v`` requantized with ``m``'s square
+    map made the loss explode."""
     default = SIZES["small"]
     cfg = GPTConfig(default.layers, default.width, default.heads, seq=32)
     full = torch.tensor(_loss_curve("memkern-full", cfg, 60, torch.float32), dtype=torch.float64)

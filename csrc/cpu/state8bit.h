@@ -29,30 +29,22 @@ constexpr float kUnsignedCodes = 255.0f;  // uint8: (c / 255)^4 * absmax
 // another order of float32 roundings: values within a few ulp of the reference's, codes equal
 // but for a value within an ulp of a code boundary.
 
-// The per-block factors of the two maps: a code's value is a power of the code, scaled by a
-// power of two so that it is exact (or nearly), times absmax * factor (both maps keep this
-// product as far from underflow as absmax itself).
-constexpr float kSignedFactor = 0x1p14f / (kSignedCodes * kSignedCodes);
-constexpr float kUnsignedFactor = static_cast<float>(0x1p32 / (255.0 * 255.0 * 255.0 * 255.0));
-
 // The value of a signed code (first moments, momentum): sign(c) * (|c| / 127)^2 * absmax as
 // (c |c| 2^-14) (exact) times absmax 2^14 / 127^2.
 MEMKERN_INLINE float dequantize(int8_t code, float absmax) {
   const float c = static_cast<float>(code);
-  return ((c * std::fabs(c)) * 0x1p-14f) * (absmax * kSignedFactor);
+  constexpr float kFactor = 0x1p14f / (kSignedCodes * kSignedCodes);
+  return ((c * std::fabs(c)) * 0x1p-14f) * (absmax * kFactor);
 }
 
-// (c / 256)^4 for an integer-valued c in [0, 256]: the square is exact.
-MEMKERN_INLINE float fourth_power_over_256(float c) {
-  const float q = c * 0x1p-8f;
-  const float q2 = q * q;
-  return q2 * q2;
-}
-
-// The value of an unsigned code (second moments, >= 0): (c / 255)^4 * absmax as (c / 256)^4
-// times absmax (256 / 255)^4.
+// The value of an unsigned code (second moments, >= 0): (c / 255)^4 * absmax as
+// ((c / 256)^2)^2 (the square exact) times absmax (256 / 255)^4; the powers of two keep the
+// per-block factor as far from underflow as absmax itself.
 MEMKERN_INLINE float dequantize(uint8_t code, float absmax) {
-  return fourth_power_over_256(static_cast<float>(code)) * (absmax * kUnsignedFactor);
+  const float q = static_cast<float>(code) * 0x1p-8f;
+  const float q2 = q * q;
+  constexpr float kFactor = static_cast<float>(0x1p32 / (255.0 * 255.0 * 255.0 * 255.0));
+  return (q2 * q2) * (absmax * kFactor);
 }
 
 // The absmax of n values as the bits of a float: the largest |x| (inf and NaN bits order above
@@ -88,9 +80,9 @@ MEMKERN_INLINE float store_absmax(const float* __restrict x, int64_t n,
 // every positive absmax, even a subnormal one). Its truncation lo is the code below (or one
 // off where r rounds across an integer: the comparison then still picks the nearer code; lo is
 // C for the absmax itself, and stays C); c = lo + 1 where r^p lies above the mean of lo^p and
-// (lo + 1)^p, written in u = lo + 1/2: u^2 + 1/4 (p = 2) and u^4 + (3/2) u^2 + 1/16 (p = 4),
-// exact in float32. The select is on integers: GCC if-converts (and so vectorises) no float
-// operation that may trap.
+// (lo + 1)^p, written in u = lo + 1/2: u^2 + 1/4 (p = 2, exact in float32) and
+// u^4 + (3/2) u^2 + 1/16 (p = 4, u^2 exact). The select is on integers: GCC if-converts (and
+// so vectorises) no float operation that may trap.
 
 // Codes and absmax of one block of n <= kQBlock values of any sign: NaN and zero codes when a
 // value is not finite, zero codes for an all-zero block.
