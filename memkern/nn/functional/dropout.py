@@ -8,8 +8,9 @@ from torch's generator of the input's device (``torch.manual_seed`` makes runs r
 
 Host time per call: a call with a drawn seed, not in place, on the default backend runs as the
 ``memkern::dropout_layer`` op (:mod:`memkern.ops.dropout_layer`: this algorithm with C++
-autograd, called through its direct entry point) when the extension is built; the Python Function below serves the rest (a given
-seed, ``inplace``, a forced backend, ``torch.compile``, no extension). Both draw the same seed.
+autograd, called through its direct entry point) when the extension is built; the Python
+Function below serves the rest (a given seed, ``inplace``, a forced backend,
+``torch.compile``, no extension). Both draw the same seed.
 """
 from __future__ import annotations
 
