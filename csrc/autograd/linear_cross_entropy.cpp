@@ -134,6 +134,33 @@ Tensor in_dtype(const Tensor& t, at::ScalarType dtype) {
   return t.scalar_type() == dtype ? t : t.to(dtype);
 }
 
+// What the summed loss of "mean"/"sum" is divided by: num_items (as a tensor), a number, the
+// count of non-ignored targets ("mean"), or nothing ("sum").
+struct Divisor {
+  Tensor tensor;
+  std::optional<double> number;
+  bool counted = false;  // tensor is the target count (0 when every token is ignored)
+
+  Divisor(const Tensor& total, const std::optional<Tensor>& num_items,
+          std::optional<double> divisor, c10::string_view reduction, const Tensor& target,
+          int64_t ignore_index) {
+    if (num_items.has_value() && num_items->defined()) {
+      tensor = in_dtype(*num_items, total.scalar_type());
+    } else if (divisor.has_value()) {
+      number = divisor;
+    } else if (reduction == "mean") {
+      tensor = target.ne(ignore_index).sum(total.scalar_type());
+      counted = true;
+    }
+  }
+
+  // `t` divided by it (NaN for "mean" when every token is ignored, as F.cross_entropy).
+  Tensor divide(const Tensor& t) const {
+    if (tensor.defined()) return t / tensor;
+    return number.has_value() ? t / *number : t;
+  }
+};
+
 // Below autograd: the loss only.
 Tensor lce_forward(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
                    const Tensor& target, const std::optional<Tensor>& num_items,
@@ -145,15 +172,8 @@ Tensor lce_forward(const Tensor& x, const Tensor& weight, const std::optional<Te
                           .loss;
   if (reduction == "none") return in_dtype(loss, x.scalar_type());
   const Tensor total = loss.sum();
-  Tensor out = total;
-  if (num_items.has_value() && num_items->defined()) {
-    out = total / in_dtype(*num_items, total.scalar_type());
-  } else if (divisor.has_value()) {
-    out = total / *divisor;
-  } else if (reduction == "mean") {
-    out = total / target.ne(ignore_index).sum(total.scalar_type());
-  }
-  return in_dtype(out, x.scalar_type());
+  const Divisor d(total, num_items, divisor, reduction, target, ignore_index);
+  return in_dtype(d.divide(total), x.scalar_type());
 }
 
 // The backward of one call; its inputs (next edges) are x, weight, bias.
@@ -172,8 +192,7 @@ struct LinearCrossEntropyBackward : public torch::autograd::Node {
   bool pending = false;
   Tensor grads[3];
   at::ScalarType dtypes[3] = {at::kFloat, at::kFloat, at::kFloat};
-  Tensor divisor_tensor;  // the loss's divisor: a tensor (num_items, the token count) ...
-  std::optional<double> divisor_number;  // ... or a number (or neither: "sum")
+  std::optional<Divisor> divisor;  // the loss's, the token count clamped to >= 1
 
   variable_list apply(variable_list&& grad_outputs) override {
     memkern::autograd::check_not_double_backward("linear cross-entropy");
@@ -203,11 +222,7 @@ struct LinearCrossEntropyBackward : public torch::autograd::Node {
     if (!grad_loss.defined()) return out;
     Tensor scale = grad_loss.reshape({}).to(
         c10::promoteTypes(grad_loss.scalar_type(), at::kFloat));
-    if (divisor_tensor.defined()) {
-      scale = scale / divisor_tensor;
-    } else if (divisor_number.has_value()) {
-      scale = scale / *divisor_number;
-    }
+    scale = divisor->divide(scale);
     for (int i = 0; i < 3; ++i) {
       if (!grads[i].defined()) continue;
       Tensor g = std::move(grads[i]);
@@ -224,7 +239,7 @@ struct LinearCrossEntropyBackward : public torch::autograd::Node {
     target.reset_data();
     std::lock_guard<std::mutex> lock(handover);
     for (Tensor& g : grads) g.reset();
-    divisor_tensor.reset();
+    divisor.reset();
   }
 
   std::string name() const override { return "memkern::LinearCrossEntropyBackward"; }
@@ -266,18 +281,10 @@ Tensor lce_autograd(const Tensor& x, const Tensor& weight, const std::optional<T
       Grads g = chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
                         need[0], need[1], need[2], softcap, std::nullopt);
       const Tensor total = g.loss.sum();
-      out = total;  // "sum"
-      if (num_items.has_value() && num_items->defined()) {
-        node->divisor_tensor = in_dtype(*num_items, total.scalar_type());
-        out = total / node->divisor_tensor;
-      } else if (divisor.has_value()) {
-        node->divisor_number = *divisor;
-        out = total / *divisor;
-      } else if (reduction == "mean") {
-        const Tensor count = target.ne(ignore_index).sum(total.scalar_type());
-        out = total / count;  // NaN when every token is ignored, as F.cross_entropy
-        node->divisor_tensor = count.clamp_min(1.0);  // ... whose gradient is then 0
-      }
+      Divisor d(total, num_items, divisor, reduction, target, ignore_index);
+      out = d.divide(total);
+      if (d.counted) d.tensor = d.tensor.clamp_min(1.0);  // all ignored: gradient 0, not NaN
+      node->divisor = std::move(d);
       const Tensor computed[3] = {g.dx, g.dw, g.db};
       const at::ScalarType dtypes[3] = {x.scalar_type(), weight.scalar_type(),
                                         b.defined() ? b.scalar_type() : weight.scalar_type()};
