@@ -10,7 +10,10 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
+
+#include "autograd/saved_input.h"
 
 #include <cmath>
 #include <initializer_list>
@@ -23,6 +26,59 @@ namespace {
 
 namespace py = pybind11;
 using OptTensor = std::optional<at::Tensor>;
+using autograd::NormRecipe;
+using autograd::WeakNormRecipe;
+
+// The Python type of WeakNormRecipe (memkern._C.NormRecipe), set when the module is made.
+PyTypeObject* norm_recipe_type = nullptr;
+
+// The attribute of a memkern norm's output that holds its recipe (_ATTR of
+// memkern/nn/functional/_saved.py).
+PyObject* recipe_attr() {
+  static PyObject* const name = PyUnicode_InternFromString("_memkern_recipe");
+  return name;
+}
+
+// obj.<name>, or a null object when obj has no such attribute. Every layer call asks its input
+// for a recipe and most inputs have none: this asks without raising (and clearing) an
+// AttributeError, through CPython's call for it, public only from 3.13 (the private name
+// before it is the same function).
+py::object optional_attr(py::handle obj, PyObject* name) {
+  PyObject* value = nullptr;
+#if PY_VERSION_HEX >= 0x030D0000
+  const int found = PyObject_GetOptionalAttr(obj.ptr(), name, &value);
+#else
+  const int found = _PyObject_LookupAttr(obj.ptr(), name, &value);
+#endif
+  if (found < 0) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(value);
+}
+
+// The tensor `obj` is, or null when it is not one (the Python path then raises torch's error).
+const at::Tensor* as_tensor(py::handle obj) {
+  return THPVariable_Check(obj.ptr()) ? &THPVariable_Unpack(obj.ptr()) : nullptr;
+}
+
+// What a GEMM layer saves of its input `x` (the Python object `x_obj`): the recipe a memkern
+// norm left on it while still valid (neither x nor the norm's tensors modified in place or
+// freed since), else an empty recipe (kNoNorm: x itself). nullopt when the norm ran on the
+// Python path (a forced backend): its recipe rebuilds through that path, so the layer's
+// Python Function takes the call too.
+std::optional<NormRecipe> input_recipe(py::handle x_obj, const at::Tensor& x) {
+  const py::object held = optional_attr(x_obj, recipe_attr());
+  if (!held) {
+    return NormRecipe{};
+  }
+  if (Py_TYPE(held.ptr()) != norm_recipe_type) {
+    return std::nullopt;
+  }
+  if (x._version() != 0) {
+    return NormRecipe{};
+  }
+  return held.cast<const WeakNormRecipe&>().lock().value_or(NormRecipe{});
+}
 
 bool one_dtype(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias) {
   return weight.scalar_type() == x.scalar_type() &&
@@ -48,18 +104,23 @@ bool gemm_layer_call(const at::Tensor& x,
   return !at::autocast::is_autocast_enabled(x.device().type());
 }
 
-// memkern.nn.functional.linear: memkern::linear, or torch's own linear when there is nothing
-// memkern does differently (no weight.grad to add into, no norm recipe, not transposed);
-// None for a call the Python path handles (mixed dtypes, autocast, mismatched shapes).
-OptTensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
-                 bool transposed, const OptTensor& norm_x, const OptTensor& norm_weight,
-                 const OptTensor& norm_bias, int64_t norm_kind, int64_t norm_dims,
-                 double norm_eps) {
-  if (!gemm_layer_call(x, {{&weight, &bias}}, transposed ? 0 : 1, /*min_dim=*/1)) {
+// memkern.nn.functional.linear: memkern::linear with x's norm recipe (input_recipe), or
+// torch's own linear when there is nothing memkern does differently (no weight.grad to add
+// into, no recipe, not transposed); None for a call the Python path handles (mixed dtypes,
+// autocast, mismatched shapes, a recipe of the Python path).
+OptTensor linear(py::handle x_obj, const at::Tensor& weight, const OptTensor& bias,
+                 bool transposed) {
+  const at::Tensor* x = as_tensor(x_obj);
+  if (x == nullptr ||
+      !gemm_layer_call(*x, {{&weight, &bias}}, transposed ? 0 : 1, /*min_dim=*/1)) {
     return std::nullopt;
   }
-  if (!norm_x.has_value() && !transposed && !weight.grad().defined()) {
-    return at::linear(x, weight, bias);
+  const std::optional<NormRecipe> recipe = input_recipe(x_obj, *x);
+  if (!recipe) {
+    return std::nullopt;
+  }
+  if (recipe->kind == autograd::kNoNorm && !transposed && !weight.grad().defined()) {
+    return at::linear(*x, weight, bias);
   }
   static const auto op =
       c10::Dispatcher::singleton()
@@ -67,18 +128,22 @@ OptTensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor&
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
                             const OptTensor&, const OptTensor&, const OptTensor&, int64_t,
                             int64_t, double)>();
-  return op.call(x, weight, bias, transposed, norm_x, norm_weight, norm_bias, norm_kind,
-                 norm_dims, norm_eps);
+  return op.call(*x, weight, bias, transposed, recipe->x, recipe->weight, recipe->bias,
+                 recipe->kind, recipe->dims, recipe->eps);
 }
 
-// memkern.nn.functional.mlp: memkern::mlp_layer, or None (see gemm_layer_call).
-OptTensor mlp(const at::Tensor& x, const at::Tensor& fc1_weight, const OptTensor& fc1_bias,
+// memkern.nn.functional.mlp: memkern::mlp_layer with x's norm recipe, or None (see
+// gemm_layer_call, input_recipe).
+OptTensor mlp(py::handle x_obj, const at::Tensor& fc1_weight, const OptTensor& fc1_bias,
               const at::Tensor& fc2_weight, const OptTensor& fc2_bias,
-              const std::string& activation, const std::string& recompute, bool transposed,
-              const OptTensor& norm_x, const OptTensor& norm_weight, const OptTensor& norm_bias,
-              int64_t norm_kind, int64_t norm_dims, double norm_eps) {
-  if (!gemm_layer_call(x, {{&fc1_weight, &fc1_bias}, {&fc2_weight, &fc2_bias}},
-                       transposed ? 0 : 1)) {
+              const std::string& activation, const std::string& recompute, bool transposed) {
+  const at::Tensor* x = as_tensor(x_obj);
+  if (x == nullptr || !gemm_layer_call(*x, {{&fc1_weight, &fc1_bias}, {&fc2_weight, &fc2_bias}},
+                                       transposed ? 0 : 1)) {
+    return std::nullopt;
+  }
+  const std::optional<NormRecipe> recipe = input_recipe(x_obj, *x);
+  if (!recipe) {
     return std::nullopt;
   }
   static const auto op =
@@ -88,19 +153,25 @@ OptTensor mlp(const at::Tensor& x, const at::Tensor& fc1_weight, const OptTensor
                             const at::Tensor&, const OptTensor&, c10::string_view,
                             c10::string_view, bool, const OptTensor&, const OptTensor&,
                             const OptTensor&, int64_t, int64_t, double)>();
-  return op.call(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recompute,
-                 transposed, norm_x, norm_weight, norm_bias, norm_kind, norm_dims, norm_eps);
+  return op.call(*x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recompute,
+                 transposed, recipe->x, recipe->weight, recipe->bias, recipe->kind,
+                 recipe->dims, recipe->eps);
 }
 
-// memkern.nn.functional.swiglu: memkern::swiglu_layer, or None (see gemm_layer_call).
-OptTensor swiglu(const at::Tensor& x, const at::Tensor& gate_weight, const OptTensor& gate_bias,
+// memkern.nn.functional.swiglu: memkern::swiglu_layer with x's norm recipe, or None (see
+// gemm_layer_call, input_recipe).
+OptTensor swiglu(py::handle x_obj, const at::Tensor& gate_weight, const OptTensor& gate_bias,
                  const at::Tensor& up_weight, const OptTensor& up_bias,
                  const at::Tensor& down_weight, const OptTensor& down_bias,
-                 const std::string& recompute, const OptTensor& norm_x,
-                 const OptTensor& norm_weight, const OptTensor& norm_bias, int64_t norm_kind,
-                 int64_t norm_dims, double norm_eps) {
-  if (!gemm_layer_call(x, {{&gate_weight, &gate_bias}, {&up_weight, &up_bias},
-                           {&down_weight, &down_bias}}, 1)) {
+                 const std::string& recompute) {
+  const at::Tensor* x = as_tensor(x_obj);
+  if (x == nullptr || !gemm_layer_call(*x, {{&gate_weight, &gate_bias},
+                                            {&up_weight, &up_bias},
+                                            {&down_weight, &down_bias}}, 1)) {
+    return std::nullopt;
+  }
+  const std::optional<NormRecipe> recipe = input_recipe(x_obj, *x);
+  if (!recipe) {
     return std::nullopt;
   }
   static const auto op =
@@ -110,19 +181,78 @@ OptTensor swiglu(const at::Tensor& x, const at::Tensor& gate_weight, const OptTe
                             const at::Tensor&, const OptTensor&, const at::Tensor&,
                             const OptTensor&, c10::string_view, const OptTensor&,
                             const OptTensor&, const OptTensor&, int64_t, int64_t, double)>();
-  return op.call(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
-                 recompute, norm_x, norm_weight, norm_bias, norm_kind, norm_dims, norm_eps);
+  return op.call(*x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
+                 recompute, recipe->x, recipe->weight, recipe->bias, recipe->kind, recipe->dims,
+                 recipe->eps);
 }
 
 // memkern.nn.functional's LayerNorm/RMSNorm on the C++ path: memkern::norm_layer.
-at::Tensor norm(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
-                int64_t n_norm, double eps, bool rms) {
+at::Tensor norm_layer(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                      int64_t n_norm, double eps, bool rms) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("memkern::norm_layer", "")
           .typed<at::Tensor(const at::Tensor&, const OptTensor&, const OptTensor&, int64_t,
                             double, bool)>();
   return op.call(x, weight, bias, n_norm, eps, rms);
+}
+
+bool shape_is(const OptTensor& t, at::IntArrayRef shape) {
+  return !t.has_value() || !t->defined() || t->sizes() == shape;
+}
+
+// Whether torch's native_layer_norm saves what memkern's op does (float32 statistics, never the
+// output): float32/float64 input, or 16-bit on CUDA, with parameters of its dtype (the rule of
+// _native_layer_norm_ok in memkern/nn/functional/norm.py, which serves the Python path).
+bool native_layer_norm_ok(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias) {
+  const at::ScalarType dtype = x.scalar_type();
+  const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
+  return (dtype == at::kFloat || dtype == at::kDouble || (x.is_cuda() && half)) &&
+         one_dtype(x, weight.value_or(x), bias);
+}
+
+// memkern.nn.functional.layer_norm / rms_norm in eager mode on the default backend: torch's
+// native_layer_norm where it saves what memkern's op does (native_layer_norm_ok), else
+// memkern::norm_layer; the output carries the norm's recipe (a WeakNormRecipe in its
+// _memkern_recipe attribute) when it requires grad, so its consumers save the norm's input
+// instead. None for a call the Python path handles: normalized_shape not a tuple, shapes that
+// do not match (the Python path raises), autocast.
+py::object norm(py::handle x_obj, py::handle normalized_shape, const OptTensor& weight,
+                const OptTensor& bias, double eps, bool rms) {
+  const at::Tensor* x = as_tensor(x_obj);
+  if (x == nullptr || !PyTuple_Check(normalized_shape.ptr())) {
+    return py::none();
+  }
+  const Py_ssize_t dims = PyTuple_GET_SIZE(normalized_shape.ptr());
+  if (dims > x->dim()) {
+    return py::none();
+  }
+  c10::SmallVector<int64_t, 4> shape;
+  for (Py_ssize_t i = 0; i < dims; ++i) {
+    PyObject* size = PyTuple_GET_ITEM(normalized_shape.ptr(), i);
+    shape.push_back(PyLong_Check(size) ? PyLong_AsLongLong(size) : -1);
+  }
+  if (PyErr_Occurred()) {
+    PyErr_Clear();  // a size beyond int64: the Python path reports the shape
+    return py::none();
+  }
+  if (x->sizes().slice(x->dim() - dims) != at::IntArrayRef(shape) || !shape_is(weight, shape) ||
+      !shape_is(bias, shape) || at::autocast::is_autocast_enabled(x->device().type())) {
+    return py::none();
+  }
+  const bool native = !rms && native_layer_norm_ok(*x, weight, bias);
+  at::Tensor y = native ? std::get<0>(at::native_layer_norm(*x, shape, weight, bias, eps))
+                        : norm_layer(*x, weight, bias, dims, eps, rms);
+  py::object out = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(y)));
+  if (THPVariable_Unpack(out.ptr()).requires_grad() && at::GradMode::is_enabled()) {
+    const int64_t kind = native ? autograd::kNativeLayerNorm
+                                : rms ? autograd::kRmsNorm : autograd::kLayerNorm;
+    const py::object recipe = py::cast(WeakNormRecipe(*x, weight, bias, kind, dims, eps));
+    if (PyObject_SetAttr(out.ptr(), recipe_attr(), recipe.ptr()) < 0) {
+      throw py::error_already_set();
+    }
+  }
+  return out;
 }
 
 // memkern.nn.functional.dropout with a drawn seed: memkern::dropout_layer.
@@ -171,37 +301,61 @@ OptTensor linear_cross_entropy(const at::Tensor& input, const at::Tensor& weight
   return reduction == "none" ? loss.view(target.sizes()) : loss;
 }
 
-// m.def of a GEMM layer's entry whose last arguments are the norm_* ones of
-// memkern/ops/_norm_recipe.py (absent: no recipe).
-template <typename Fn, typename... Args>
-void def_with_recipe(py::module_& m, const char* name, Fn fn, const char* doc, Args... args) {
-  m.def(name, fn, args..., py::arg("norm_x") = py::none(), py::arg("norm_weight") = py::none(),
-        py::arg("norm_bias") = py::none(), py::arg("norm_kind") = 0, py::arg("norm_dims") = 0,
-        py::arg("norm_eps") = 0.0, doc);
-}
-
 }  // namespace
 
 void add_layer_entries(py::module_& m) {
-  def_with_recipe(m, "linear", &linear,
-                  "memkern.nn.functional.linear's eager call: memkern::linear (or torch's "
-                  "linear), or None when the Python path must take the call.",
-                  py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("transposed"));
-  def_with_recipe(m, "mlp_layer", &mlp,
-                  "memkern.nn.functional.mlp's eager call: memkern::mlp_layer, or None when "
-                  "the Python path must take the call.",
-                  py::arg("x"), py::arg("fc1_weight"), py::arg("fc1_bias"),
-                  py::arg("fc2_weight"), py::arg("fc2_bias"), py::arg("activation"),
-                  py::arg("recompute"), py::arg("transposed"));
-  def_with_recipe(m, "swiglu_layer", &swiglu,
-                  "memkern.nn.functional.swiglu's eager call: memkern::swiglu_layer, or None "
-                  "when the Python path must take the call.",
-                  py::arg("x"), py::arg("gate_weight"), py::arg("gate_bias"),
-                  py::arg("up_weight"), py::arg("up_bias"), py::arg("down_weight"),
-                  py::arg("down_bias"), py::arg("recompute"));
-  m.def("norm_layer", &norm, py::arg("x"), py::arg("weight"), py::arg("bias"),
+  auto recipe_class =
+      py::class_<WeakNormRecipe>(
+          m, "NormRecipe",
+          "How to rebuild a memkern norm's output (its _memkern_recipe attribute, left by "
+          "memkern._C.norm): weak references to the norm's input and parameters and their "
+          "versions at the call, which norm, over how many trailing dimensions, with which eps.")
+          .def(
+              "tensors",
+              [](const WeakNormRecipe& recipe) -> std::optional<std::vector<OptTensor>> {
+                std::optional<NormRecipe> held = recipe.lock();
+                if (!held) {
+                  return std::nullopt;
+                }
+                return std::vector<OptTensor>{held->x, held->weight, held->bias};
+              },
+              "[x, weight, bias] (None for an absent one) while none was freed or modified in "
+              "place since the norm's call; None otherwise.")
+          .def(
+              "rebuild",
+              [](const WeakNormRecipe& recipe, const at::Tensor& x, const OptTensor& weight,
+                 const OptTensor& bias) {
+                return autograd::rebuild_norm_output(x, weight.value_or(at::Tensor()),
+                                                     bias.value_or(at::Tensor()), recipe.kind(),
+                                                     recipe.dims(), recipe.eps());
+              },
+              py::arg("x"), py::arg("weight"), py::arg("bias"),
+              "The norm's output from these tensors, by the op the norm ran, without a graph.")
+          .def_property_readonly("kind", &WeakNormRecipe::kind)
+          .def_property_readonly("dims", &WeakNormRecipe::dims)
+          .def_property_readonly("eps", &WeakNormRecipe::eps);
+  norm_recipe_type = reinterpret_cast<PyTypeObject*>(recipe_class.ptr());
+  m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("transposed"),
+        "memkern.nn.functional.linear's eager call: memkern::linear with x's norm recipe (or "
+        "torch's linear), or None when the Python path must take the call.");
+  m.def("mlp_layer", &mlp, py::arg("x"), py::arg("fc1_weight"), py::arg("fc1_bias"),
+        py::arg("fc2_weight"), py::arg("fc2_bias"), py::arg("activation"), py::arg("recompute"),
+        py::arg("transposed"),
+        "memkern.nn.functional.mlp's eager call: memkern::mlp_layer with x's norm recipe, or "
+        "None when the Python path must take the call.");
+  m.def("swiglu_layer", &swiglu, py::arg("x"), py::arg("gate_weight"), py::arg("gate_bias"),
+        py::arg("up_weight"), py::arg("up_bias"), py::arg("down_weight"), py::arg("down_bias"),
+        py::arg("recompute"),
+        "memkern.nn.functional.swiglu's eager call: memkern::swiglu_layer with x's norm "
+        "recipe, or None when the Python path must take the call.");
+  m.def("norm", &norm, py::arg("x"), py::arg("normalized_shape"), py::arg("weight"),
+        py::arg("bias"), py::arg("eps"), py::arg("rms"),
+        "memkern.nn.functional.layer_norm / rms_norm's eager call on the default backend, its "
+        "output carrying the norm's recipe, or None when the Python path must take the call.");
+  m.def("norm_layer", &norm_layer, py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("n_norm"), py::arg("eps"), py::arg("rms"),
-        "The norms' eager call on the C++ path: memkern::norm_layer.");
+        "The norms' autograd on the C++ path: memkern::norm_layer.");
   m.def("dropout_layer", &dropout, py::arg("x"), py::arg("p"),
         "memkern.nn.functional.dropout's eager call with a drawn seed: memkern::dropout_layer.");
   m.def("linear_cross_entropy", &linear_cross_entropy, py::arg("input"), py::arg("weight"),

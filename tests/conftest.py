@@ -52,7 +52,7 @@ def cpu_backends() -> list[str]:
 # memkern.nn.functional module that routes them and what that module reads to choose: the op's
 # direct entry point (None without the extension), or the extension's build info.
 _CPP_AUTOGRAD_ROUTES = {"linear": ("linear_entry",), "dropout": ("dropout_layer_entry",),
-                        "norm": ("norm_layer_entry",), "mlp": ("mlp_layer_entry",),
+                        "norm": ("norm_entry", "norm_layer_entry"), "mlp": ("mlp_layer_entry",),
                         "swiglu": ("swiglu_layer_entry",),
                         "linear_cross_entropy": ("compiled", "linear_cross_entropy_entry")}
 
@@ -65,7 +65,7 @@ def use_python_autograd(monkeypatch) -> None:
     from memkern._extension import compiled
     without_extension = {"compiled": dataclasses.replace(compiled, has_cpu=False),
                          "linear_entry": None, "dropout_layer_entry": None,
-                         "norm_layer_entry": None, "mlp_layer_entry": None,
+                         "norm_entry": None, "norm_layer_entry": None, "mlp_layer_entry": None,
                          "swiglu_layer_entry": None, "linear_cross_entropy_entry": None}
     for name, switches in _CPP_AUTOGRAD_ROUTES.items():  # the modules, not the functions
         for switch in switches:

@@ -702,6 +702,44 @@ def test_cpp_and_python_autograd_are_bit_identical_after_a_norm(norm, layer, dty
         assert torch.equal(a, b), f"result {i}"
 
 
+@pytest.mark.skipif(not mk.compiled.has_cpu, reason="the compiled extension is not built")
+@pytest.mark.parametrize("layer", ["linear", "mlp-activation", "swiglu-full"])
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm_2d"])
+def test_recipe_crosses_between_the_cpp_and_python_paths(norm, layer, monkeypatch):
+    """A norm on the C++ path leaves a C++ recipe; a layer that runs its Python Function
+    (here: under autocast, in the input's dtype) saves and rebuilds through it. A norm on the Python path (a forced
+    backend) leaves a Python recipe; the layer's C++ entry hands that call to the Python
+    Function. Either way the layer saves the norm's input, not its output, and every result is
+    what the all-Python run gives, bit for bit."""
+    seed = int(torch.randint(0, 2**31, ()))
+
+    def run(norm_backend):
+        torch.manual_seed(seed)
+        x = torch.randn(4, 3, 13).to(torch.bfloat16).requires_grad_()
+        norm_fn, _, norm_params = _norm_case(norm, 13, torch.bfloat16)
+        fn, _, params, function = _layer_case(layer, 13, torch.bfloat16)
+        if norm_backend is None:
+            y = norm_fn(x, *norm_params)
+        else:
+            with mk.ops.force(norm_backend):
+                y = norm_fn(x, *norm_params)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=norm_backend is None):
+            out, saved = _saved_storages(fn, y, *params)
+        assert not runs_cpp_autograd(out.grad_fn) and function in out.grad_fn.name()
+        assert y.untyped_storage().data_ptr() not in saved, "the normalised output was saved"
+        assert x.untyped_storage().data_ptr() in saved
+        out.backward(torch.randn(out.shape).to(out.dtype))
+        return [out, *(t.grad for t in (x, *norm_params, *params))]
+
+    cpp_recipe_under_autocast = run(None)
+    python_recipe = run("reference")
+    use_python_autograd(monkeypatch)
+    for i, (a, b) in enumerate(zip(cpp_recipe_under_autocast, run(None))):
+        assert torch.equal(a, b), f"result {i}"
+    for i, (a, b) in enumerate(zip(python_recipe, run("reference"))):
+        assert torch.equal(a, b), f"result {i}"
+
+
 _STALE_LAYERS = ["linear", "mlp-activation", "mlp-full-transposed", "swiglu-full"]
 
 

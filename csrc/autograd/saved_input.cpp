@@ -17,10 +17,24 @@ std::optional<at::Tensor> flat(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t.reshape({-1})) : std::nullopt;
 }
 
+// Whether `input` is saved through `recipe` (checked: the arguments come from Python).
+bool uses_recipe(const at::Tensor& input, const NormRecipe& recipe) {
+  if (!input.defined() || recipe.kind == kNoNorm) {
+    return false;
+  }
+  TORCH_CHECK(recipe.kind >= kNativeLayerNorm && recipe.kind <= kRmsNorm && recipe.x.has_value() &&
+                  recipe.x->defined() && recipe.dims >= 0 && recipe.dims <= recipe.x->dim(),
+              "memkern: invalid norm recipe (norm_kind=", recipe.kind, ", norm_dims=",
+              recipe.dims, "); pass no norm_* arguments, or those of a memkern norm's output");
+  return true;
+}
+
+}  // namespace
+
 // What memkern/nn/functional/norm.py's rebuild closures compute (_native_layer_norm,
 // _recompute), through the same ops.
-at::Tensor rebuild(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                   int64_t kind, int64_t dims, double eps) {
+at::Tensor rebuild_norm_output(const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& bias, int64_t kind, int64_t dims, double eps) {
   at::NoGradGuard no_grad;
   const at::IntArrayRef normalized = x.sizes().slice(x.dim() - dims);
   if (kind == kNativeLayerNorm) {
@@ -42,20 +56,47 @@ at::Tensor rebuild(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   return y.view(x.sizes());
 }
 
-// Whether `input` is saved through `recipe` (checked: the arguments come from Python).
-bool uses_recipe(const at::Tensor& input, const NormRecipe& recipe) {
-  if (!input.defined() || recipe.kind == kNoNorm) {
-    return false;
+WeakNormRecipe::WeakNormRecipe(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& bias, int64_t kind,
+                               int64_t dims, double eps)
+    : x_(ref(x)),
+      weight_(ref(weight.value_or(at::Tensor()))),
+      bias_(ref(bias.value_or(at::Tensor()))),
+      kind_(kind),
+      dims_(dims),
+      eps_(eps) {}
+
+WeakNormRecipe::Ref WeakNormRecipe::ref(const at::Tensor& t) {
+  if (!t.defined()) {
+    return {};
   }
-  TORCH_CHECK(recipe.kind >= kNativeLayerNorm && recipe.kind <= kRmsNorm && recipe.x.has_value() &&
-                  recipe.x->defined() && recipe.dims >= 0 && recipe.dims <= recipe.x->dim(),
-              "memkern: invalid norm recipe (norm_kind=", recipe.kind, ", norm_dims=",
-              recipe.dims,
-              "); pass the norm_* arguments that memkern.nn.functional._saved.recipe_args gives");
-  return true;
+  return {c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()),
+          t._version()};
 }
 
-}  // namespace
+std::optional<at::Tensor> WeakNormRecipe::lock(const Ref& ref) {
+  if (!ref.impl) {
+    return at::Tensor();
+  }
+  at::Tensor t(ref.impl->lock());
+  if (!t.defined() || t._version() != ref.version) {
+    return std::nullopt;
+  }
+  return t;
+}
+
+std::optional<NormRecipe> WeakNormRecipe::lock() const {
+  auto x = lock(x_);
+  auto weight = lock(weight_);
+  auto bias = lock(bias_);
+  if (!x || !weight || !bias) {
+    return std::nullopt;
+  }
+  const auto present = [](at::Tensor& t) {
+    return t.defined() ? std::optional<at::Tensor>(std::move(t)) : std::nullopt;
+  };
+  return NormRecipe{std::move(*x), present(*weight), present(*bias), kind_, dims_, eps_};
+}
 
 void save_input(torch::autograd::AutogradContext* ctx, std::vector<at::Tensor>& to_save,
                 const at::Tensor& input, const NormRecipe& recipe) {
@@ -76,7 +117,7 @@ at::Tensor load_input(torch::autograd::AutogradContext* ctx,
   if (kind == ctx->saved_data.end()) {
     return saved[0];
   }
-  return rebuild(saved[0], saved[1], saved[2], kind->second.toInt(),
+  return rebuild_norm_output(saved[0], saved[1], saved[2], kind->second.toInt(),
                  ctx->saved_data[kDimsKey].toInt(), ctx->saved_data[kEpsKey].toDouble());
 }
 
@@ -98,7 +139,7 @@ at::Tensor SavedInput::load() const {
   if (kind_ == kNoNorm) {
     return x_.unpack();
   }
-  return rebuild(x_.unpack(), weight_.unpack(), bias_.unpack(), kind_, dims_, eps_);
+  return rebuild_norm_output(x_.unpack(), weight_.unpack(), bias_.unpack(), kind_, dims_, eps_);
 }
 
 void SavedInput::release() {

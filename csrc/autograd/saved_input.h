@@ -2,12 +2,13 @@
 // the tensor itself, or — when it is a memkern norm's output — the norm's *recipe*: its input
 // and parameters (storage the norm saved anyway) plus which norm, how many trailing dimensions
 // it normalises and its eps, from which backward rebuilds the output bit for bit. This is the
-// C++ side of memkern/nn/functional/_saved.py: the Python caller checks that the recipe is
-// still valid (no tensor freed or modified in place since) and passes it as the ops'
-// norm_* arguments (memkern/ops/_norm_recipe.py), or none.
+// C++ side of memkern/nn/functional/_saved.py: the layer ops take it as their norm_* arguments
+// (memkern/ops/_norm_recipe.py); in eager mode the layers' entry points (python_entries.cpp)
+// find it on the input, as the WeakNormRecipe the norm left there, and check it is still valid.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
@@ -31,6 +32,42 @@ struct NormRecipe {
   int64_t kind = kNoNorm;
   int64_t dims = 0;  // normalised trailing dimensions of x
   double eps = 0.0;
+};
+
+// The norm's output rebuilt from its tensors (without building a graph) by the op the norm ran:
+// at::native_layer_norm, or memkern::norm_forward over the flattened trailing dimensions.
+at::Tensor rebuild_norm_output(const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& bias, int64_t kind, int64_t dims, double eps);
+
+// A norm output's recipe as the norm leaves it for its consumers (the C++ side of
+// memkern/nn/functional/_saved.py's _Recipe; python_entries.cpp attaches it to the output):
+// weak references to the norm's tensors, which never keep them alive, and their version
+// counters at the norm's call.
+class WeakNormRecipe {
+ public:
+  WeakNormRecipe(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                 const std::optional<at::Tensor>& bias, int64_t kind, int64_t dims, double eps);
+  // The recipe while none of the norm's tensors was freed or modified in place since; nullopt
+  // otherwise. (The output itself must be unmodified too: the consumer checks that.)
+  std::optional<NormRecipe> lock() const;
+  int64_t kind() const { return kind_; }
+  int64_t dims() const { return dims_; }
+  double eps() const { return eps_; }
+
+ private:
+  struct Ref {
+    // nullopt for an absent tensor (weak_intrusive_ptr has no empty state)
+    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> impl;
+    int64_t version = 0;
+  };
+  static Ref ref(const at::Tensor& t);
+  // The tensor while alive and unmodified, else nullopt; an absent one is an undefined tensor.
+  static std::optional<at::Tensor> lock(const Ref& ref);
+
+  Ref x_, weight_, bias_;
+  int64_t kind_;
+  int64_t dims_;
+  double eps_;
 };
 
 // Number of save_for_backward slots the saved input takes (first, in every layer).

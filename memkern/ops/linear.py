@@ -30,8 +30,10 @@ def _fake(x, weight, bias, transposed, *norm_recipe):
 
 linear = torch.ops.memkern.linear.default
 
-# The op's eager entry point from Python (csrc/python_entries.cpp): the same arguments, the call
-# through a typed dispatcher handle instead of the boxed torch.ops path. It returns
+# The op's eager entry point from Python (csrc/python_entries.cpp): the same arguments but the
+# norm_* ones, which it takes from the recipe a memkern norm left on x
+# (memkern.nn.functional._saved), the call through a typed dispatcher handle instead of the
+# boxed torch.ops path. It returns
 # torch.nn.functional.linear's result when there is no W.grad, no recipe and no transpose, and
 # None when the op does not serve the call (mixed dtypes, autocast, a shape mismatch).
 linear_entry = eager_entry("linear")

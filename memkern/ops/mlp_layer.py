@@ -38,5 +38,6 @@ def _fake(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recompute, 
 mlp_layer = torch.ops.memkern.mlp_layer.default
 
 # The eager entry point of memkern.nn.functional.mlp (:func:`memkern.ops._registry.eager_entry`): the
-# op's arguments; None when the op does not serve the call.
+# op's arguments but the norm_* ones, which it takes from x's recipe; None when the op does not
+# serve the call.
 mlp_layer_entry = eager_entry("mlp_layer")

@@ -29,6 +29,10 @@ def _fake(x, weight, bias, n_norm, eps, rms):
 
 norm_layer = torch.ops.memkern.norm_layer.default
 
-# The eager entry point of the norms (:func:`memkern.ops._registry.eager_entry`), with the
-# op's arguments.
+# The eager entry points of the norms (:func:`memkern.ops._registry.eager_entry`): the op's,
+# with its arguments; and memkern.nn.functional's whole norm call, ``norm_entry(x,
+# normalized_shape, weight, bias, eps, rms)``: torch's native_layer_norm where it saves what
+# this op does, else this op, its output carrying the norm's recipe
+# (:mod:`memkern.nn.functional._saved`); None when the Python path must take the call.
 norm_layer_entry = eager_entry("norm_layer")
+norm_entry = eager_entry("norm")

@@ -36,5 +36,6 @@ def _fake(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
 swiglu_layer = torch.ops.memkern.swiglu_layer.default
 
 # The eager entry point of memkern.nn.functional.swiglu (:func:`memkern.ops._registry.eager_entry`): the
-# op's arguments; None when the op does not serve the call.
+# op's arguments but the norm_* ones, which it takes from x's recipe; None when the op does not
+# serve the call.
 swiglu_layer_entry = eager_entry("swiglu_layer")

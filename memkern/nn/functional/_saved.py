@@ -11,12 +11,13 @@ The recipe holds only weak references (it never keeps a tensor alive) and the te
 counters; if anything was freed or modified in place since, the consumer saves the output
 itself, as it would without this mechanism.
 
-A recipe is data as well as a Python closure: which norm (``norm_kind``, one of
-:mod:`memkern.ops._norm_recipe`'s kinds), over how many trailing dimensions, with which eps. The
-Python Functions rebuild through the closure; the layers with C++ autograd
-(``memkern::linear``, ``memkern::mlp_layer``, ``memkern::swiglu_layer``) receive the data as
-their ``norm_*`` arguments (:func:`recipe_args`) and rebuild through the same op
-(csrc/autograd/saved_input.h).
+A recipe says which norm (``kind``, one of :mod:`memkern.ops._norm_recipe`'s kinds), over how
+many trailing dimensions, with which eps, and ``rebuild(x, weight, bias)`` runs it. A norm on
+the C++ path (the extension built, the default backend) leaves a ``memkern._C.NormRecipe``,
+which the layers' C++ entry points (csrc/python_entries.cpp) read and pass to their ops as the
+``norm_*`` arguments (csrc/autograd/saved_input.h); a norm on the Python path leaves a
+:class:`_Recipe`, which sends its consumers to their Python Functions. Both have the methods
+:class:`Saver` uses.
 
 Under ``torch.compile`` tensors carry no Python attributes, and the compiler merges a
 backward's recomputation with the forward op it repeats (then keeps that op's output). There
@@ -34,18 +35,18 @@ import torch
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
-_ATTR = "_memkern_recipe"
+_ATTR = "_memkern_recipe"  # also set and read by csrc/python_entries.cpp (recipe_attr)
 
 
 class _Recipe:
     """How to rebuild a norm's output (a plain class with slots: one is made per norm call, and
     a dataclass's construction costs several times as much host time)."""
 
-    __slots__ = ("fn", "refs", "versions", "kind", "dims", "eps")
+    __slots__ = ("rebuild", "refs", "versions", "kind", "dims", "eps")
 
-    def __init__(self, fn: Callable[..., torch.Tensor], refs: tuple, versions: tuple, kind: int,
-                 dims: int, eps: float) -> None:
-        self.fn = fn
+    def __init__(self, rebuild: Callable[..., torch.Tensor], refs: tuple, versions: tuple,
+                 kind: int, dims: int, eps: float) -> None:
+        self.rebuild = rebuild  # rebuild(x, weight, bias) -> the norm's output
         self.refs = refs  # weak references to the norm's (x, weight, bias); None for an absent one
         self.versions = versions  # their version counters at the norm's call
         self.kind = kind  # memkern.ops._norm_recipe: NATIVE_LAYER_NORM, LAYER_NORM or RMS_NORM
@@ -65,11 +66,11 @@ class _Recipe:
         return out
 
 
-def mark_recomputable(out: torch.Tensor, fn: Callable[..., torch.Tensor],
+def mark_recomputable(out: torch.Tensor, rebuild: Callable[..., torch.Tensor],
                       tensors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None], *,
                       kind: int, dims: int, eps: float) -> None:
-    """Record that ``out == fn(x, weight, bias)`` (bit for bit) for the consumers of ``out``,
-    ``fn`` being the norm ``kind`` (:mod:`memkern.ops._norm_recipe`) over the last ``dims``
+    """Record that ``out == rebuild(x, weight, bias)`` (bit for bit) for the consumers of
+    ``out``, ``rebuild`` being the norm ``kind`` (:mod:`memkern.ops._norm_recipe`) over the last ``dims``
     dimensions of ``x`` with ``eps``."""
     if torch.compiler.is_compiling() or not isinstance(out, torch.Tensor):
         return
@@ -78,7 +79,7 @@ def mark_recomputable(out: torch.Tensor, fn: Callable[..., torch.Tensor],
             None if bias is None else weakref.ref(bias))
     versions = (x._version, None if weight is None else weight._version,
                 None if bias is None else bias._version)
-    setattr(out, _ATTR, _Recipe(fn, refs, versions, kind, dims, eps))
+    setattr(out, _ATTR, _Recipe(rebuild, refs, versions, kind, dims, eps))
 
 
 def has_recipe(t: torch.Tensor) -> bool:
@@ -96,16 +97,6 @@ def _valid_tensors(t: torch.Tensor) -> tuple[_Recipe, list] | tuple[None, None]:
     return recipe, tensors
 
 
-def recipe_args(t: torch.Tensor) -> tuple:
-    """The ``norm_*`` arguments (:mod:`memkern.ops._norm_recipe`) that make a C++ autograd layer
-    save ``t``'s recipe instead of ``t``: ``(x, weight, bias, kind, dims, eps)``, or ``()``
-    when ``t`` has no valid recipe (the layer then saves ``t``, as :class:`Saver` would)."""
-    recipe, tensors = _valid_tensors(t)
-    if recipe is None:
-        return ()
-    return (*tensors, recipe.kind, recipe.dims, recipe.eps)
-
-
 class Saver:
     """Collects what one Function saves; ``add`` returns the slot to read back in backward."""
 
@@ -118,7 +109,7 @@ class Saver:
         if recompute and t is not None and not torch.compiler.is_compiling():
             recipe, tensors = _valid_tensors(t)
         if recipe is not None:
-            self._layout.append(("recipe", recipe.fn, len(self._tensors), len(tensors)))
+            self._layout.append(("recipe", recipe.rebuild, len(self._tensors), len(tensors)))
             self._tensors.extend(tensors)
         else:
             self._layout.append(("plain", len(self._tensors)))
@@ -138,9 +129,9 @@ def load(ctx) -> list[torch.Tensor | None]:
         if entry[0] == "plain":
             out.append(saved[entry[1]])
         else:
-            _, fn, start, count = entry
+            _, rebuild, start, count = entry
             with torch.no_grad():
-                out.append(fn(*saved[start:start + count]))
+                out.append(rebuild(*saved[start:start + count]))
     return out
 
 

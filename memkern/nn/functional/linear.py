@@ -12,9 +12,9 @@ Host time per call: with one dtype and no autocast the call runs with C++ autogr
 the op's direct entry point (:data:`memkern.ops.linear.linear_entry`) — as ``F.linear`` when
 there is no ``weight.grad`` yet and the input is not a norm's recomputable output (memkern's
 Linear then saves and computes exactly what torch's does), else as the ``memkern::linear`` op
-(:mod:`memkern.ops.linear`, this algorithm in C++, the input's recipe passed along) when the
-extension is built. The Python Function below serves the rest (autocast, mixed dtypes,
-``torch.compile``, no extension, a recomputable input under a forced backend).
+(:mod:`memkern.ops.linear`, this algorithm in C++, with the recipe the entry finds on the
+input) when the extension is built. The Python Function below serves the rest (autocast, mixed
+dtypes, ``torch.compile``, no extension, the output of a norm that ran on the Python path).
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from memkern import backend
 from memkern.nn.functional import _common, _grad, _saved
 from memkern.ops.linear import linear_entry
 
@@ -78,12 +77,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)`` (``x @ weight + bias`` with ``transposed=True``), saving
     only the input for backward and accumulating the weight gradient into ``weight.grad``."""
     if linear_entry is not None and not torch.compiler.is_compiling():
-        recipe = _saved.recipe_args(x)
-        # a recipe of a memkern norm is rebuilt by the op the default backend runs
-        if not recipe or backend.requested() is None:
-            out = linear_entry(x, weight, bias, transposed, *recipe)
-            if out is not None:
-                return out
+        out = linear_entry(x, weight, bias, transposed)
+        if out is not None:
+            return out
     in_features = weight.shape[0] if transposed else weight.shape[-1]
     if x.shape[-1:] != (in_features,):
         raise ValueError(

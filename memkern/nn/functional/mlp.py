@@ -111,7 +111,7 @@ def mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None
     if (mlp_layer_entry is not None and backend.requested() is None
             and not torch.compiler.is_compiling()):
         out = mlp_layer_entry(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation,
-                              recompute, transposed, *_saved.recipe_args(x))
+                              recompute, transposed)
         if out is not None:
             return out
     in_features = fc1_weight.shape[0] if transposed else fc1_weight.shape[1]

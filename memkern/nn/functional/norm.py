@@ -10,6 +10,11 @@ same thing — float32 statistics, never the output: float32/float64 inputs, and
 on CUDA — since that is the cheapest path on the host and on the device; it keeps the
 ``memkern::norm_*`` ops for 16-bit inputs on the CPU (where torch's statistics would be 16-bit)
 and for RMSNorm (torch has no fused RMSNorm autograd on every device).
+
+Host time per call: in eager mode on the default backend the whole call — checks, the choice
+above, the recipe — is one C++ entry (:data:`memkern.ops.norm_layer.norm_entry`); the Python
+code below serves the rest (autocast, a forced backend, ``torch.compile``, no extension) and
+raises the errors.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from torch.autograd.function import once_differentiable
 from memkern import backend, ops
 from memkern.nn.functional import _saved
 from memkern.ops import _norm_recipe
-from memkern.ops.norm_layer import norm_layer_entry
+from memkern.ops.norm_layer import norm_entry, norm_layer_entry
 
 
 def _flat(x: torch.Tensor, n_norm: int) -> torch.Tensor:
@@ -69,7 +74,8 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def _native_layer_norm_ok(x: torch.Tensor, weight, bias) -> bool:
-    """Whether torch's ``native_layer_norm`` saves exactly what the memkern op does."""
+    """Whether torch's ``native_layer_norm`` saves exactly what the memkern op does (the rule of
+    ``native_layer_norm_ok`` in csrc/python_entries.cpp, which serves the C++ path)."""
     if not (x.dtype in (torch.float32, torch.float64) or (x.is_cuda and x.dtype in _HALF)):
         return False
     return ((weight is None or weight.dtype == x.dtype)
@@ -94,6 +100,11 @@ def _recompute(n_norm: int, eps: float, rms: bool):
 
 
 def _norm(x, normalized_shape, weight, bias, eps, rms, name):
+    if (norm_entry is not None and not torch.compiler.is_compiling()
+            and backend.requested() is None):
+        y = norm_entry(x, normalized_shape, weight, bias, eps, rms)  # _norm_saving_input in C++
+        if y is not None:
+            return y
     # The modules pass a tuple: the common case costs no conversion (torch.Size == tuple).
     shape = (normalized_shape if type(normalized_shape) is tuple
              else tuple(normalized_shape) if isinstance(normalized_shape, Sequence)

@@ -100,7 +100,7 @@ def swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
     if (swiglu_layer_entry is not None and backend.requested() is None
             and not torch.compiler.is_compiling()):
         out = swiglu_layer_entry(x, gate_weight, gate_bias, up_weight, up_bias, down_weight,
-                                 down_bias, recompute, *_saved.recipe_args(x))
+                                 down_bias, recompute)
         if out is not None:
             return out
     if x.shape[-1:] != gate_weight.shape[1:]:
