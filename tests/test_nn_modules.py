@@ -217,6 +217,31 @@ def test_linear_tensor_hooks_see_the_real_gradient(layer_autograd):
     assert rel_err(m.weight.grad, 2 * g.t() @ x) < 1e-6
 
 
+@pytest.mark.parametrize("hook", ["node_post", "node_pre", "post_accumulate", "none"])
+def test_accumulate_grad_node_runs_while_watched(hook, layer_autograd):
+    """Gradient added into an existing .grad in place: whatever watches the weight's
+    AccumulateGrad node (a hook on it — DDP's reducer adds one — or a post-accumulate hook)
+    still sees it run once per backward, a node hook with a gradient tensor (a zero: the
+    real one is in .grad already); with nothing watching, the node may be passed over.
+    .grad is right either way."""
+    m = mk.nn.Linear(13, 7)
+    m.weight.grad = torch.randn(7, 13)
+    before = m.weight.grad.clone()
+    node = torch.autograd.graph.get_gradient_edge(m.weight).node
+    fired = []
+    if hook == "node_post":
+        node.register_hook(lambda grad_inputs, grad_outputs: fired.append(grad_outputs[0]))
+    elif hook == "node_pre":
+        node.register_prehook(lambda grad_outputs: fired.append(grad_outputs[0]))
+    elif hook == "post_accumulate":
+        m.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad))
+    x, g = torch.randn(5, 13), torch.randn(5, 7)
+    m(x).backward(g)
+    assert len(fired) == (hook != "none")
+    assert all(isinstance(t, torch.Tensor) for t in fired)
+    assert rel_err(m.weight.grad, before + g.t() @ x) < 1e-6
+
+
 def test_linear_under_autocast_matches_torch(layer_autograd):
     ref, m = nn.Linear(13, 11), mk.nn.Linear(13, 11)
     m.load_state_dict(ref.state_dict())

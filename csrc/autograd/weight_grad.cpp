@@ -55,6 +55,15 @@ at::Tensor accumulable_grad(const at::Tensor& weight, const at::Tensor& like) {
   return grad;
 }
 
+// Whether anything watches the weight's AccumulateGrad node run: a hook on the node (pre or
+// post: DDP's reducer adds one) or one run after accumulation
+// (register_post_accumulate_grad_hook: memkern's GradBuffer and ShardedOptimizer, FSDP).
+bool accumulation_watched(const at::Tensor& weight) {
+  auto node = torch::autograd::impl::try_get_grad_accumulator(weight);
+  return torch::autograd::impl::post_acc_grad_hooks(weight) != nullptr ||
+         (node && (!node->pre_hooks().empty() || !node->post_hooks().empty()));
+}
+
 // One read-only zero per dtype and device: a fresh one would be a fill launch per call.
 // Never freed (a static destructor could run after the CUDA context is gone).
 const at::Tensor& cached_zero(const at::TensorOptions& options) {
@@ -79,6 +88,9 @@ at::Tensor weight_grad(const at::Tensor& weight, const at::Tensor& a, const at::
     return at::mm(a, b);
   }
   grad.addmm_(a, b);
+  if (!accumulation_watched(weight)) {
+    return {};  // the engine skips the node: no `grad += 0` pass over the gradient
+  }
   return cached_zero(grad.options()).expand(grad.sizes());
 }
 

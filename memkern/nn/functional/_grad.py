@@ -6,7 +6,10 @@ a ``.grad`` — a view into one flat buffer — the backward runs ``weight.grad.
 zero-stride expanded zero as the weight's gradient, so the engine still runs the weight's
 ``AccumulateGrad`` node — in place, ``grad += 0`` allocates nothing — and everything that
 listens for the gradient being ready (``register_post_accumulate_grad_hook``, DDP/front-end
-hooks on the node) fires exactly as before.
+hooks on the node) fires exactly as before. (The layers' C++ autograd, csrc/autograd/
+weight_grad.h, returns no gradient at all when no hook watches the node, sparing the engine's
+``grad += 0`` pass over the gradient; Python has no way to list a node's hooks, so this path
+always returns the zero.)
 
 This is only done when it gives exactly what autograd would: ``.grad`` exists, is a dense
 contiguous tensor of the weight's shape and of the GEMM's dtype and device, does not require
