@@ -106,14 +106,17 @@ class _TorchSwiGLU(nn.Module):
 
 def per_call_seconds(fns: list[Callable], *, reps: int, calls: int, device: torch.device
                      ) -> list[float]:
-    """Median seconds per call of each fn, batches of ``calls`` interleaved over ``reps``."""
+    """Median seconds per call of each fn, batches of ``calls`` interleaved over ``reps``, in
+    turn first and last (whichever runs first in a round can find caches and the allocator in
+    another state)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for fn in fns:
         for _ in range(max(10, calls // 10)):
             fn()
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, out in zip(fns, times):
+    for rep in range(reps):
+        order = list(zip(fns, times))
+        for fn, out in order if rep % 2 == 0 else reversed(order):
             sync()
             start = time.perf_counter()
             for _ in range(calls):
