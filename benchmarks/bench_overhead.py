@@ -108,8 +108,11 @@ def per_call_seconds(fns: list[Callable], *, reps: int, calls: int, device: torc
                      ) -> list[float]:
     """Median seconds per call of each fn, batches of ``calls`` interleaved over ``reps``, in
     turn first and last (whichever runs first in a round can find caches and the allocator in
-    another state)."""
+    another state). On the CPU the clock is this thread's CPU time, which the other processes
+    of a shared machine do not inflate (wall time counts the slices they take); on a GPU it is
+    wall time, synchronised."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    clock = time.perf_counter if device.type == "cuda" else time.thread_time
     for fn in fns:
         for _ in range(max(10, calls // 10)):
             fn()
@@ -118,11 +121,11 @@ def per_call_seconds(fns: list[Callable], *, reps: int, calls: int, device: torc
         order = list(zip(fns, times))
         for fn, out in order if rep % 2 == 0 else reversed(order):
             sync()
-            start = time.perf_counter()
+            start = clock()
             for _ in range(calls):
                 fn()
             sync()
-            out.append((time.perf_counter() - start) / calls)
+            out.append((clock() - start) / calls)
     return [statistics.median(t) for t in times]
 
 
