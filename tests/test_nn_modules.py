@@ -69,16 +69,27 @@ def test_linear_with_a_grad_runs_the_cpp_autograd(layer_autograd):
         assert m(torch.randn(3, 13)).grad_fn.name() == "LinearFunctionBackward"
 
 
-@pytest.mark.parametrize("layer", ["linear", "dropout"])
+_DOUBLE_BACKWARD_LAYERS = {
+    "linear": lambda: mk.nn.Linear(13, 7), "dropout": lambda: mk.nn.Dropout(0.25),
+    "mlp": lambda: mk.nn.MLP(13, 17), "swiglu": lambda: mk.nn.SwiGLU(13, 17),
+    "rms_norm": lambda: mk.nn.RMSNorm(13),
+    # on a 16-bit CPU input LayerNorm runs memkern's op (float32: torch's own, which has a
+    # double backward)
+    "layer_norm_bf16": lambda: mk.nn.LayerNorm(13).to(torch.bfloat16)}
+
+
+@pytest.mark.parametrize("layer", list(_DOUBLE_BACKWARD_LAYERS))
 def test_cpp_autograd_refuses_double_backward(layer, layer_autograd):
-    """The C++ nodes' gradients are not differentiable (Linear's adds into ``.grad`` in
-    place): a backward that builds a graph is refused with a message, as
-    ``once_differentiable`` refuses the second backward on the Python path."""
-    m = mk.nn.Linear(13, 7) if layer == "linear" else mk.nn.Dropout(0.25)
+    """The C++ backwards' gradients are not differentiable (Linear's adds into ``.grad`` in
+    place; memkern's backward kernels have no autograd): a backward that builds a graph is
+    refused with a message, as ``once_differentiable`` refuses the second backward on the
+    Python path — never a silently wrong second derivative."""
+    m = _DOUBLE_BACKWARD_LAYERS[layer]()
     if layer == "linear":
         m.weight.grad = torch.zeros_like(m.weight)
-    x = torch.randn(3, 13, requires_grad=True)
-    y = m(x).square().sum()
+    dtype = torch.bfloat16 if layer.endswith("bf16") else torch.float32
+    x = torch.randn(3, 13, dtype=dtype, requires_grad=True)
+    y = m(x).float().square().sum()
     if layer_autograd == "cpp":
         with pytest.raises(RuntimeError, match="double backward"):
             torch.autograd.grad(y, x, create_graph=True)

@@ -20,6 +20,7 @@
 
 #include "gemm.h"
 #include "needs_grad.h"
+#include "node.h"
 #include "saved_input.h"
 #include "weight_grad.h"
 
@@ -91,6 +92,7 @@ struct MLPFunction : public torch::autograd::Function<MLPFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    mka::check_not_double_backward("MLP");
     const auto saved = ctx->get_saved_variables();
     const std::string activation = ctx->saved_data["activation"].toStringRef();
     const bool transposed = ctx->saved_data["transposed"].toBool();

@@ -15,6 +15,8 @@
 #include <optional>
 #include <tuple>
 
+#include "node.h"
+
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -67,6 +69,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    memkern::autograd::check_not_double_backward("LayerNorm/RMSNorm");
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& x = saved[0];
     const at::Tensor& weight = saved[1];

@@ -20,6 +20,7 @@
 
 #include "gemm.h"
 #include "needs_grad.h"
+#include "node.h"
 #include "saved_input.h"
 #include "weight_grad.h"
 
@@ -92,6 +93,7 @@ struct SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    mka::check_not_double_backward("SwiGLU");
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& wg = saved[kWg];
     const at::Tensor& wu = saved[kWu];
