@@ -166,6 +166,34 @@ def test_code_is_the_nearest_value_on_every_backend(backend, device):
     assert v_codes[v_at].tolist() == expected_v * 2
 
 
+@pytest.mark.parametrize("backend,device", BACKEND_CASES)
+def test_tiny_and_subnormal_absmax_on_every_backend(backend, device):
+    """Blocks whose absmax lies far below 1 keep the map: adamw8bit_step_ with betas (0, 0)
+    stores m = g and v = g * g (float32); per block g's scale puts m's or v's absmax at 1e-20,
+    1e-32 (below 2^-100, where the CPU kernel's factor C^2 / absmax would overflow), 1e-40
+    (subnormal) or 1e-64 (v underflows to zero), the last block partial. Codes and absmax are
+    the float64 oracle's (codes up to a float32 rounding at a code boundary)."""
+    dev = fo.need(backend, device)
+    n = 5 * QBLOCK + 37
+    scales = torch.tensor([1e-10, 1e-16, 1e-20, 1e-32, 1e-40, 1.0], dtype=torch.float64)
+    g = ((torch.rand(n, dtype=torch.float64) * 2 - 1)
+         * scales.repeat_interleave(QBLOCK)[:n]).to(torch.float32)
+    g[3] = 0.0
+    state = [torch.randn(n)]
+    for dtype in (torch.int8, torch.uint8):
+        state += [torch.zeros(n, dtype=dtype), torch.zeros(fo.blocks_of(n))]
+    state = [t.to(dev) for t in state]
+    run(backend, "adamw8bit_step_", *state, g.to(dev), None, scalar(0.0, dev), None, None,
+        0.01, 0.0, 0.0, 1e-8, 0.0)
+    m_codes, m_absmax, v_codes, v_absmax = (t.cpu() for t in state[1:])
+    for what, codes, absmax, values, dtype in (("m", m_codes, m_absmax, g, torch.int8),
+                                               ("v", v_codes, v_absmax, g * g, torch.uint8)):
+        expected_codes, expected_absmax = fo.quantize64(values, dtype)
+        assert_bits_equal(absmax, expected_absmax.to(torch.float32), f"{what} absmax")
+        fo.assert_codes_close(codes, expected_codes, f"{what} codes")
+        assert codes.abs().max().item() == fo.CODE_MAPS[dtype][0], f"{what}: no full-scale code"
+
+
 def test_blocks_are_independent():
     x = torch.randn(3 * QBLOCK + 5, dtype=torch.float64)
     x[QBLOCK:2 * QBLOCK] *= 1e-6  # a block of tiny values keeps its own scale

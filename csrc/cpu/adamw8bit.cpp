@@ -16,27 +16,39 @@
 namespace memkern::cpu {
 namespace {
 
-// Dequantize, update and write back n <= kQBlock elements into m, v and sqrt_v. kLerpFromEnd is
-// c.lerp_from_end fixed at compile time: GCC vectorises this loop only without the run-time
-// select, which it does not hoist out of a loop this large by itself.
+// The largest abs_bits of a block's m and v (state8bit.h).
+struct MomentAbsmaxBits {
+  int32_t m;
+  int32_t v;
+};
+
+// Dequantize, update and write back n <= kQBlock elements into m and sqrt_v (the inputs of the
+// codes); returns the block's absmax bits. kLerpFromEnd is c.lerp_from_end fixed at compile
+// time: GCC vectorises this loop only without the run-time select, which it does not hoist out
+// of a loop this large by itself.
 template <bool kLerpFromEnd, typename grad_t, typename param_t>
-MEMKERN_INLINE void update_block(float* __restrict master, const int8_t* __restrict m_codes,
-                                 const uint8_t* __restrict v_codes, float m_scale,
-                                 float v_scale, const grad_t* __restrict grads,
-                                 param_t* __restrict params, AdamWCoefficients c,
-                                 float* __restrict m, float* __restrict v,
-                                 float* __restrict sqrt_v, int64_t n) {
+MEMKERN_INLINE MomentAbsmaxBits update_block(float* __restrict master,
+                                             const int8_t* __restrict m_codes,
+                                             const uint8_t* __restrict v_codes, float m_scale,
+                                             float v_scale, const grad_t* __restrict grads,
+                                             param_t* __restrict params, AdamWCoefficients c,
+                                             float* __restrict m, float* __restrict sqrt_v,
+                                             int64_t n) {
   c.lerp_from_end = kLerpFromEnd;
+  int32_t m_bits = 0;
+  int32_t v_bits = 0;
   for (int64_t i = 0; i < n; ++i) {
     float mi = dequantize(m_codes[i], m_scale);
     float vi = dequantize(v_codes[i], v_scale);
     const float w = adamw_element(master[i], mi, vi, to_float(grads[i]), c);
     m[i] = mi;
-    v[i] = vi;
     sqrt_v[i] = std::sqrt(vi);  // the root adamw_element took (the compiler computes it once)
+    m_bits = abs_bits(mi) > m_bits ? abs_bits(mi) : m_bits;
+    v_bits = abs_bits(vi) > v_bits ? abs_bits(vi) : v_bits;
     master[i] = w;
     store_param(params, i, w);
   }
+  return {m_bits, v_bits};
 }
 
 // One quantization block: update_qblocks' BlockUpdate for AdamW (state8bit.h).
@@ -51,17 +63,23 @@ struct AdamW8bitBlock {
   param_t* params;
   AdamWCoefficients c;
 
-  // The n <= kQBlock elements of block b.
+  // The n <= kQBlock elements of block b: the update, then both moments' codes in one loop
+  // (m's root and v's interleave with each other's other instructions).
   MEMKERN_INLINE void operator()(int64_t b, int64_t n) const {
     alignas(64) float m[kQBlock];
-    alignas(64) float v[kQBlock];
     alignas(64) float sqrt_v[kQBlock];
     const int64_t begin = b * kQBlock;
-    update_block<kLerpFromEnd>(master + begin, m_codes + begin, v_codes + begin, m_absmax[b],
-                               v_absmax[b], grads + begin, params_from(params, begin), c, m, v,
-                               sqrt_v, n);
-    quantize_block(m, n, m_codes + begin, m_absmax + b);
-    quantize_block(v, sqrt_v, n, v_codes + begin, v_absmax + b);
+    const MomentAbsmaxBits bits = update_block<kLerpFromEnd>(
+        master + begin, m_codes + begin, v_codes + begin, m_absmax[b], v_absmax[b],
+        grads + begin, params_from(params, begin), c, m, sqrt_v, n);
+    const float m_factor = signed_code_factor(bits.m, m, n, m_absmax + b);
+    const float v_factor = unsigned_code_factor(bits.v, sqrt_v, n, v_absmax + b);
+    int8_t* __restrict m_out = m_codes + begin;
+    uint8_t* __restrict v_out = v_codes + begin;
+    for (int64_t i = 0; i < n; ++i) {
+      m_out[i] = signed_code(m[i], m_factor);
+      v_out[i] = unsigned_code(sqrt_v[i], v_factor);
+    }
   }
 };
 

@@ -1,6 +1,6 @@
 // The block-wise 8-bit optimizer-state format on the CPU backend, shared by every 8-bit
 // optimizer kernel (adamw8bit.cpp, sgd8bit.cpp): the block size, the two code maps, the
-// quantizer of one block and the parallel loop over the blocks. Format and map, defined and justified: memkern/ops/adamw8bit.py; constants:
+// per-element quantizers with their per-block factors and the parallel loop over the blocks. Format and map, defined and justified: memkern/ops/adamw8bit.py; constants:
 // memkern/kernels/state8bit.py.
 #pragma once
 
@@ -22,12 +22,11 @@ constexpr float kUnsignedCodes = 255.0f;  // uint8: (c / 255)^4 * absmax
 #define MEMKERN_INLINE [[gnu::always_inline]] inline
 
 // Written for GCC's vectoriser, in the callers' per-block loops of kQBlock elements (why plain
-// loops and not intrinsics: flat_math.h): no division per element (the per-block factors
-// below depend on the absmax only, so the compiler hoists them out of the loop), an integer
-// max for the absmax, and a truncating conversion for the rounding (SSE2 has one; a
-// vectorised floor needs SSE4.1). Each direction is the map of memkern/ops/adamw8bit.py in
-// another order of float32 roundings: values within a few ulp of the reference's, codes equal
-// but for a value within an ulp of a code boundary.
+// loops and not intrinsics: flat_math.h): no division per element (per-block factors), an
+// integer max for the absmax, and truncating conversions or an added constant for the
+// rounding (SSE2 has those; a vectorised floor or round needs SSE4.1). Each direction is the
+// map of memkern/ops/adamw8bit.py in another order of float32 roundings: values within a few
+// ulp of the reference's, codes equal but for a value within an ulp of a code boundary.
 
 // The value of a signed code (first moments, momentum): sign(c) * (|c| / 127)^2 * absmax as
 // (c |c| 2^-14) (exact) times absmax 2^14 / 127^2.
@@ -47,27 +46,30 @@ MEMKERN_INLINE float dequantize(uint8_t code, float absmax) {
   return (q2 * q2) * (absmax * kFactor);
 }
 
-// The absmax of n values as the bits of a float: the largest |x| (inf and NaN bits order above
-// every finite value, so a result >= kInfBits means the block holds a non-finite value).
+// The absmax of a block, accumulated in the callers' update loops (no second pass over the
+// block) as the largest abs_bits of its values: an integer max, which vectorises; inf and NaN
+// bits order above every finite value, so a result >= kInfBits means a non-finite value.
 constexpr int32_t kInfBits = 0x7f800000;
 
+MEMKERN_INLINE int32_t abs_bits(float x) {
+  return static_cast<int32_t>(float_to_bits(x) & 0x7fffffffu);
+}
+
+// The largest abs_bits of n values, for a caller that cannot fold it into its update loop.
 MEMKERN_INLINE int32_t absmax_bits(const float* __restrict x, int64_t n) {
   int32_t amax = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t bits = static_cast<int32_t>(float_to_bits(x[i]) & 0x7fffffffu);
-    amax = bits > amax ? bits : amax;
-  }
+  for (int64_t i = 0; i < n; ++i) amax = abs_bits(x[i]) > amax ? abs_bits(x[i]) : amax;
   return amax;
 }
 
-// Stores the absmax of a block of n <= kQBlock values and returns it, or stores NaN (a value
-// is not finite) or 0 (all are zero) with zero codes and returns 0: no codes left to compute.
-template <typename code_t>
-MEMKERN_INLINE float store_absmax(const float* __restrict x, int64_t n,
-                                  code_t* __restrict codes, float* absmax) {
-  const int32_t amax_bits = absmax_bits(x, n);
+// Stores the absmax of a block whose largest abs_bits is amax_bits and returns it, or stores
+// NaN (a value is not finite) or 0 (all are zero), zeroes the block's n staged inputs `x` of
+// the code functions below and returns 0: a factor of 0 then gives zero codes (a NaN or inf
+// left in x would reach a float -> int conversion, undefined in C++).
+MEMKERN_INLINE float store_absmax(int32_t amax_bits, float* __restrict x, int64_t n,
+                                  float* absmax) {
   if (amax_bits >= kInfBits || amax_bits == 0) {
-    for (int64_t i = 0; i < n; ++i) codes[i] = 0;
+    for (int64_t i = 0; i < n; ++i) x[i] = 0.0f;
     *absmax = amax_bits == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN();
     return 0.0f;
   }
@@ -75,46 +77,60 @@ MEMKERN_INLINE float store_absmax(const float* __restrict x, int64_t n,
   return *absmax;
 }
 
-// Quantization: the code of nearest value (memkern/ops/adamw8bit.py) without a division per
-// element, on the root r = C (|x| / absmax)^(1/p) (per-block factor C / absmax^(1/p), finite for
-// every positive absmax, even a subnormal one). Its truncation lo is the code below (or one
-// off where r rounds across an integer: the comparison then still picks the nearer code; lo is
-// C for the absmax itself, and stays C); c = lo + 1 where r^p lies above the mean of lo^p and
-// (lo + 1)^p, written in u = lo + 1/2: u^2 + 1/4 (p = 2, exact in float32) and
-// u^4 + (3/2) u^2 + 1/16 (p = 4, u^2 exact). The select is on integers: GCC if-converts (and
-// so vectorises) no float operation that may trap.
+// Quantization: the code of nearest value (memkern/ops/adamw8bit.py), no division per element,
+// with per-block factors from the functions below (a constant in the callers' code loops). The
+// roots are what this step's time goes to on the CPU (on the AMD EPYC host one 8-wide square root
+// takes as long as ~15 other vector instructions), so each code takes one.
 
-// Codes and absmax of one block of n <= kQBlock values of any sign: NaN and zero codes when a
-// value is not finite, zero codes for an all-zero block.
-MEMKERN_INLINE void quantize_block(const float* __restrict x, int64_t n,
-                                   int8_t* __restrict codes, float* absmax) {
-  const float amax = store_absmax(x, n, codes, absmax);
-  if (amax == 0.0f) return;
-  const float root_factor = kSignedCodes / std::sqrt(amax);
-  for (int64_t i = 0; i < n; ++i) {
-    const float root = std::sqrt(std::fabs(x[i])) * root_factor;
-    const int32_t lo = static_cast<int32_t>(root);
-    const float u = static_cast<float>(lo) + 0.5f;
-    const int32_t c = lo + (root * root > u * u + 0.25f ? 1 : 0);
-    codes[i] = static_cast<int8_t>(x[i] < 0.0f ? -c : c);
-  }
+// Signed codes (p = 2) in closed form: with s = |x| C^2 / absmax, the midpoint of the values
+// of codes k and k + 1 is k^2 + k + 1/2 = (k + 1/2)^2 + 1/4, so the nearest code is
+// round(sqrt(s - 1/4)) (a value exactly on a midpoint in float32 goes to the even code). The
+// rounding adds 1.5 * 2^23 (the integer then sits in the low bits; SSE2 has no vector
+// rounding) after copying x's sign onto the root.
+MEMKERN_INLINE int8_t signed_code(float x, float factor) {
+  const float s = std::fabs(x) * factor - 0.25f;
+  const float root = std::sqrt(s > 0.0f ? s : 0.0f);
+  const float signed_root = bits_to_float(float_to_bits(root) | (float_to_bits(x) & 0x80000000u));
+  return static_cast<int8_t>(float_to_bits(signed_root + 0x1.8p23f));
 }
 
-// As above for n values >= 0 (uint8 codes), given their square roots `sqrt_x` as well: the
-// AdamW update has sqrt(v) at hand, which gives r^2 = sqrt_x C^2 / sqrt(absmax) by a product.
-MEMKERN_INLINE void quantize_block(const float* __restrict x, const float* __restrict sqrt_x,
-                                   int64_t n, uint8_t* __restrict codes, float* absmax) {
-  const float amax = store_absmax(x, n, codes, absmax);
-  if (amax == 0.0f) return;
-  const float square_root_factor = kUnsignedCodes * kUnsignedCodes / std::sqrt(amax);
-  for (int64_t i = 0; i < n; ++i) {
-    const float root2 = sqrt_x[i] * square_root_factor;
-    const int32_t lo = static_cast<int32_t>(std::sqrt(root2));
-    const float u = static_cast<float>(lo) + 0.5f;
-    const float u2 = u * u;
-    const int32_t up = root2 * root2 > (u2 + 1.5f) * u2 + 0.0625f ? 1 : 0;
-    codes[i] = static_cast<uint8_t>(lo + up);
+// signed_code's factor for a block of n staged values x (first moments, momentum) whose
+// largest abs_bits is amax_bits: C^2 / absmax, after storing the absmax (store_absmax; 0 for
+// a block without codes). Below 2^-100 C^2 / absmax may overflow: the block's values and
+// absmax are scaled by 2^64 first (exact), which leaves every s as it is.
+MEMKERN_INLINE float signed_code_factor(int32_t amax_bits, float* __restrict x, int64_t n,
+                                        float* absmax) {
+  float amax = store_absmax(amax_bits, x, n, absmax);
+  if (amax == 0.0f) return 0.0f;
+  if (amax < 0x1p-100f) {
+    for (int64_t i = 0; i < n; ++i) x[i] *= 0x1p64f;
+    amax *= 0x1p64f;
   }
+  return kSignedCodes * kSignedCodes / amax;
+}
+
+// Unsigned codes (p = 4) of x >= 0 from sqrt(x), which the AdamW update has at hand: r^2 =
+// sqrt(x) C^2 / sqrt(absmax) by a product and the root r by one square root; its truncation lo
+// is the code below (or one off where r rounds across an integer: the comparison then still
+// picks the nearer code), and the code is lo + 1 where r^4 lies above the mean of lo^4 and
+// (lo + 1)^4, u^4 + (3/2) u^2 + 1/16 in u = lo + 1/2 (u^2 exact in float32). The code is
+// assembled in float, so that the vectoriser narrows one vector to bytes, not three.
+MEMKERN_INLINE uint8_t unsigned_code(float sqrt_x, float factor) {
+  const float root2 = sqrt_x * factor;
+  const float lo = static_cast<float>(static_cast<int32_t>(std::sqrt(root2)));
+  const float u = lo + 0.5f;
+  const float u2 = u * u;
+  const float code = lo + (root2 * root2 > (u2 + 1.5f) * u2 + 0.0625f ? 1.0f : 0.0f);
+  return static_cast<uint8_t>(static_cast<int32_t>(code));
+}
+
+// unsigned_code's factor for a block of n staged sqrt_x whose x have the largest abs_bits
+// amax_bits: C^2 / sqrt(absmax), after storing the absmax (store_absmax; 0 for a block
+// without codes).
+MEMKERN_INLINE float unsigned_code_factor(int32_t amax_bits, float* __restrict sqrt_x,
+                                          int64_t n, float* absmax) {
+  const float amax = store_absmax(amax_bits, sqrt_x, n, absmax);
+  return amax == 0.0f ? 0.0f : kUnsignedCodes * kUnsignedCodes / std::sqrt(amax);
 }
 
 // The blocks [first, last) of an n-element buffer: update_block(b, len) for each, with len the

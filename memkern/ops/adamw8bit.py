@@ -41,7 +41,9 @@ root-space rule put the 8-bit run's loss systematically below the 32-bit run's: 
 gap -0.45%, 22 of 180 steps over 1%, largest 2.46%; with the nearest value: -0.26%, 7
 steps over 1%, largest 1.47% (the 32-bit step in another rounding order: within 0.6%). Each
 backend takes the truncated root ``lo`` and adds one where ``|x|`` lies above the mean of the
-values of ``lo`` and ``lo + 1``.
+values of ``lo`` and ``lo + 1``; for the square map the CPU kernel uses the closed form of
+that rule, ``round(sqrt(s - 1/4))`` with ``s = |x| 127**2 / absmax`` (the midpoints are
+``(k + 1/2)**2 + 1/4``): no truncation and no comparison (csrc/cpu/state8bit.h).
 
 Like bitsandbytes' dynamic (tree) map it is dense near zero, which a linear map is not: a
 linear map rounds every ``v`` below ``s / 510`` to 0, and a zero ``v`` under a non-zero ``m``
