@@ -101,7 +101,9 @@ def test_low_precision_matches_unfused(dtype, reduction, chunk):
     ref32 = F.cross_entropy(F.linear(x32, w32, b32), t, reduction=reduction)
     for a, r in zip(_grads(got, (x, w, b), g.to(got.dtype)), _grads(ref32, (x32, w32, b32), g)):
         assert a.dtype == dtype
-        assert rel_err(a, r) < TOL[dtype], rel_err(a, r)
+        # plus what rounding the exact gradient to 16 bits alone costs: a small draw of g makes
+        # the mean's dx float16 subnormals (|dx| ~ 1e-7), where no 16-bit result is closer
+        assert rel_err(a, r) < TOL[dtype] + rel_err(r.to(dtype), r), rel_err(a, r)
 
 
 def test_module_matches_linear_plus_cross_entropy_on_3d_input():
