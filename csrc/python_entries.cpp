@@ -104,23 +104,42 @@ bool gemm_layer_call(const at::Tensor& x,
   return !at::autocast::is_autocast_enabled(x.device().type());
 }
 
+// A GEMM layer's input when the layer's C++ autograd serves the call: the tensor `x_obj` is
+// and what to save of it (input_recipe); nullopt when the Python path must take the call (not
+// a tensor, gemm_layer_call refuses it, a recipe of the Python path).
+struct GemmInput {
+  const at::Tensor& x;
+  NormRecipe recipe;
+};
+
+std::optional<GemmInput> gemm_input(
+    py::handle x_obj,
+    std::initializer_list<std::pair<const at::Tensor*, const OptTensor*>> params,
+    int64_t in_dim, int64_t min_dim = 2) {
+  const at::Tensor* x = as_tensor(x_obj);
+  if (x == nullptr || !gemm_layer_call(*x, params, in_dim, min_dim)) {
+    return std::nullopt;
+  }
+  std::optional<NormRecipe> recipe = input_recipe(x_obj, *x);
+  if (!recipe) {
+    return std::nullopt;
+  }
+  return GemmInput{*x, std::move(*recipe)};
+}
+
 // memkern.nn.functional.linear: memkern::linear with x's norm recipe (input_recipe), or
 // torch's own linear when there is nothing memkern does differently (no weight.grad to add
 // into, no recipe, not transposed); None for a call the Python path handles (mixed dtypes,
 // autocast, mismatched shapes, a recipe of the Python path).
 OptTensor linear(py::handle x_obj, const at::Tensor& weight, const OptTensor& bias,
                  bool transposed) {
-  const at::Tensor* x = as_tensor(x_obj);
-  if (x == nullptr ||
-      !gemm_layer_call(*x, {{&weight, &bias}}, transposed ? 0 : 1, /*min_dim=*/1)) {
+  const auto in = gemm_input(x_obj, {{&weight, &bias}}, transposed ? 0 : 1, /*min_dim=*/1);
+  if (!in) {
     return std::nullopt;
   }
-  const std::optional<NormRecipe> recipe = input_recipe(x_obj, *x);
-  if (!recipe) {
-    return std::nullopt;
-  }
-  if (recipe->kind == autograd::kNoNorm && !transposed && !weight.grad().defined()) {
-    return at::linear(*x, weight, bias);
+  const NormRecipe& recipe = in->recipe;
+  if (recipe.kind == autograd::kNoNorm && !transposed && !weight.grad().defined()) {
+    return at::linear(in->x, weight, bias);
   }
   static const auto op =
       c10::Dispatcher::singleton()
@@ -128,8 +147,8 @@ OptTensor linear(py::handle x_obj, const at::Tensor& weight, const OptTensor& bi
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
                             const OptTensor&, const OptTensor&, const OptTensor&, int64_t,
                             int64_t, double)>();
-  return op.call(*x, weight, bias, transposed, recipe->x, recipe->weight, recipe->bias,
-                 recipe->kind, recipe->dims, recipe->eps);
+  return op.call(in->x, weight, bias, transposed, recipe.x, recipe.weight, recipe.bias,
+                 recipe.kind, recipe.dims, recipe.eps);
 }
 
 // memkern.nn.functional.mlp: memkern::mlp_layer with x's norm recipe, or None (see
@@ -137,15 +156,12 @@ OptTensor linear(py::handle x_obj, const at::Tensor& weight, const OptTensor& bi
 OptTensor mlp(py::handle x_obj, const at::Tensor& fc1_weight, const OptTensor& fc1_bias,
               const at::Tensor& fc2_weight, const OptTensor& fc2_bias,
               const std::string& activation, const std::string& recompute, bool transposed) {
-  const at::Tensor* x = as_tensor(x_obj);
-  if (x == nullptr || !gemm_layer_call(*x, {{&fc1_weight, &fc1_bias}, {&fc2_weight, &fc2_bias}},
-                                       transposed ? 0 : 1)) {
+  const auto in =
+      gemm_input(x_obj, {{&fc1_weight, &fc1_bias}, {&fc2_weight, &fc2_bias}}, transposed ? 0 : 1);
+  if (!in) {
     return std::nullopt;
   }
-  const std::optional<NormRecipe> recipe = input_recipe(x_obj, *x);
-  if (!recipe) {
-    return std::nullopt;
-  }
+  const NormRecipe& recipe = in->recipe;
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("memkern::mlp_layer", "")
@@ -153,9 +169,9 @@ OptTensor mlp(py::handle x_obj, const at::Tensor& fc1_weight, const OptTensor& f
                             const at::Tensor&, const OptTensor&, c10::string_view,
                             c10::string_view, bool, const OptTensor&, const OptTensor&,
                             const OptTensor&, int64_t, int64_t, double)>();
-  return op.call(*x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recompute,
-                 transposed, recipe->x, recipe->weight, recipe->bias, recipe->kind,
-                 recipe->dims, recipe->eps);
+  return op.call(in->x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recompute,
+                 transposed, recipe.x, recipe.weight, recipe.bias, recipe.kind, recipe.dims,
+                 recipe.eps);
 }
 
 // memkern.nn.functional.swiglu: memkern::swiglu_layer with x's norm recipe, or None (see
@@ -164,16 +180,12 @@ OptTensor swiglu(py::handle x_obj, const at::Tensor& gate_weight, const OptTenso
                  const at::Tensor& up_weight, const OptTensor& up_bias,
                  const at::Tensor& down_weight, const OptTensor& down_bias,
                  const std::string& recompute) {
-  const at::Tensor* x = as_tensor(x_obj);
-  if (x == nullptr || !gemm_layer_call(*x, {{&gate_weight, &gate_bias},
-                                            {&up_weight, &up_bias},
-                                            {&down_weight, &down_bias}}, 1)) {
+  const auto in = gemm_input(
+      x_obj, {{&gate_weight, &gate_bias}, {&up_weight, &up_bias}, {&down_weight, &down_bias}}, 1);
+  if (!in) {
     return std::nullopt;
   }
-  const std::optional<NormRecipe> recipe = input_recipe(x_obj, *x);
-  if (!recipe) {
-    return std::nullopt;
-  }
+  const NormRecipe& recipe = in->recipe;
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("memkern::swiglu_layer", "")
@@ -181,9 +193,9 @@ OptTensor swiglu(py::handle x_obj, const at::Tensor& gate_weight, const OptTenso
                             const at::Tensor&, const OptTensor&, const at::Tensor&,
                             const OptTensor&, c10::string_view, const OptTensor&,
                             const OptTensor&, const OptTensor&, int64_t, int64_t, double)>();
-  return op.call(*x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
-                 recompute, recipe->x, recipe->weight, recipe->bias, recipe->kind, recipe->dims,
-                 recipe->eps);
+  return op.call(in->x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
+                 recompute, recipe.x, recipe.weight, recipe.bias, recipe.kind, recipe.dims,
+                 recipe.eps);
 }
 
 // memkern.nn.functional's LayerNorm/RMSNorm on the C++ path: memkern::norm_layer.
