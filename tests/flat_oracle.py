@@ -284,10 +284,11 @@ def block_max(x: torch.Tensor) -> torch.Tensor:
 
 def quantize64(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, absmax)`` of ``x`` in float64: per block ``absmax = max |x|`` and ``c`` the
-    code whose value ``sign(c) (|c| / C) ** p absmax`` is nearest to ``x`` (the smaller ``|c|``
-    on a tie): ``|c|`` counts the midpoints between consecutive code values that lie below
-    ``|x| / absmax``. A block with a non-finite value gets NaN and zero codes, an all-zero block
-    absmax 0 and zero codes."""
+    code whose value ``sign(c) (|c| / C) ** p absmax`` is nearest to ``x`` for int8 (p = 2),
+    and whose value's square root is nearest to ``sqrt(x)`` for uint8 (p = 4), the smaller
+    ``|c|`` on a tie: ``|c|`` counts the midpoints between consecutive ``(k / C) ** 2`` that
+    lie below ``|x| / absmax`` (int8) or ``sqrt(x / absmax)`` (uint8). A block with a
+    non-finite value gets NaN and zero codes, an all-zero block absmax 0 and zero codes."""
     top, power = CODE_MAPS[dtype]
     x = x.detach().cpu().to(torch.float64)
     n = x.numel()
@@ -299,9 +300,10 @@ def quantize64(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     usable = ~bad & (absmax > 0)
     scale = torch.where(usable, absmax, torch.ones_like(absmax))[:, None]
     relative = torch.where(usable[:, None], blocks.abs() / scale, torch.zeros_like(blocks))
-    values = torch.tensor([(k / top) ** power for k in range(top + 1)], dtype=torch.float64)
-    midpoints = (values[:-1] + values[1:]) / 2
-    magnitude = torch.searchsorted(midpoints, relative.reshape(-1), side="left")
+    rounded = relative if power == 2 else relative.sqrt()
+    squares = torch.tensor([(k / top) ** 2 for k in range(top + 1)], dtype=torch.float64)
+    midpoints = (squares[:-1] + squares[1:]) / 2
+    magnitude = torch.searchsorted(midpoints, rounded.reshape(-1), side="left")
     codes = magnitude.to(torch.float64).view_as(blocks) * torch.sign(blocks).nan_to_num(0.0)
     absmax = torch.where(bad, torch.full_like(absmax, math.nan), absmax)
     return codes.reshape(-1)[:n].to(dtype), absmax

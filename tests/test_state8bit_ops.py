@@ -98,29 +98,26 @@ def test_map_by_hand():
 
 
 # Relative values |x| / absmax between the root-space midpoint of codes k and k + 1,
-# ((k + 1/2) / C) ** p, and their value-space midpoint, ((k / C) ** p + ((k + 1) / C) ** p) / 2
-# (the map is convex: the first lies below): rounding the root to the nearest integer gives
-# k + 1, the nearest value is k's. Just above the value-space midpoint, k + 1's is nearest.
-# Square map: the midpoints are (k^2 + k + 1/4) / 127^2 and (k^2 + k + 1/2) / 127^2.
+# ((k + 1/2) / C) ** p, and the midpoint where the code switches: for m (p = 2) the midpoint of
+# the two values, for v (p = 4) the midpoint of the values' square roots. Both maps are convex:
+# rounding the root to the nearest integer gives k + 1 there, the rule gives k; just above the
+# switching midpoint, k + 1. In units of (|c| / C) ** 2 (|m| / absmax, or sqrt(v / absmax))
+# the midpoints are (k^2 + k + 1/4) / C^2 (root space) and (k^2 + k + 1/2) / C^2 (switch).
 M_KS = (0, 1, 5, 40, 126)
 M_BETWEEN = [(k * k + k + 0.375) / 127**2 for k in M_KS]
 M_ABOVE = [(k * k + k + 0.625) / 127**2 for k in M_KS]
-
-
-def _v_midpoints(k: int) -> tuple[float, float]:
-    """4th-power map: (root-space, value-space) midpoints of codes k and k + 1."""
-    return ((k + 0.5) / 255) ** 4, ((k / 255) ** 4 + ((k + 1) / 255) ** 4) / 2
-
-
 V_KS = (0, 1, 3, 20, 100, 254)
-V_BETWEEN = [sum(_v_midpoints(k)) / 2 for k in V_KS]
-V_ABOVE = [1.5 * _v_midpoints(k)[1] - 0.5 * _v_midpoints(k)[0] for k in V_KS]
+V_BETWEEN = [((k * k + k + 0.375) / 255**2) ** 2 for k in V_KS]
+# also below the midpoint of the values themselves, (k^4 + (k + 1)^4) / 2 / 255^4, where a
+# rule of nearest value would still give k
+V_ABOVE = [((k * k + k + 0.625) / 255**2) ** 2 for k in V_KS]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 def test_reference_code_is_the_nearest_value(dtype):
-    """Between the root-space and the value-space midpoint of two codes the lower code is
-    nearer; just above the value-space midpoint the upper one: both maps, both signs."""
+    """Between the root-space and the switching midpoint of two codes (m: of their values; v:
+    of their values' square roots) the lower code is taken; just above it the upper one: both
+    maps, both signs."""
     scale = 0.75
     m = torch.tensor([1.0] + M_BETWEEN + [-r for r in M_BETWEEN] + M_ABOVE
                      + [-r for r in M_ABOVE], dtype=torch.float64) * scale

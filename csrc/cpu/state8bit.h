@@ -77,21 +77,28 @@ MEMKERN_INLINE float store_absmax(int32_t amax_bits, float* __restrict x, int64_
   return *absmax;
 }
 
-// Quantization: the code of nearest value (memkern/ops/adamw8bit.py), no division per element,
-// with per-block factors from the functions below (a constant in the callers' code loops). The
-// roots are what this step's time goes to on the CPU (on the AMD EPYC host one 8-wide square root
-// takes as long as ~15 other vector instructions), so each code takes one.
+// Quantization: the code nearest in (|c| / C)^2 (memkern/ops/adamw8bit.py), no division per
+// element, with per-block factors from the functions below (a constant in the callers' code
+// loops). The roots are what this step's time goes to on the CPU (on the AMD EPYC host one
+// 8-wide square root takes as long as ~15 other vector instructions), so each code takes one.
 
-// Signed codes (p = 2) in closed form: with s = |x| C^2 / absmax, the midpoint of the values
-// of codes k and k + 1 is k^2 + k + 1/2 = (k + 1/2)^2 + 1/4, so the nearest code is
-// round(sqrt(s - 1/4)) (a value exactly on a midpoint in float32 goes to the even code). The
-// rounding adds 1.5 * 2^23 (the integer then sits in the low bits; SSE2 has no vector
-// rounding) after copying x's sign onto the root.
+// The code k in [0, C] whose k^2 is nearest to y in [0, C^2] (y = C^2 |m| / absmax, or
+// C^2 sqrt(v / absmax)), in closed form: the midpoint of k^2 and (k + 1)^2 is k^2 + k + 1/2 =
+// (k + 1/2)^2 + 1/4, so the code is round(sqrt(y - 1/4)) (a value exactly on a midpoint in
+// float32 goes to the even code). Below 1/4 the root of |y - 1/4| is at most 1/2, which rounds
+// to 0 as well: no clamp at 0, which GCC turns into a branch around the root (the result is
+// constant there) and then vectorises nothing. Returns that root with sign_bit copied onto it,
+// plus 1.5 * 2^23: the rounded code then sits in the low bits of the float (SSE2 has no vector
+// rounding).
+MEMKERN_INLINE uint32_t nearest_square_code_bits(float y, uint32_t sign_bit) {
+  const float root = std::sqrt(std::fabs(y - 0.25f));
+  return float_to_bits(bits_to_float(float_to_bits(root) | sign_bit) + 0x1.8p23f);
+}
+
+// Signed codes (first moments, momentum; p = 2): y = |x| C^2 / absmax, the value's nearest.
 MEMKERN_INLINE int8_t signed_code(float x, float factor) {
-  const float s = std::fabs(x) * factor - 0.25f;
-  const float root = std::sqrt(s > 0.0f ? s : 0.0f);
-  const float signed_root = bits_to_float(float_to_bits(root) | (float_to_bits(x) & 0x80000000u));
-  return static_cast<int8_t>(float_to_bits(signed_root + 0x1.8p23f));
+  return static_cast<int8_t>(
+      nearest_square_code_bits(std::fabs(x) * factor, float_to_bits(x) & 0x80000000u));
 }
 
 // signed_code's factor for a block of n staged values x (first moments, momentum) whose
@@ -109,19 +116,11 @@ MEMKERN_INLINE float signed_code_factor(int32_t amax_bits, float* __restrict x, 
   return kSignedCodes * kSignedCodes / amax;
 }
 
-// Unsigned codes (p = 4) of x >= 0 from sqrt(x), which the AdamW update has at hand: r^2 =
-// sqrt(x) C^2 / sqrt(absmax) by a product and the root r by one square root; its truncation lo
-// is the code below (or one off where r rounds across an integer: the comparison then still
-// picks the nearer code), and the code is lo + 1 where r^4 lies above the mean of lo^4 and
-// (lo + 1)^4, u^4 + (3/2) u^2 + 1/16 in u = lo + 1/2 (u^2 exact in float32). The code is
-// assembled in float, so that the vectoriser narrows one vector to bytes, not three.
+// Unsigned codes (second moments, x >= 0; p = 4) from sqrt(x), which the AdamW update has at
+// hand: y = sqrt(x) C^2 / sqrt(absmax), the code whose value's root is nearest to the root the
+// update divides by.
 MEMKERN_INLINE uint8_t unsigned_code(float sqrt_x, float factor) {
-  const float root2 = sqrt_x * factor;
-  const float lo = static_cast<float>(static_cast<int32_t>(std::sqrt(root2)));
-  const float u = lo + 0.5f;
-  const float u2 = u * u;
-  const float code = lo + (root2 * root2 > (u2 + 1.5f) * u2 + 0.0625f ? 1.0f : 0.0f);
-  return static_cast<uint8_t>(static_cast<int32_t>(code));
+  return static_cast<uint8_t>(nearest_square_code_bits(sqrt_x * factor, 0u));
 }
 
 // unsigned_code's factor for a block of n staged sqrt_x whose x have the largest abs_bits

@@ -9,13 +9,10 @@ import triton
 import triton.language as tl
 
 from memkern.kernels._common import load_splat
-from memkern.kernels.state8bit import (SIGNED_CODES, SIGNED_POWER, UNSIGNED_CODES,
-                                       UNSIGNED_POWER)
+from memkern.kernels.state8bit import SIGNED_CODES, UNSIGNED_CODES
 
 _SIGNED_CODES = tl.constexpr(SIGNED_CODES)
-_SIGNED_POWER = tl.constexpr(SIGNED_POWER)
 _UNSIGNED_CODES = tl.constexpr(UNSIGNED_CODES)
-_UNSIGNED_POWER = tl.constexpr(UNSIGNED_POWER)
 
 
 @triton.jit
@@ -36,21 +33,24 @@ def block_tile(n, n_blocks, found_inf_ptr, HAS_FOUND_INF: tl.constexpr, ROWS: tl
 
 
 @triton.jit
-def _power_of(q, POWER: tl.constexpr):
-    q = q * q
-    if POWER == 4:
-        q = q * q
-    return q
+def _code_square(c, SIGNED: tl.constexpr):
+    """``(|c| / C) ** 2`` of the float32 codes ``c``: the quantity a code is the nearest of
+    (``|m| / absmax``, or ``sqrt(v / absmax)``)."""
+    if SIGNED:
+        q = tl.div_rn(tl.abs(c), tl.full(c.shape, _SIGNED_CODES, tl.float32))
+    else:
+        q = tl.div_rn(c, tl.full(c.shape, _UNSIGNED_CODES, tl.float32))
+    return q * q
 
 
 @triton.jit
 def _relative_value(c, SIGNED: tl.constexpr):
-    """``(|c| / C) ** p`` of the float32 codes ``c``: a code's value over its block's absmax."""
+    """``(|c| / C) ** p`` of the float32 codes ``c``: a code's value over its block's absmax
+    (p = 2 for signed codes, 4 for unsigned ones)."""
+    q2 = _code_square(c, SIGNED)
     if SIGNED:
-        return _power_of(tl.div_rn(tl.abs(c), tl.full(c.shape, _SIGNED_CODES, tl.float32)),
-                         _SIGNED_POWER)
-    return _power_of(tl.div_rn(c, tl.full(c.shape, _UNSIGNED_CODES, tl.float32)),
-                     _UNSIGNED_POWER)
+        return q2
+    return q2 * q2
 
 
 @triton.jit
@@ -76,13 +76,15 @@ def quantize(x, valid, SIGNED: tl.constexpr):
     any_bad = tl.max(tl.where(valid & (finite == 0), 1, 0), axis=1) > 0
     usable = (any_bad == 0) & (scale > 0)
     rel = tl.div_rn(a, tl.where(usable, scale, 1.0)[:, None])
-    r = tl.sqrt_rn(rel)
+    # the nearer of lo and lo + 1 (the lower one on a tie) in (|c| / C) ** 2: |m| / absmax, or
+    # sqrt(v / absmax), the root the update divides by; as the reference
     if SIGNED:
-        lo = tl.floor(r * _SIGNED_CODES)
+        rounded = rel
+        lo = tl.floor(tl.sqrt_rn(rel) * _SIGNED_CODES)
     else:
-        lo = tl.floor(tl.sqrt_rn(r) * _UNSIGNED_CODES)
-    # the code of nearer value of lo and lo + 1 (the lower one on a tie), as the reference
-    above = rel - _relative_value(lo, SIGNED) > _relative_value(lo + 1.0, SIGNED) - rel
+        rounded = tl.sqrt_rn(rel)
+        lo = tl.floor(tl.sqrt_rn(rounded) * _UNSIGNED_CODES)
+    above = rounded - _code_square(lo, SIGNED) > _code_square(lo + 1.0, SIGNED) - rounded
     c = tl.where(usable[:, None], tl.where(above, lo + 1.0, lo), 0.0)
     if SIGNED:
         c = tl.where(x < 0, -c, c)

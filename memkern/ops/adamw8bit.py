@@ -27,23 +27,33 @@ Optimizers via Block-wise Quantization", 2022, the anchor). With ``s`` a block's
 
     m = sign(c) * (|c| / 127) ** 2 * s,   c in [-127, 127]   (int8)
     v = (c / 255) ** 4 * s,               c in [0, 255]      (uint8)
-    quantize: c = the code whose value is nearest to x (the smaller |c| on a tie),
-              p = 2 (m) or 4 (v), C = 127 or 255
+    quantize: the code c whose (|c| / C) ** 2 is nearest to |m| / s (m: the nearest value),
+              or to sqrt(v / s) (v: the nearest root of a value, the root the update divides
+              by); the smaller |c| on a tie. C = 127 or 255.
 
-The code is the nearest *value*, not the nearest root: rounding ``C |x / s| ** (1/p)`` to the
-nearest integer (this map's first rule) sends every ``x`` between the two codes' midpoint in
-root space, ``((c + 1/2) / C) ** p * s``, and their midpoint in value space, the mean of the two
-values, to the upper code, and the first lies below the second because the map is convex: the
-stored ``|m|`` and ``v`` came back biased upward (from ``0`` to ``1``, 1/4 of the interval for
-``m`` and 7/16 for ``v`` rounded up wrongly). On the bench model (float32 parameters, sequence
-128, batch 8, 200 steps at lr 1e-3, seed 0; benchmarks/NOTES.md, "8-bit optimizer state") the
-root-space rule put the 8-bit run's loss systematically below the 32-bit run's: mean signed
-gap -0.45%, 22 of 180 steps over 1%, largest 2.46%; with the nearest value: -0.26%, 7
-steps over 1%, largest 1.47% (the 32-bit step in another rounding order: within 0.6%). Each
-backend takes the truncated root ``lo`` and adds one where ``|x|`` lies above the mean of the
-values of ``lo`` and ``lo + 1``; for the square map the CPU kernel uses the closed form of
-that rule, ``round(sqrt(s - 1/4))`` with ``s = |x| 127**2 / absmax`` (the midpoints are
-``(k + 1/2)**2 + 1/4``): no truncation and no comparison (csrc/cpu/state8bit.h).
+Which quantity a code is the nearest of decides the bias the stored state carries, and the
+loss curves measured it (the bench model, float32 parameters, sequence 128, batch 8, 200 steps
+at lr 1e-3; ``benchmarks/bench_8bit_state.py --sections quality``; benchmarks/NOTES.md,
+"8-bit optimizer state"):
+
+1. The nearest root, ``C |x / s| ** (1/p)`` rounded to an integer (the first rule): the map is
+   convex, so every ``x`` between two codes' midpoint in root space and their midpoint in value
+   space went to the upper code, and the stored ``|m|`` and ``v`` came back biased upward. Seed
+   0: mean signed loss gap to the 32-bit run -0.45%, 22 of 180 steps over 1%, largest 2.46%.
+2. The nearest value, for ``m`` and ``v``. Seeds 0, 1, 2 (on a later main): largest step gaps
+   2.24%, 1.97%, 2.62%; 11, 7, 7 steps over 1%; mean signed gaps -0.27%, -0.06%, +0.01%.
+3. Now: ``v``'s code is the nearest in ``sqrt(v)``, the quantity the update reads (its
+   midpoints lie between the two above; a scratch ablation had shown ``v``'s rounding, not
+   ``m``'s, pulling the 8-bit loss below the 32-bit one). Seeds 0, 1, 2: largest step gaps 1.55%, 1.81%, 2.05%;
+   11, 2, 5 steps over 1%; mean signed gaps -0.17%, -0.00%, +0.01%. The 32-bit step in another
+   rounding order: 0.60%, 0.00%, 1.24% (0, 0, 1 steps over 1%).
+
+In units of ``(|c| / C) ** 2`` both rules are the square map's: the midpoint of codes ``k`` and
+``k + 1`` is ``(k**2 + k + 1/2) / C**2``. Each backend takes the truncated root ``lo`` of that
+quantity (times C) and adds one where the quantity lies above the midpoint of ``lo`` and
+``lo + 1``; the CPU kernel uses the closed form, ``round(sqrt(y - 1/4))`` with ``y = C**2 |m| /
+s`` or ``C**2 sqrt(v / s)``, one root per code (and ``sqrt(v)`` is the update's own root):
+no truncation and no comparison (csrc/cpu/state8bit.h).
 
 Like bitsandbytes' dynamic (tree) map it is dense near zero, which a linear map is not: a
 linear map rounds every ``v`` below ``s / 510`` to 0, and a zero ``v`` under a non-zero ``m``
@@ -51,8 +61,8 @@ turns the update ``m / (sqrt(v) + eps)`` into ``m / eps`` (the "zero-point probl
 al., "Memory Efficient Optimizers with 4-bit States", 2023). The 4th-power map resolves ``v``
 down to ``s * 255**-4 ~ 2e-10 * s`` (``sqrt(v)`` to ``1.5e-5``); the square map resolves
 ``m`` to ``6e-5 * s``, relative steps of at most 2/c and 4/c. Unlike the tree map it needs no
-table and no search: both directions are two or three square roots and products, which
-vectorise on the CPU and cost nothing on a GPU.
+table and no search: both directions are a few square roots and products, which vectorise on
+the CPU and cost nothing on a GPU.
 
 Block size ``QBLOCK`` = 256 (:mod:`memkern.kernels.state8bit`), as bitsandbytes' and
 torchao's 8-bit optimizers use, chosen from measurement (``benchmarks/bench_8bit_block.py``;
@@ -166,13 +176,13 @@ def quantize(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, *,
     scale = torch.where(torch.isfinite(rows), rows.abs(), 0).amax(dim=1, keepdim=True)
     usable = finite & (scale > 0)
     rel = torch.where(usable, rows.abs() / torch.where(usable, scale, 1), 0)
-    r = rel.sqrt()
-    if power == 4:
-        r = r.sqrt()
-    # the code below rel (C for the absmax), then the nearer of it and the next (the lower on
-    # a tie); where r rounds across an integer lo is one off, and the comparison still holds
-    lo = torch.floor(r * levels)
-    above = rel - _relative_value(lo, levels, power) > _relative_value(lo + 1, levels, power) - rel
+    # the quantity whose nearest code value is taken, (|c| / C) ** 2 in both maps: |m| / s,
+    # or sqrt(v / s), the root the update divides by
+    rounded = rel if power == 2 else rel.sqrt()
+    # the code below it (C for the absmax), then the nearer of it and the next (the lower on a
+    # tie); where the root rounds across an integer lo is one off, and the comparison still holds
+    lo = torch.floor(rounded.sqrt() * levels)
+    above = rounded - _relative_value(lo, levels, 2) > _relative_value(lo + 1, levels, 2) - rounded
     c = lo + above.to(lo.dtype)
     if signed:
         c = torch.where(usable, c * rows.sign(), 0)

@@ -20,11 +20,18 @@ constexpr int kQPerLane = kQBlock / 32;   // elements of a block per lane of its
 constexpr float kSignedCodes = 127.0f;    // int8:  sign(c) * (|c| / 127)^2 * absmax
 constexpr float kUnsignedCodes = 255.0f;  // uint8: (c / 255)^4 * absmax
 
+// (|c| / C)^2 for a float code c: the quantity a code is the nearest of (|m| / absmax, or
+// sqrt(v / absmax)).
+template <bool kSigned>
+__device__ __forceinline__ float code_square(float c) {
+  const float q = __fdiv_rn(fabsf(c), kSigned ? kSignedCodes : kUnsignedCodes);
+  return __fmul_rn(q, q);
+}
+
 // A code's value over its block's absmax, (|c| / C)^p, for a float code c.
 template <bool kSigned>
 __device__ __forceinline__ float relative_value(float c) {
-  const float q = __fdiv_rn(fabsf(c), kSigned ? kSignedCodes : kUnsignedCodes);
-  const float q2 = __fmul_rn(q, q);
+  const float q2 = code_square<kSigned>(c);
   return kSigned ? q2 : __fmul_rn(q2, q2);
 }
 
@@ -69,16 +76,15 @@ __device__ __forceinline__ void quantize_block(const float (&x)[kQPerLane],
     if (!valid[k]) {
       continue;
     }
-    // The code of nearest value: lo, the code below (C for the absmax), or lo + 1 (where the
-    // root rounds across an integer lo is one off, and the comparison still holds).
+    // The code nearest in (|c| / C)^2 to |m| / absmax, or to sqrt(v / absmax) (the root the
+    // update divides by): lo, the code below (C for the absmax), or lo + 1 (where the root
+    // rounds across an integer lo is one off, and the comparison still holds).
     const float rel = __fdiv_rn(fabsf(x[k]), divisor);
-    float r = __fsqrt_rn(rel);
-    if constexpr (!kSigned) {
-      r = __fsqrt_rn(r);
-    }
-    const float lo = floorf(__fmul_rn(r, kSigned ? kSignedCodes : kUnsignedCodes));
-    const bool above = __fsub_rn(rel, relative_value<kSigned>(lo)) >
-                       __fsub_rn(relative_value<kSigned>(__fadd_rn(lo, 1.0f)), rel);
+    const float rounded = kSigned ? rel : __fsqrt_rn(rel);
+    const float lo =
+        floorf(__fmul_rn(__fsqrt_rn(rounded), kSigned ? kSignedCodes : kUnsignedCodes));
+    const bool above = __fsub_rn(rounded, code_square<kSigned>(lo)) >
+                       __fsub_rn(code_square<kSigned>(__fadd_rn(lo, 1.0f)), rounded);
     float c = usable ? (above ? __fadd_rn(lo, 1.0f) : lo) : 0.0f;
     if constexpr (kSigned) {
       c = x[k] < 0.0f ? -c : c;
