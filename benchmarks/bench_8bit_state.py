@@ -270,8 +270,9 @@ def quality(cfg: GPTConfig, device: torch.device, dtype: torch.dtype, steps: int
             finetune_steps: int, seed: int, batch: int) -> dict[str, object]:
     """The three variants trained ``steps`` steps from the seeded model; then fine-tuning:
     from the 32-bit run's final weights, ``finetune_steps`` steps at lr 1e-4 on shifted text,
-    fresh optimizer state, the three variants again. The variants of each phase run side by
-    side in processes of their own (start with OMP_NUM_THREADS=1 on a small CPU)."""
+    fresh optimizer state, the three variants again (none when ``finetune_steps`` is 0). The
+    variants of each phase run side by side in processes of their own (start with
+    OMP_NUM_THREADS=1 on a small CPU)."""
     curves, finetune = {}, {}
     with ProcessPoolExecutor(len(QUALITY_VARIANTS), mp_context=get_context("spawn")) as pool:
         jobs = {name: pool.submit(_variant, cfg, device, seed, dtype, name, batch, steps, LR,
@@ -282,7 +283,8 @@ def quality(cfg: GPTConfig, device: torch.device, dtype: torch.dtype, steps: int
             if name == "32bit":
                 pretrained = weights
         jobs = {name: pool.submit(_variant, cfg, device, seed, dtype, name, batch, finetune_steps,
-                                  FINETUNE_LR, True, pretrained) for name in QUALITY_VARIANTS}
+                                  FINETUNE_LR, True, pretrained)
+                for name in QUALITY_VARIANTS if finetune_steps > 0}
         for name, job in jobs.items():
             finetune[name] = job.result()[0]
             print(f"  fine-tuned {name}: final loss {finetune[name][-1]:.4f}", flush=True)
@@ -290,6 +292,8 @@ def quality(cfg: GPTConfig, device: torch.device, dtype: torch.dtype, steps: int
                               "steps": steps, "finetune_steps": finetune_steps, "seq": cfg.seq,
                               "batch": batch, "warmup": WARMUP, "target": 0.01}
     for label, runs in (("pretrain", curves), ("finetune", finetune)):
+        if not runs:
+            continue
         out[label] = {"curves": runs,
                       "8bit vs 32bit": _gap(runs["8bit"], runs["32bit"], WARMUP),
                       "rounding twin vs 32bit": _gap(runs["32bit rounding twin"], runs["32bit"],
@@ -417,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="elements of the step benchmark (default: 8M on CPU, 100M on GPU)")
     parser.add_argument("--steps", type=int, default=200, help="steps of the loss curves")
     parser.add_argument("--finetune-steps", type=int, default=100,
-                        help="steps of the fine-tuning curves")
+                        help="steps of the fine-tuning curves (0: no fine-tuning phase)")
     parser.add_argument("--seq", type=int, default=None,
                         help="sequence length of the loss curves (default: 128 on CPU, the "
                              "model's 256 on GPU)")
@@ -479,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{args.finetune_steps} steps at lr {FINETUNE_LR} (target: every step within "
                       "1%)", flush=True)
                 _print_gaps("training", r["pretrain"])
-                _print_gaps("fine-tuning", r["finetune"])
+                if "finetune" in r:
+                    _print_gaps("fine-tuning", r["finetune"])
 
     if "ci" in sections:
         ci_cfg = GPTConfig(small.layers, small.width, small.heads, seq=32, vocab=small.vocab)
