@@ -1,6 +1,7 @@
 // The block-wise 8-bit optimizer-state format on the CPU backend, shared by every 8-bit
 // optimizer kernel (adamw8bit.cpp, sgd8bit.cpp): the block size, the two code maps, the
-// per-element quantizers with their per-block factors and the parallel loop over the blocks. Format and map, defined and justified: memkern/ops/adamw8bit.py; constants:
+// per-element quantizers with their per-block factors and the parallel loop over the blocks.
+// Format and map, defined and justified: memkern/ops/adamw8bit.py; constants:
 // memkern/kernels/state8bit.py.
 #pragma once
 

@@ -44,9 +44,9 @@ at lr 1e-3; ``benchmarks/bench_8bit_state.py --sections quality``; benchmarks/NO
    2.24%, 1.97%, 2.62%; 11, 7, 7 steps over 1%; mean signed gaps -0.27%, -0.06%, +0.01%.
 3. Now: ``v``'s code is the nearest in ``sqrt(v)``, the quantity the update reads (its
    midpoints lie between the two above; a scratch ablation had shown ``v``'s rounding, not
-   ``m``'s, pulling the 8-bit loss below the 32-bit one). Seeds 0, 1, 2: largest step gaps 1.55%, 1.81%, 2.05%;
-   11, 2, 5 steps over 1%; mean signed gaps -0.17%, -0.00%, +0.01%. The 32-bit step in another
-   rounding order: 0.60%, 0.00%, 1.24% (0, 0, 1 steps over 1%).
+   ``m``'s, pulling the 8-bit loss below the 32-bit one). Seeds 0, 1, 2: largest step gaps
+   1.55%, 1.81%, 2.05%; 11, 2, 5 steps over 1%; mean signed gaps -0.17%, -0.00%, +0.01%. The
+   32-bit step in another rounding order: 0.60%, 0.00%, 1.24% (0, 0, 1 steps over 1%).
 
 In units of ``(|c| / C) ** 2`` both rules are the square map's: the midpoint of codes ``k`` and
 ``k + 1`` is ``(k**2 + k + 1/2) / C**2``. Each backend takes the truncated root ``lo`` of that

@@ -1,7 +1,7 @@
 // The block-wise 8-bit optimizer-state format on the CUDA backend, shared by every 8-bit
 // optimizer kernel (adamw8bit.cuh, sgd8bit.cuh): the block size, the two code maps, the
-// quantizer of one block held by one warp and the kernels' loop over the blocks. Format and map, defined and justified:
-// memkern/ops/adamw8bit.py; constants: memkern/kernels/state8bit.py.
+// quantizer of one block held by one warp and the kernels' loop over the blocks. Format and
+// map, defined and justified: memkern/ops/adamw8bit.py; constants: memkern/kernels/state8bit.py.
 //
 // Each rounding follows the reference's separate torch ops (_rn intrinsics, never contracted
 // into an FMA).
