@@ -23,9 +23,13 @@ struct MomentAbsmaxBits {
 };
 
 // Dequantize, update and write back n <= kQBlock elements into m and sqrt_v (the inputs of the
-// codes); returns the block's absmax bits. kLerpFromEnd is c.lerp_from_end fixed at compile
-// time: GCC vectorises this loop only without the run-time select, which it does not hoist out
-// of a loop this large by itself.
+// codes); returns the block's absmax bits. Two loops, the moments then the master: one loop
+// does the same work, but its chain of dependent instructions (dequantization, moments, root,
+// division, 16-bit rounding) is longer than the core's out-of-order window can overlap, and
+// on the AMD EPYC host it took 1.54 ns per bfloat16 element in cache against 1.35 for the two
+// (fp32 1.19 against 1.13). kLerpFromEnd is c.lerp_from_end fixed at compile time: GCC
+// vectorises these loops only without the run-time select, which it does not hoist out of a
+// loop this large by itself.
 template <bool kLerpFromEnd, typename grad_t, typename param_t>
 MEMKERN_INLINE MomentAbsmaxBits update_block(float* __restrict master,
                                              const int8_t* __restrict m_codes,
@@ -40,11 +44,14 @@ MEMKERN_INLINE MomentAbsmaxBits update_block(float* __restrict master,
   for (int64_t i = 0; i < n; ++i) {
     float mi = dequantize(m_codes[i], m_scale);
     float vi = dequantize(v_codes[i], v_scale);
-    const float w = adamw_element(master[i], mi, vi, to_float(grads[i]), c);
+    adamw_moments(mi, vi, to_float(grads[i]), c);
     m[i] = mi;
-    sqrt_v[i] = std::sqrt(vi);  // the root adamw_element took (the compiler computes it once)
+    sqrt_v[i] = std::sqrt(vi);
     m_bits = abs_bits(mi) > m_bits ? abs_bits(mi) : m_bits;
     v_bits = abs_bits(vi) > v_bits ? abs_bits(vi) : v_bits;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float w = adamw_master(master[i], m[i], sqrt_v[i], c);
     master[i] = w;
     store_param(params, i, w);
   }

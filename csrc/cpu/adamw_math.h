@@ -47,16 +47,27 @@ inline AdamWCoefficients adamw_coefficients(double t,
       static_cast<float>(eps * bias_correction2_sqrt)};
 }
 
-// torch.optim.AdamW's update of one element in float32: m and v in place, returns the new
-// master weight. m and v are torch's to the bit; the master can differ from torch's in the
-// last place (the update is rounded differently, see scaled_step_size).
-inline float adamw_element(float master, float& m, float& v, float grad,
-                           const AdamWCoefficients& c) {
+// torch.optim.AdamW's update of one element's moments in float32, in place: m and v are torch's
+// to the bit.
+inline void adamw_moments(float& m, float& v, float grad, const AdamWCoefficients& c) {
   const float g = grad * c.grad_multiplier;
   // torch.lerp(exp_avg, g, 1 - beta1), both of its forms (they differ for inf gradients).
   m = c.lerp_from_end ? g - (g - m) * c.beta1 : m + c.one_minus_beta1 * (g - m);
   v = v * c.beta2 + c.one_minus_beta2 * g * g;
-  return master * c.decay - c.scaled_step_size * m / (std::sqrt(v) + c.scaled_eps);
+}
+
+// The new master weight from the updated m and sqrt(v); it can differ from torch's in the last
+// place (the update is rounded differently, see scaled_step_size).
+inline float adamw_master(float master, float m, float sqrt_v, const AdamWCoefficients& c) {
+  return master * c.decay - c.scaled_step_size * m / (sqrt_v + c.scaled_eps);
+}
+
+// torch.optim.AdamW's update of one element in float32: m and v in place, returns the new
+// master weight.
+inline float adamw_element(float master, float& m, float& v, float grad,
+                           const AdamWCoefficients& c) {
+  adamw_moments(m, v, grad, c);
+  return adamw_master(master, m, std::sqrt(v), c);
 }
 
 }  // namespace memkern::cpu
