@@ -11,9 +11,6 @@ import triton.language as tl
 from memkern.kernels._common import load_splat
 from memkern.kernels.state8bit import SIGNED_CODES, UNSIGNED_CODES
 
-_SIGNED_CODES = tl.constexpr(SIGNED_CODES)
-_UNSIGNED_CODES = tl.constexpr(UNSIGNED_CODES)
-
 
 @triton.jit
 def block_tile(n, n_blocks, found_inf_ptr, HAS_FOUND_INF: tl.constexpr, ROWS: tl.constexpr,
@@ -32,36 +29,33 @@ def block_tile(n, n_blocks, found_inf_ptr, HAS_FOUND_INF: tl.constexpr, ROWS: tl
     return rows, offs, row_mask, valid
 
 
-@triton.jit
-def _code_square(c, SIGNED: tl.constexpr):
-    """``(|c| / C) ** 2`` of the float32 codes ``c``: the quantity a code is the nearest of
-    (``|m| / absmax``, or ``sqrt(v / absmax)``)."""
-    if SIGNED:
-        q = tl.div_rn(tl.abs(c), tl.full(c.shape, _SIGNED_CODES, tl.float32))
-    else:
-        q = tl.div_rn(c, tl.full(c.shape, _UNSIGNED_CODES, tl.float32))
-    return q * q
-
-
-@triton.jit
-def _relative_value(c, SIGNED: tl.constexpr):
-    """``(|c| / C) ** p`` of the float32 codes ``c``: a code's value over its block's absmax
-    (p = 2 for signed codes, 4 for unsigned ones)."""
-    q2 = _code_square(c, SIGNED)
-    if SIGNED:
-        return q2
-    return q2 * q2
+# Both directions as the CPU kernel computes them (csrc/cpu/state8bit.h, where the closed form
+# is derived): products by per-row factors and one square root per code, no division per
+# element (the reference's order of roundings took 10 correctly rounded divisions per element:
+# the AdamW kernel compiled to 403 SASS instructions per element for sm_90, now 305;
+# benchmarks/step_kernel_sass.py). Values agree with the reference's to a few ulp, codes but
+# for a value within an ulp of a code boundary (the oracle tests' tolerance).
+_SIGNED_VALUE = tl.constexpr(2.0 ** 14 / SIGNED_CODES ** 2)  # (c |c| 2^-14) * absmax * this
+_UNSIGNED_VALUE = tl.constexpr(2.0 ** 32 / UNSIGNED_CODES ** 4)  # ((c / 256)^2)^2 * absmax * this
+_ROUND = tl.constexpr(1.5 * 2.0 ** 23)  # x + this - this: x rounded to an integer, ties to even
+_TINY = tl.constexpr(2.0 ** -100)  # below it C^2 / absmax may overflow: scale by _TINY_SCALE
+_TINY_SCALE = tl.constexpr(2.0 ** 64)
+_SIGNED_SQUARES = tl.constexpr(float(SIGNED_CODES ** 2))
+_UNSIGNED_SQUARES = tl.constexpr(float(UNSIGNED_CODES ** 2))
 
 
 @triton.jit
 def dequantize(codes, absmax, SIGNED: tl.constexpr):
     """float32 values of a ``[rows, QBLOCK]`` tile of ``codes`` (int8 when ``SIGNED``, else
-    uint8) with one ``absmax`` per row."""
+    uint8) with one ``absmax`` per row: ``sign(c) (|c| / 127)^2 absmax`` as ``(c |c| 2^-14)``
+    (exact) times ``absmax 2^14 / 127^2``, or ``(c / 255)^4 absmax`` as ``((c / 256)^2)^2``
+    (the square exact) times ``absmax (256 / 255)^4``."""
     c = codes.to(tl.float32)
-    x = _relative_value(c, SIGNED) * absmax[:, None]
     if SIGNED:
-        x = tl.where(c < 0, -x, x)
-    return x
+        return ((c * tl.abs(c)) * (2.0 ** -14)) * (absmax * _SIGNED_VALUE)[:, None]
+    q = c * (2.0 ** -8)
+    q2 = q * q
+    return (q2 * q2) * (absmax * _UNSIGNED_VALUE)[:, None]
 
 
 @triton.jit
@@ -75,17 +69,21 @@ def quantize(x, valid, SIGNED: tl.constexpr):
     scale = tl.max(a, axis=1)
     any_bad = tl.max(tl.where(valid & (finite == 0), 1, 0), axis=1) > 0
     usable = (any_bad == 0) & (scale > 0)
-    rel = tl.div_rn(a, tl.where(usable, scale, 1.0)[:, None])
-    # the nearer of lo and lo + 1 (the lower one on a tie) in (|c| / C) ** 2: |m| / absmax, or
-    # sqrt(v / absmax), the root the update divides by; as the reference
+    divisor = tl.where(usable, scale, 1.0)
+    # y in [0, C^2], the quantity whose nearest k^2 is the code: C^2 |m| / absmax (below
+    # 2^-100 C^2 / absmax could overflow, so |m| and absmax are scaled by 2^64 first, exactly),
+    # or C^2 sqrt(v) / sqrt(absmax), the root the update divides by; one division per row
     if SIGNED:
-        rounded = rel
-        lo = tl.floor(tl.sqrt_rn(rel) * _SIGNED_CODES)
+        pre = tl.where(divisor < _TINY, _TINY_SCALE, 1.0)
+        factor = tl.div_rn(tl.full(divisor.shape, _SIGNED_SQUARES, tl.float32), divisor * pre)
+        y = (a * pre[:, None]) * factor[:, None]
     else:
-        rounded = tl.sqrt_rn(rel)
-        lo = tl.floor(tl.sqrt_rn(rounded) * _UNSIGNED_CODES)
-    above = rounded - _code_square(lo, SIGNED) > _code_square(lo + 1.0, SIGNED) - rounded
-    c = tl.where(usable[:, None], tl.where(above, lo + 1.0, lo), 0.0)
+        factor = tl.div_rn(tl.full(divisor.shape, _UNSIGNED_SQUARES, tl.float32),
+                           tl.sqrt_rn(divisor))
+        y = tl.sqrt_rn(a) * factor[:, None]
+    # the k whose k^2 is nearest to y: the midpoint of k^2 and (k + 1)^2 is (k + 1/2)^2 + 1/4
+    c = (tl.sqrt_rn(tl.abs(y - 0.25)) + _ROUND) - _ROUND
+    c = tl.where(usable[:, None], c, 0.0)
     if SIGNED:
         c = tl.where(x < 0, -c, c)
     nan = tl.full(scale.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)

@@ -51,9 +51,10 @@ at lr 1e-3; ``benchmarks/bench_8bit_state.py --sections quality``; benchmarks/NO
 In units of ``(|c| / C) ** 2`` both rules are the square map's: the midpoint of codes ``k`` and
 ``k + 1`` is ``(k**2 + k + 1/2) / C**2``. Each backend takes the truncated root ``lo`` of that
 quantity (times C) and adds one where the quantity lies above the midpoint of ``lo`` and
-``lo + 1``; the CPU kernel uses the closed form, ``round(sqrt(y - 1/4))`` with ``y = C**2 |m| /
-s`` or ``C**2 sqrt(v / s)``, one root per code (and ``sqrt(v)`` is the update's own root):
-no truncation and no comparison (csrc/cpu/state8bit.h).
+``lo + 1``. This reference does that; the kernels (C++, CUDA, Triton) use the closed form,
+``round(sqrt(y - 1/4))`` with ``y = C**2 |m| / s`` or ``C**2 sqrt(v) / sqrt(s)``, one root per
+code and one division per block, no truncation and no comparison (csrc/cpu/state8bit.h): codes
+equal to the reference's but for a value within an ulp of a code boundary.
 
 Like bitsandbytes' dynamic (tree) map it is dense near zero, which a linear map is not: a
 linear map rounds every ``v`` below ``s / 510`` to 0, and a zero ``v`` under a non-zero ``m``
@@ -62,7 +63,9 @@ al., "Memory Efficient Optimizers with 4-bit States", 2023). The 4th-power map r
 down to ``s * 255**-4 ~ 2e-10 * s`` (``sqrt(v)`` to ``1.5e-5``); the square map resolves
 ``m`` to ``6e-5 * s``, relative steps of at most 2/c and 4/c. Unlike the tree map it needs no
 table and no search: both directions are a few square roots and products, which vectorise on
-the CPU and cost nothing on a GPU.
+the CPU. On a GPU they are not free: the AdamW step's budget at 80% of an H100's copy bandwidth
+is ~200 SASS instructions per element, and the 8-bit kernels take ~290-305
+(``benchmarks/step_kernel_sass.py``).
 
 Block size ``QBLOCK`` = 256 (:mod:`memkern.kernels.state8bit`), as bitsandbytes' and
 torchao's 8-bit optimizers use, chosen from measurement (``benchmarks/bench_8bit_block.py``;
