@@ -3,8 +3,9 @@
 1. Step time: ``adamw8bit_step_`` against ``adamw_step_``, and ``sgd8bit_step_`` against
    ``sgd_step_`` (momentum 0.9), interleaved, wall and CPU time, on the same flat buffers
    (fp32 params; bf16 grads and params with an fp32 master), on the default backend of the
-   device; the bytes each moves per element and the fraction of the measured copy bandwidth
-   (target: 8-bit <= 1.1x the 32-bit step).
+   device and, on a GPU where the CUDA kernels are built, on the Triton fallback too; the
+   bytes each moves per element and the fraction of the measured copy bandwidth (targets:
+   8-bit <= 1.1x the 32-bit step on the CPU; >= 80% of copy on a GPU).
 2. Optimizer-side bytes per parameter (gradients + fp32 master + state), measured from the
    storages: ``memkern-full`` and ``memkern-full-8bit`` on the bench model, and a model of
    large layers only (target: <= 8.1 at W=1).
@@ -145,6 +146,27 @@ def _compare_steps(n, device, steps, state32: float, state8: float,
                      "fp32_state_fraction_of_copy": (moved + state32) * n / t32 / copy_bw,
                      "int8_state_fraction_of_copy": (moved + state8) * n / t8 / copy_bw}
     return out
+
+
+def step_backends(device: torch.device) -> list[str]:
+    """The backends whose steps are timed: the device's default one first; on a GPU with the
+    CUDA kernels built also Triton, the fallback that runs where they are not."""
+    default = backend.select(device)
+    others = ["triton"] if device.type == "cuda" and default != "triton" else []
+    return [default] + [b for b in others if backend.runs_on(b, device)]
+
+
+def _print_step(what: str, n: int, results: dict[str, object]) -> None:
+    for name, _ in PARAM_DTYPES:
+        r = results[name]
+        low, _, high = r["ratio_per_repetition_min_median_max"]
+        print(f"{what} over {n} elements, {name}: 32-bit state {r['fp32_state_ms']:.2f} "
+              f"ms, 8-bit {r['int8_state_ms']:.2f} ms = {r['ratio_8bit_to_32bit']:.2f}x "
+              f"(target <= 1.1x; per repetition {low:.2f} to {high:.2f}; fastest "
+              f"{r['ratio_fastest_8bit_to_32bit']:.2f}x); CPU time "
+              f"{r['cpu_time_ratio_8bit_to_32bit']:.2f}x; "
+              f"{r['int8_state_fraction_of_copy']:.0%} of copy bandwidth "
+              f"({results['copy_bandwidth_GBps']:.1f} GB/s) counting the bytes it moves")
 
 
 def bytes_per_param(cfg: GPTConfig, device: torch.device) -> dict[str, float]:
@@ -451,20 +473,16 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
 
     if "step" in sections:
-        results["step"] = bench_step(n, device)
-        results["sgd_step"] = bench_sgd_step(n, device)
-        for key, what in (("step", "AdamW step"), ("sgd_step", "SGD momentum step")):
-            for name, _ in PARAM_DTYPES:
-                r = results[key][name]
-                low, _, high = r["ratio_per_repetition_min_median_max"]
-                print(f"{what} over {n} elements, {name}: 32-bit state {r['fp32_state_ms']:.2f} "
-                      f"ms, 8-bit {r['int8_state_ms']:.2f} ms = {r['ratio_8bit_to_32bit']:.2f}x "
-                      f"(target <= 1.1x; per repetition {low:.2f} to {high:.2f}; fastest "
-                      f"{r['ratio_fastest_8bit_to_32bit']:.2f}x); CPU time "
-                      f"{r['cpu_time_ratio_8bit_to_32bit']:.2f}x; "
-                      f"{r['int8_state_fraction_of_copy']:.0%} of copy bandwidth "
-                      f"({results[key]['copy_bandwidth_GBps']:.1f} GB/s) counting the bytes it "
-                      "moves")
+        default, *others = step_backends(device)
+        for name in (default, *others):
+            suffix = "" if name == default else f"_{name}"  # the default keeps the plain keys
+            with backend.force(name) if suffix else contextlib.nullcontext():
+                results["step" + suffix] = bench_step(n, device)
+                results["sgd_step" + suffix] = bench_sgd_step(n, device)
+            for key, what in (("step", "AdamW step"), ("sgd_step", "SGD momentum step")):
+                if suffix:
+                    what = f"{what} ({name} backend)"
+                _print_step(what, n, results[key + suffix])
 
     if "bytes" in sections:
         results["bytes_per_param"] = bpp = bytes_per_param(cfg, device)
