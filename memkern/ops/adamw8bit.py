@@ -146,7 +146,7 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def _relative_value(c: torch.Tensor, levels: int, power: int) -> torch.Tensor:
     """``(|c| / levels) ** power`` of the float codes ``c``, a code's value over its block's
-    absmax, in the order of roundings every backend follows."""
+    absmax, in the reference's order of roundings (the kernels take the closed form above)."""
     q = c.abs() / levels
     return q * q if power == 2 else (q * q) * (q * q)
 
