@@ -32,7 +32,7 @@ def block_tile(n, n_blocks, found_inf_ptr, HAS_FOUND_INF: tl.constexpr, ROWS: tl
 # Both directions as the CPU kernel computes them (csrc/cpu/state8bit.h, where the closed form
 # is derived): products by per-row factors and one square root per code, no division per
 # element (the reference's order of roundings took 10 correctly rounded divisions per element:
-# the AdamW kernel compiled to 403 SASS instructions per element for sm_90, now 305;
+# the AdamW kernel compiled to 403 SASS instructions per element for sm_90, now 266;
 # benchmarks/step_kernel_sass.py). Values agree with the reference's to a few ulp, codes but
 # for a value within an ulp of a code boundary (the oracle tests' tolerance).
 _SIGNED_VALUE = tl.constexpr(2.0 ** 14 / SIGNED_CODES ** 2)  # (c |c| 2^-14) * absmax * this
@@ -63,12 +63,13 @@ def quantize(x, valid, SIGNED: tl.constexpr):
     """``(codes as float32, absmax)`` of the rows of the float32 tile ``x`` (``valid``: the
     elements that exist; ``x >= 0`` unless ``SIGNED``); a row with a non-finite value gets NaN
     and zero codes, an all-zero row zero codes."""
-    a = tl.abs(x)
-    finite = a <= 3.4028234663852886e38  # false for inf and NaN
-    a = tl.where(valid & finite, a, 0.0)
-    scale = tl.max(a, axis=1)
-    any_bad = tl.max(tl.where(valid & (finite == 0), 1, 0), axis=1) > 0
-    usable = (any_bad == 0) & (scale > 0)
+    # one reduction per row for the absmax and the non-finite test: the largest |x| as integer
+    # bits, where inf and NaN order above every finite value
+    a = tl.where(valid, tl.abs(x), 0.0)
+    largest = tl.max(a.to(tl.int32, bitcast=True), axis=1)
+    any_bad = largest >= 0x7F800000
+    scale = largest.to(tl.float32, bitcast=True)
+    usable = (any_bad == 0) & (largest > 0)
     divisor = tl.where(usable, scale, 1.0)
     # y in [0, C^2], the quantity whose nearest k^2 is the code: C^2 |m| / absmax (below
     # 2^-100 C^2 / absmax could overflow, so |m| and absmax are scaled by 2^64 first, exactly),

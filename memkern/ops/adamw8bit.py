@@ -64,7 +64,7 @@ down to ``s * 255**-4 ~ 2e-10 * s`` (``sqrt(v)`` to ``1.5e-5``); the square map 
 ``m`` to ``6e-5 * s``, relative steps of at most 2/c and 4/c. Unlike the tree map it needs no
 table and no search: both directions are a few square roots and products, which vectorise on
 the CPU. On a GPU they are not free: the AdamW step's budget at 80% of an H100's copy bandwidth
-is ~200 SASS instructions per element, and the 8-bit kernels take ~290-305
+is ~200 SASS instructions per element, and the 8-bit kernels take ~270-290
 (``benchmarks/step_kernel_sass.py``).
 
 Block size ``QBLOCK`` = 256 (:mod:`memkern.kernels.state8bit`), as bitsandbytes' and
