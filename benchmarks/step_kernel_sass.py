@@ -75,7 +75,7 @@ def triton_kernels() -> dict[str, dict[str, int]]:
         launch = next(la for la in triton_aot.record_launches([op])
                       if la["signature"].get("grads_ptr") == "*bf16"
                       and la["signature"].get("params_ptr") == "*bf16")
-        (name, code), = functions(triton_aot._compile(launch, 90).asm["cubin"]).items()
+        (name, code), = functions(triton_aot.compile_for(launch, 90).asm["cubin"]).items()
         out[f"triton {op}"] = summary([t for _, t in code])
     return out
 
@@ -107,7 +107,8 @@ def cuda_kernels() -> dict[str, dict[str, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "sm90-step-kernel-sass.json"))
+    parser.add_argument("--out",
+                        default=os.path.join(HERE, "results", "sm90-step-kernel-sass.json"))
     args = parser.parse_args(argv)
     rows = {**triton_kernels(), **cuda_kernels()}
     print(f"{'kernel (bf16 grads and params, sm_90)':<46} {'SASS':>6} {'per elt':>8} "

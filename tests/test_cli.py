@@ -233,9 +233,10 @@ def test_8bit_state_loss_curve_follows_32bit():
     and 0.062% for one (the 32-bit step with another rounding order: 0.00001%); the largest gap
     of 10-step window means 0.003-0.81%, of single steps 0.03-2.1% (seed 0, this test's:
     0.0054%, 0.24%, 1.25%; with v's codes of nearest value the ranges were 0.007-0.071%,
-    0.010-0.91% and 0.07-4.6%). Held to 0.2%, 1.5% and 12%. A wrong requantization (codes truncated, never rounded up) gave 0.59%
-    in the first 20 steps (window 0.72%, step 10.0%: only the first bound sees it); ``v`` requantized with ``m``'s square
-    map made the loss explode."""
+    0.010-0.91% and 0.07-4.6%). Held to 0.2%, 1.5% and 12%. A wrong requantization (codes
+    truncated, never rounded up) gave 0.59% in the first 20 steps (window 0.72%, step 10.0%:
+    only the first bound sees it); ``v`` requantized with ``m``'s square map made the loss
+    explode."""
     default = SIZES["small"]
     cfg = GPTConfig(default.layers, default.width, default.heads, seq=32)
     full = torch.tensor(_loss_curve("memkern-full", cfg, 60, torch.float32), dtype=torch.float64)

@@ -299,7 +299,8 @@ def record_launches(op_names) -> list[dict[str, Any]]:
     return list(launches.values())
 
 
-def _compile(launch: dict[str, Any], arch: int):
+def compile_for(launch: dict[str, Any], arch: int):
+    """One recorded launch compiled for ``sm_<arch>``: Triton's compiled kernel (``.asm``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -311,7 +312,7 @@ def _compile(launch: dict[str, Any], arch: int):
 def compile_launch(launch: dict[str, Any], arch: int) -> str | None:
     """Compile one recorded launch for ``sm_<arch>``; the error text, or None on success."""
     try:
-        compiled = _compile(launch, arch)
+        compiled = compile_for(launch, arch)
     except Exception as e:  # noqa: BLE001 - any compiler error is the finding to report
         return f"{type(e).__name__}: {e}"
     if not compiled.asm.get("cubin"):
@@ -364,7 +365,7 @@ def bf16_store_ir() -> str:
     path of :func:`memkern.kernels._common.round_to`'s hand rounding as the GPU runs it."""
     launch = next(launch for launch in record_launches(["unscale_"])
                   if launch["signature"]["grads_ptr"] == "*bf16")
-    return _compile(launch, 90).asm["ttir"]
+    return compile_for(launch, 90).asm["ttir"]
 
 
 def main(argv: list[str]) -> int:

@@ -49,9 +49,9 @@ at lr 1e-3; ``benchmarks/bench_8bit_state.py --sections quality``; benchmarks/NO
    32-bit step in another rounding order: 0.60%, 0.00%, 1.24% (0, 0, 1 steps over 1%).
 
 In units of ``(|c| / C) ** 2`` both rules are the square map's: the midpoint of codes ``k`` and
-``k + 1`` is ``(k**2 + k + 1/2) / C**2``. Each backend takes the truncated root ``lo`` of that
+``k + 1`` is ``(k**2 + k + 1/2) / C**2``. This reference takes the truncated root ``lo`` of that
 quantity (times C) and adds one where the quantity lies above the midpoint of ``lo`` and
-``lo + 1``. This reference does that; the kernels (C++, CUDA, Triton) use the closed form,
+``lo + 1``; the kernels (C++, CUDA, Triton) use the closed form,
 ``round(sqrt(y - 1/4))`` with ``y = C**2 |m| / s`` or ``C**2 sqrt(v) / sqrt(s)``, one root per
 code and one division per block, no truncation and no comparison (csrc/cpu/state8bit.h): codes
 equal to the reference's but for a value within an ulp of a code boundary.
