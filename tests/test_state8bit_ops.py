@@ -245,6 +245,9 @@ NON_FINITE = [pytest.param(math.nan, id="nan"), pytest.param(math.inf, id="inf")
               pytest.param(-math.inf, id="-inf")]
 
 
+# The Triton interpreter runs the kernel in numpy, which warns when the injected inf meets
+# inf in a division: that NaN is the poison this test expects.
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("position", ["first", "middle", "last"])
 @pytest.mark.parametrize("value", NON_FINITE)
 @pytest.mark.parametrize("backend,device", BACKEND_CASES)
