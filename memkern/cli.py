@@ -87,6 +87,43 @@ def _device(text: str) -> torch.device:
     return device
 
 
+def _output_file(text: str) -> str:
+    """A file the command will write, checked when the flags are read, before any work: its
+    folder exists and a file can be created (or appended to) there. Every flag that names an
+    output file (``--json``, ``--plot``, ...) has this type, so a wrong path costs one line
+    naming the flag instead of a finished run and a traceback."""
+    folder = os.path.dirname(text) or "."
+    if not os.path.isdir(folder):
+        what = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {folder!r} {what}; create "
+                                         "the folder or give another path")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name in it")
+    existed = os.path.exists(text)
+    try:
+        open(text, "a").close()  # creates nothing it does not remove, truncates nothing
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror}")
+    if not existed:
+        os.remove(text)
+    return text
+
+
+def _chart_file(text: str) -> str:
+    """``--plot``: an output file (see :func:`_output_file`) named with a suffix matplotlib
+    writes (.png, .svg, .pdf, ...), with matplotlib installed."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise argparse.ArgumentTypeError("needs matplotlib: pip install matplotlib")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if os.path.splitext(text)[1].lstrip(".").lower() not in formats:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the file name must end in one of "
+            f"{', '.join('.' + f for f in sorted(formats))}")
+    return _output_file(text)
+
+
 def _config_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
@@ -123,17 +160,24 @@ def _parser() -> argparse.ArgumentParser:
                        default="cuda" if torch.cuda.is_available() else "cpu",
                        help="cpu, cuda or cuda:N (default: cuda when available; here: "
                        f"{', '.join(_available_devices())})")
-        p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+        p.add_argument("--json", metavar="PATH", type=_output_file,
+                       help="also write the results as JSON")
 
-    bench = sub.add_parser("bench", help="train the default GPT under each configuration")
+    bench = sub.add_parser(
+        "bench", help="train the default GPT under each configuration",
+        description="Train a small GPT (on the Python standard library's own sources) under "
+        "plain torch, torch AMP and memkern configurations, the same steps on the same "
+        "batches, and print each one's peak memory, saved activations, optimizer-side bytes "
+        "per parameter and step time side by side, with ratios against torch AMP.")
     model_flags(bench, batch=8)
     bench.add_argument("--steps", type=_at_least(MIN_STEPS, " (one warm-up, one profiled, "
                                                  "one timed)"), default=20,
                        help=f"optimizer steps per configuration, >= {MIN_STEPS} (default: 20)")
     bench.add_argument("--configs", type=_config_list, default=list(CONFIGS),
                        help=f"comma-separated subset of: {', '.join(CONFIGS)}")
-    bench.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of memory by "
-                       "component per configuration")
+    bench.add_argument("--plot", metavar="PATH", type=_chart_file,
+                       help="write a bar chart of memory by component per configuration "
+                       "(PNG, or another format by the file's suffix)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the model's initial "
                        "weights and of the batches, the same for every configuration "
                        "(default: 0)")
@@ -141,8 +185,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="run the memkern configurations' forward under torch.compile")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    report = sub.add_parser("report", help="predicted per-rank memory per configuration and "
-                            "world size")
+    report = sub.add_parser(
+        "report", help="predicted per-rank memory per configuration and world size",
+        description="Predict each training configuration's memory per rank at several world "
+        "sizes: model state from the per-parameter formulas of docs/memory.md, activations "
+        "measured in one forward pass of each configuration's model on --device (no "
+        "training step).")
     model_flags(report, batch=8)
     report.add_argument("--world-sizes", type=_int_list, default=[1, 2, 4, 8],
                         help="comma-separated world sizes (default: 1,2,4,8)")
@@ -200,11 +248,6 @@ def _bench(args: argparse.Namespace) -> int:
     from memkern.bench.data import stdlib_corpus
     from memkern.bench.runner import run
 
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError("--plot needs matplotlib: pip install matplotlib")
     device = args.device
     cfg = _model_config(args, device)
     corpus = stdlib_corpus()

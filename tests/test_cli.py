@@ -114,6 +114,90 @@ def test_bad_flags_give_one_line_error(flags, needle):
     assert "Traceback" not in proc.stderr
 
 
+def _subcommands() -> dict:
+    """{name: parser} of every ``memkern`` subcommand (argparse keeps them in a private
+    attribute): a subcommand added later is checked without editing the tests below."""
+    return dict(cli._parser()._subparsers._group_actions[0].choices)
+
+
+def _output_flags() -> list[tuple[str, str]]:
+    """(subcommand, flag) for every flag of type ``cli._output_file`` or ``cli._chart_file``."""
+    return [(command, flag.option_strings[-1]) for command, parser in _subcommands().items()
+            for flag in parser._actions if flag.type in (cli._output_file, cli._chart_file)]
+
+
+OUTPUT_FLAGS = _output_flags()
+
+
+def test_output_flags_are_found():
+    assert {("bench", "--json"), ("bench", "--plot"), ("report", "--json")} <= set(OUTPUT_FLAGS)
+
+
+def _refused_at_once(flags: list[str], needle: str) -> None:
+    """One line naming the flag, exit status 2, and nothing run (no table on stdout)."""
+    proc = _run_cli(*flags, "--size", "tiny", "--steps", "3", "--batch", "1", "--seq", "16")
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert f"error: argument {flags[-2]}: " in lines[0] and needle in lines[0], lines[0]
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("command,flag", OUTPUT_FLAGS)
+def test_output_path_in_a_missing_folder_is_refused_before_work(tmp_path, command, flag):
+    target = tmp_path / "no-such-folder" / "out.png"
+    _refused_at_once([command, flag, str(target)], "does not exist")
+    assert not target.parent.exists()
+
+
+@pytest.mark.parametrize("command,flag", OUTPUT_FLAGS)
+def test_output_path_that_is_a_folder_or_under_a_file_is_refused(tmp_path, command, flag):
+    folder = tmp_path / "results.png"
+    folder.mkdir()
+    _refused_at_once([command, flag, str(folder)], "is a folder")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("kept")
+    _refused_at_once([command, flag, str(a_file / "out.png")], "is a file, not a folder")
+    assert a_file.read_text() == "kept"
+
+
+@pytest.mark.parametrize("command,flag", OUTPUT_FLAGS)
+def test_output_path_in_a_read_only_folder_is_refused(tmp_path, command, flag):
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("this user (root?) can write to a folder of mode 0o500")
+        _refused_at_once([command, flag, str(folder / "out.png")], "Permission denied")
+    finally:
+        folder.chmod(0o700)
+
+
+def test_checked_output_path_is_left_as_it_was(tmp_path):
+    """The check creates no file it does not remove, and truncates none."""
+    fresh, existing = tmp_path / "fresh.json", tmp_path / "existing.json"
+    existing.write_text("old results")
+    assert cli._output_file(str(fresh)) == str(fresh) and not fresh.exists()
+    assert cli._output_file(str(existing)) == str(existing)
+    assert existing.read_text() == "old results"
+
+
+def test_plot_suffix_must_be_a_format_matplotlib_writes(tmp_path):
+    _refused_at_once(["bench", "--plot", str(tmp_path / "chart.txt")], ".png")
+
+
+def test_every_subcommand_help_opens_with_what_it_does():
+    subparsers = _subcommands()
+    assert {"bench", "report"} <= set(subparsers)
+    for command, parser in subparsers.items():
+        assert parser.description, f"memkern {command} has no description"
+        proc = _run_cli(command, "--help")
+        assert proc.returncode == 0
+        paragraphs = proc.stdout.split("\n\n")
+        assert paragraphs[0].startswith(f"usage: memkern {command}")
+        assert " ".join(paragraphs[1].split()) == " ".join(parser.description.split())
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA GPU")
 @pytest.mark.parametrize("command", ["bench", "report"])
 def test_cuda_without_a_gpu_is_one_line(command):
@@ -251,3 +335,4 @@ def test_8bit_state_loss_curve_follows_32bit():
     assert early < 2e-3
     assert window < 1.5e-2
     assert step < 12e-2
+
