@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from memkern.bench.configs import build
+from memkern.bench.configs import CONFIGS, build
 from memkern.bench.data import Batches
 from memkern.bench.model import GPTConfig
 from memkern.profile import memory_breakdown, saved_bytes
@@ -47,7 +47,10 @@ class Row:
 
 
 class Progress:
-    """One line per configuration on stderr, redrawn in place on a terminal."""
+    """One line per configuration on stderr, redrawn in place on a terminal; the bars line up
+    whatever the configuration (the longest name, compiled, sets the label's width)."""
+
+    LABEL_WIDTH = max(len(name) for name in CONFIGS) + len("+compile")
 
     def __init__(self, label: str, total: int, enabled: bool = True) -> None:
         self.label, self.total, self.enabled = label, total, enabled
@@ -59,8 +62,8 @@ class Progress:
         filled = int(24 * done / self.total)
         bar = "#" * filled + "." * (24 - filled)
         end = "\n" if done == self.total else ""
-        print(f"\r  {self.label:<18} [{bar}] {done:>4}/{self.total} loss {loss:.4f}",
-              end=end, file=sys.stderr, flush=True)
+        print(f"\r  {self.label:<{self.LABEL_WIDTH}} [{bar}] {done:>4}/{self.total} "
+              f"loss {loss:.4f}", end=end, file=sys.stderr, flush=True)
 
 
 def _sync(device: torch.device) -> None:
