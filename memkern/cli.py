@@ -172,7 +172,8 @@ def _parser() -> argparse.ArgumentParser:
     model_flags(bench, batch=8)
     bench.add_argument("--steps", type=_at_least(MIN_STEPS, " (one warm-up, one profiled, "
                                                  "one timed)"), default=20,
-                       help=f"optimizer steps per configuration, >= {MIN_STEPS} (default: 20)")
+                       help=f"optimizer steps per configuration, >= {MIN_STEPS} (default: 20); "
+                       "the first, the profiled one and a few warm-up steps are not timed")
     bench.add_argument("--configs", type=_config_list, default=list(CONFIGS),
                        help=f"comma-separated subset of: {', '.join(CONFIGS)}")
     bench.add_argument("--plot", metavar="PATH", type=_chart_file,
@@ -236,12 +237,20 @@ def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
           + ("(CUDA allocator)" if device.type == "cuda" else "(profiler allocation trace)")
           + ";\nopt B/param: gradients + the fp32 weights the optimizer updates (master copies, or "
           "fp32 parameters updated in place) + optimizer state, per parameter")
-    for r in rows:
-        if r.step_spread > SPREAD_LIMIT:
-            print(f"note: {r.config}'s step times varied by {r.step_spread:.0%} (min "
-                  f"{r.step_seconds_min * 1e3:.1f} ms, median {r.step_seconds * 1e3:.1f} ms, max "
-                  f"{r.step_seconds_max * 1e3:.1f} ms): the machine was busy or still warming "
-                  "up, so its times are uncertain; run again, or with more --steps")
+    spread = [f"{r.config} {r.step_spread:.0%}" for r in rows if r.step_spread > SPREAD_LIMIT]
+    if spread:
+        print(f"note: timed steps spread over {SPREAD_LIMIT:.0%} ((max - min) / median) in "
+              f"{', '.join(spread)}{_load()}: those time ratios are uncertain; run again, or "
+              "with more --steps")
+
+
+def _load() -> str:
+    """The machine's load, for the spread note (a busy machine is the usual cause)."""
+    try:
+        one_minute = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return ""
+    return f" (load average {one_minute:.1f} on {os.cpu_count()} CPUs, this run included)"
 
 
 def _bench(args: argparse.Namespace) -> int:

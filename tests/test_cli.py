@@ -229,15 +229,20 @@ def _row(name: str, times_ms: tuple[float, float, float]):
                [2.5, 2.4], step_seconds_min=low, step_seconds_max=high)
 
 
-def test_bench_notes_configurations_whose_step_times_spread(capsys):
-    """(max - min) / median over 20%: a note under the table; 19%: none."""
-    rows = [_row("torch-amp", (100.0, 110.0, 130.0)), _row("torch-fp32", (95.0, 100.0, 114.0))]
+def test_bench_notes_configurations_whose_step_times_spread_in_one_line(capsys):
+    """(max - min) / median over 20%: named in one note under the table; 19%: not named."""
+    rows = [_row("torch-amp", (100.0, 110.0, 130.0)), _row("torch-fp32", (95.0, 100.0, 114.0)),
+            _row("memkern-full", (50.0, 60.0, 200.0))]
     args = cli._parser().parse_args(["bench", "--size", "tiny", "--steps", "4"])
     cli._print_bench(rows, SIZES["tiny"], args, torch.device("cpu"))
-    out = capsys.readouterr().out
-    notes = [ln for ln in out.splitlines() if ln.startswith("note:")]
-    assert len(notes) == 1 and notes[0].startswith("note: torch-amp's step times varied by 27% "
-                                                   "(min 100.0 ms, median 110.0 ms, max 130.0")
+    lines = capsys.readouterr().out.splitlines()
+    notes = [ln for ln in lines if ln.startswith("note:")]
+    assert len(notes) == 1 and notes[0] == lines[-1]
+    assert notes[0].startswith("note: timed steps spread over 20% ((max - min) / median) in "
+                               "torch-amp 27%, memkern-full 250% (load average ")
+    assert "torch-fp32" not in notes[0]
+    cli._print_bench(rows[1:2], SIZES["tiny"], args, torch.device("cpu"))
+    assert "note:" not in capsys.readouterr().out
 
 
 def test_report_has_a_column_legend():
@@ -347,3 +352,37 @@ def test_progress_bars_line_up_for_every_configuration(capsys):
     lines = [line.lstrip("\r") for line in capsys.readouterr().err.split("\n") if line]
     assert len(lines) == 2 * len(cli.CONFIGS)
     assert len({line.index("[") for line in lines}) == 1, lines
+
+
+@pytest.mark.parametrize("steps,timed", [(3, [2]), (4, [3]), (5, [4]), (6, [5]), (9, [5, 6, 7, 8])])
+def test_bench_times_only_the_steps_after_the_warm_up(monkeypatch, steps, timed):
+    """Step 0 (first allocations, compilation), step 1 (profiled) and up to three warm-up steps
+    are not timed, at least one step is. A fake clock, advanced by each step, tells which
+    steps the reported times came from: step i takes 100 + i seconds."""
+    import types
+
+    from memkern.bench import runner
+
+    clock = [0.0]
+    monkeypatch.setattr(runner, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    real_build = runner.build
+
+    def build(*args, **kwargs):
+        setup = real_build(*args, **kwargs)
+        real_step, done = setup.train_step, []
+
+        def step(*step_args, **step_kwargs):
+            clock[0] += 100.0 + len(done)
+            done.append(True)
+            return real_step(*step_args, **step_kwargs)
+
+        setup.train_step = step
+        return setup
+
+    monkeypatch.setattr(runner, "build", build)
+    cfg = GPTConfig(SIZES["tiny"].layers, SIZES["tiny"].width, SIZES["tiny"].heads, seq=16)
+    row = runner.run("torch-amp", cfg, stdlib_corpus(), steps=steps, batch=2,
+                     device=torch.device("cpu"), progress=False)
+    assert len(row.losses) == steps
+    assert (row.step_seconds_min, row.step_seconds_max) == (100.0 + timed[0], 100.0 + timed[-1])
+    assert row.step_seconds == pytest.approx(100.0 + sum(timed) / len(timed))
