@@ -9,9 +9,10 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(args: list[str], cwd: str) -> subprocess.CompletedProcess:
+def _run(args: list[str], cwd: str, **env_vars: str) -> subprocess.CompletedProcess:
     # One intra-op thread: the shared CI machine's two cores are busy with other tests.
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               **env_vars)
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=600)
 
@@ -36,14 +37,19 @@ def test_quickstart_learns(tmp_path):
 
 @pytest.mark.slow
 def test_hf_trainer_example_trains_and_resumes(tmp_path):
+    """With no --out, the checkpoints go to the temporary directory, not the working one."""
     pytest.importorskip("transformers")
     example = os.path.join(REPO, "examples", "hf_trainer.py")
-    first = _run([example, "--steps", "4", "--out", str(tmp_path / "out")], str(tmp_path))
+    work, temp = tmp_path / "work", tmp_path / "temp"
+    work.mkdir()
+    temp.mkdir()
+    out = temp / "memkern-examples" / "hf_trainer"
+    first = _run([example, "--steps", "4"], str(work), TMPDIR=str(temp))
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "trained 4 steps" in first.stdout
-    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-2", "checkpoint-4"]
-    resumed = _run([example, "--steps", "6", "--out", str(tmp_path / "out"), "--resume"],
-                   str(tmp_path))
+    assert "trained 4 steps" in first.stdout and f"checkpoints in {out}" in first.stdout
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4"]
+    assert os.listdir(work) == []
+    resumed = _run([example, "--steps", "6", "--out", str(out), "--resume"], str(work))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "trained 6 steps" in resumed.stdout
 
