@@ -1,5 +1,5 @@
-"""DESIGN.md §2 (contract v1): every public name importable as written, with the documented
-parameters and defaults. A rename or a changed default fails here first."""
+"""The public API, contract v1 (docs/api.md): every public name importable as written, with the
+documented parameters and defaults. A rename or a changed default fails here first."""
 import inspect
 
 import pytest

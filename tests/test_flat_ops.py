@@ -1,6 +1,6 @@
 """Cross-backend tests of the flat-buffer ops (unscale_, l2_norm, adamw_step_, sgd_step_).
 
-DESIGN.md §4: every backend that runs here (reference always; triton under TRITON_INTERPRET=1;
+Every backend that runs here (reference always; triton under TRITON_INTERPRET=1;
 cpu once the C++ extension is built) goes through the public entry under
 ``memkern.ops.force(backend)`` and is compared with a float64 oracle that shares no code with
 memkern, computed from the very values the backend saw: ``torch.optim.AdamW``/``SGD``'s own

@@ -1,7 +1,7 @@
 """ShardedOptimizer across real processes (gloo on 127.0.0.1), world sizes 1, 2 and 3, against
 the single-process run: ZeRO stages 1 and 2, CPU offload, accumulation with both
 normalisations, clipping, dynamic loss scaling with an overflow on one rank only, optimizer
-state split 1/W, bytes per parameter against DESIGN.md's formulas, no host reads, resharding
+state split 1/W, bytes per parameter against docs/memory.md's formulas, no host reads, resharding
 checkpoints (full state dict and torch.distributed.checkpoint, saved mid-window at W=2 and
 continued at W=3), interrupted saves, and ranks that disagree on the parameters.
 
@@ -602,7 +602,7 @@ def test_stage_2_reduces_buckets_while_backward_runs(runs):
 @pytest.mark.parametrize("world", [2, 3])
 def test_bytes_per_parameter_match_the_memory_model(runs, world):
     """Adam, bfloat16 parameters and gradients: 4 + 12/W bytes per parameter with stage 1,
-    2 + 14/W with stage 2 (DESIGN.md section 3), against what a rank keeps alive."""
+    2 + 14/W with stage 2 (docs/memory.md), against what a rank keeps alive."""
     formula = {1: 4 + 12 / world, 2: 2 + 14 / world}
     for rank, result in enumerate(runs[world]["memory"]):
         for stage in (1, 2):
