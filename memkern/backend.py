@@ -3,13 +3,15 @@
 Every op has up to four implementations computing the same function:
 
 ============  ==============================  ==========================================
-backend       where it runs                   present when
+backend       where it runs                   present (:func:`backends`) when
 ============  ==============================  ==========================================
 reference     anywhere (plain torch ops)      always
 cpu           CPU (``csrc/cpu``)              the C++ extension was built
 cuda          NVIDIA GPU (``csrc/cuda``)      the extension was built with CUDA kernels
-triton        NVIDIA GPU; CPU when            ``triton`` is importable
-              ``TRITON_INTERPRET=1``
+                                              and a CUDA GPU is visible
+triton        NVIDIA GPU; CPU when            ``triton`` is importable and a CUDA GPU
+              ``TRITON_INTERPRET=1``          is visible, or ``TRITON_INTERPRET=1``
+                                              (interpreted on the CPU: the tests)
 ============  ==============================  ==========================================
 
 By default a CUDA tensor goes to cuda → triton → reference and a CPU tensor to cpu →
@@ -64,7 +66,9 @@ def _triton_interpreted() -> bool:
 
 
 def backends() -> dict[str, bool]:
-    """Which backends can run in this process (on some device)."""
+    """Which backends can run in this process (on some device). Triton installed on a machine
+    without a CUDA GPU counts only under ``TRITON_INTERPRET=1``, where it runs interpreted on
+    the CPU (for tests; far slower than the ``cpu`` backend)."""
     cuda_ok = torch.cuda.is_available()
     return {
         "reference": True,
