@@ -12,6 +12,8 @@ Commands:
     memkern bench    train a small GPT under plain torch, torch AMP and memkern
                      configurations and print their memory and speed side by side
     memkern report   predicted per-rank memory of each configuration and world size
+    memkern plan     a training step's device memory planned on fake tensors: the peak and
+                     what it is made of, for a GPU or the CPU, without one
 
 Under torchrun (WORLD_SIZE > 1) every rank trains and rank 0 prints.
 Documentation: docs/ in the repository (start with docs/index.md).
@@ -146,6 +148,10 @@ def _parser() -> argparse.ArgumentParser:
     model_flags(report, batch=8)
     report.add_argument("--world-sizes", type=_int_list, default=[1, 2, 4, 8],
                         help="comma-separated world sizes (default: 1,2,4,8)")
+    from memkern.profile import plan_command
+
+    plan = sub.add_parser("plan", help="plan a training step's device memory on fake tensors")
+    plan_command.add_arguments(plan, sorted(SIZES), _config_list, _at_least(1))
     return parser
 
 
@@ -287,6 +293,14 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        from memkern.profile import plan_command
+
+        try:
+            return plan_command.run(args)
+        except ValueError as exc:
+            print(f"memkern plan: error: {exc}", file=sys.stderr)
+            return 2
     try:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             import torch.distributed as dist

@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -134,6 +133,25 @@ def collapse_indices(name: str) -> str:
     return _INDEX.sub("*", name)
 
 
+_active: list[_Timeline] = []
+
+
+@contextlib.contextmanager
+def on_host():
+    """Inside a :func:`plan_training_step` build, storages created in the block are host memory,
+    not the device's (a model built on the CPU before it is moved, as ``from_config(...).to(
+    "cuda")`` does): they are not counted, and neither are their frees. Outside a plan: nothing."""
+    tl = _active[-1] if _active else None
+    if tl is None:
+        yield
+        return
+    tl.host = True
+    try:
+        yield
+    finally:
+        tl.host = False
+
+
 class _Timeline(TorchDispatchMode):
     """Records every storage's creation and death while ops run (see the module docstring)."""
 
@@ -157,10 +175,17 @@ class _Timeline(TorchDispatchMode):
         self._gemm_threads: set[str] = set()
         self.roots: list[tuple[nn.Module, Any]] = []
         self.closed = False  # after the run: frees are no longer events
+        self.host = False  # inside on_host(): new storages are host memory
 
     # ---------------------------------------------------------------------------- storages
     def _new(self, nbytes: int, op: str, where: str) -> int:
         sid = len(self.nbytes)
+        if self.host:  # not device memory: no event, size 0 (never counted)
+            self.nbytes.append(0)
+            self.op.append(op)
+            self.where.append(where)
+            self.created.append((self.step, self.phase))
+            return sid
         self.nbytes.append(nbytes)
         self.op.append(op)
         self.where.append(where)
@@ -169,7 +194,7 @@ class _Timeline(TorchDispatchMode):
         return sid
 
     def _free(self, sid: int) -> None:
-        if not self.closed:
+        if not self.closed and self.nbytes[sid]:
             self.events.append(~sid)
         self._refs.pop(sid, None)
 
@@ -289,18 +314,6 @@ class _Timeline(TorchDispatchMode):
         return out
 
 
-class _FunctionOverrides(TorchFunctionMode):
-    """Runs the target's replacements of Python-level functions (:meth:`Target.function_overrides`)."""
-
-    def __init__(self, overrides: dict) -> None:
-        super().__init__()
-        self.overrides = overrides
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        replacement = self.overrides.get(func)
-        return (replacement or func)(*args, **(kwargs or {}))
-
-
 # -------------------------------------------------------------------------------- replay
 
 
@@ -408,12 +421,12 @@ def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Targ
     hooks = [nn.modules.module.register_module_forward_pre_hook(tl.module_entered),
              nn.modules.module.register_module_forward_hook(tl.module_left, always_call=True)]
     _saved._observers.append(tl.noted)
+    _active.append(tl)
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_fake.fake_mode())
             stack.enter_context(backend.planning_for(tgt.device_type))
             stack.enter_context(tl)
-            stack.enter_context(_FunctionOverrides(tgt.function_overrides()))
             setup = build()
             if not isinstance(setup, TrainingSetup):
                 raise TypeError("plan_training_step: build() must return a TrainingSetup, got "
@@ -434,6 +447,7 @@ def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Targ
             tl.closed = True
             del setup
     finally:
+        _active.remove(tl)
         _saved._observers.remove(tl.noted)
         for h in hooks:
             h.remove()

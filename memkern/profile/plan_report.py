@@ -7,7 +7,9 @@ from memkern.profile.plan import CATEGORIES, Moment, StepPlan
 
 MIB = 1 << 20
 TOP = 6
-"""Entries listed under a moment's largest categories."""
+"""Entries listed under each category of a moment, largest first."""
+SHOWN = MIB // 20
+"""Categories and entries under 0.05 MiB are not listed (they would print as 0.0)."""
 
 
 def _mib(n: float) -> str:
@@ -17,15 +19,16 @@ def _mib(n: float) -> str:
 def _moment_lines(title: str, m: Moment) -> list[str]:
     lines = [f"{title}: {m.allocated / MIB:.1f} MiB in {m.phase}, at {m.op} ({m.where})"]
     for cat in CATEGORIES:
-        if m.by_category[cat]:
-            lines.append(f"  {cat:<20} {_mib(m.by_category[cat])} MiB")
-            entries = (m.saved_by_module if cat == "saved for backward"
-                       else m.by_op.get(cat, {}))
-            for name, n in list(entries.items())[:TOP]:
-                lines.append(f"      {_mib(n)}  {name}")
-            if len(entries) > TOP:
-                rest = sum(list(entries.values())[TOP:])
-                lines.append(f"      {_mib(rest)}  ({len(entries) - TOP} more)")
+        if m.by_category[cat] < SHOWN:
+            continue
+        lines.append(f"  {cat:<20} {_mib(m.by_category[cat])} MiB")
+        entries = m.saved_by_module if cat == "saved for backward" else m.by_op.get(cat, {})
+        shown = [(name, n) for name, n in entries.items() if n >= SHOWN][:TOP]
+        for name, n in shown:
+            lines.append(f"      {_mib(n)}  {name}")
+        if len(entries) > len(shown):
+            rest = sum(entries.values()) - sum(n for _, n in shown)
+            lines.append(f"      {_mib(rest)}  ({len(entries) - len(shown)} more)")
     return lines
 
 
