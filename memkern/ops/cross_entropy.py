@@ -99,10 +99,10 @@ def reference(logits, target, row_scale, ignore_index, label_smoothing, compute_
         if eps > 0.0:
             grad.sub_(eps / V)
         grad.scatter_add_(1, t, (-(1.0 - eps) * in_range.to(cd))[:, None])
-        if row_scale is not None or logits.is_cuda:
+        if row_scale is not None or logits.device.type != "cpu" or is_fake(logits):
             scale = valid.to(cd) if row_scale is None else valid.to(cd) * row_scale
             grad.mul_(scale[:, None])
-        else:  # CPU: zero the ignored rows only (no pass over the whole block)
+        else:  # CPU: zero the ignored rows only (no pass over the whole block; a host read)
             ignored = (~valid).nonzero()[:, 0]
             if ignored.numel():
                 grad.index_fill_(0, ignored, 0.0)
