@@ -30,6 +30,7 @@ logits), which the planner adds while it runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -52,13 +53,10 @@ _ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.
 _HALF = (torch.float16, torch.bfloat16)
 
 
+@functools.cache
 def _rows_op():
-    import memkern.ops  # noqa: F401  (defines the memkern ops)
-
+    """The fused cross-entropy row op (looked up on first use: memkern.ops defines it)."""
     return torch.ops.memkern.cross_entropy_rows_.default
-
-
-_ROWS = _rows_op()
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -106,7 +104,7 @@ class Target:
         cross-entropy row op's (csrc/cpu/cross_entropy.cpp: the float32 log-softmax of the
         block, and for 16-bit logits the float32 copy it is taken from, then the gradient)."""
         if self.name == "cpu":
-            if func is not _ROWS:
+            if func is not _rows_op():
                 return []
             logits = args[0]
             widened = logits.element_size() < 4
