@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from memkern.bench.configs import BASELINE, CONFIGS
+from memkern.bench.configs import BASELINE, CONFIGS, DEFAULT_CONFIGS
 from memkern.bench.model import SIZES, GPTConfig
 
 
@@ -132,8 +132,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=_at_least(MIN_STEPS, " (one warm-up, one profiled, "
                                                  "one timed)"), default=20,
                        help=f"optimizer steps per configuration, >= {MIN_STEPS} (default: 20)")
-    bench.add_argument("--configs", type=_config_list, default=list(CONFIGS),
-                       help=f"comma-separated subset of: {', '.join(CONFIGS)}")
+    bench.add_argument("--configs", type=_config_list, default=list(DEFAULT_CONFIGS),
+                       help=f"comma-separated subset of: {', '.join(CONFIGS)} (default: all "
+                       "but memkern-fit)")
+    bench.add_argument("--memory-budget", metavar="BYTES",
+                       help="memkern-fit's device memory budget, e.g. 3GiB or 2500MiB")
     bench.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of memory by "
                        "component per configuration")
     bench.add_argument("--seed", type=int, default=0, help="seed of the model's initial "
@@ -219,7 +222,7 @@ def _bench(args: argparse.Namespace) -> int:
     for i, name in enumerate(args.configs):
         rows.append(run(name, cfg, corpus, steps=args.steps, batch=args.batch, device=device,
                         seed=args.seed, progress=rank0 and not args.quiet,
-                        compile=args.compile))
+                        compile=args.compile, memory_budget=args.memory_budget))
     if not rank0:
         return 0
     _print_bench(rows, cfg, args, device)

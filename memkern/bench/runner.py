@@ -70,9 +70,11 @@ def _sync(device: torch.device) -> None:
 
 
 def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: int,
-        device: torch.device, seed: int = 0, progress: bool = True, compile: bool = False) -> Row:
+        device: torch.device, seed: int = 0, progress: bool = True, compile: bool = False,
+        memory_budget: int | str | None = None) -> Row:
     """Trains configuration ``name`` for ``steps`` steps (batch × cfg.seq tokens each);
-    ``compile``: the memkern configurations compiled (their rows are named ``<name>+compile``).
+    ``compile``: the memkern configurations compiled (their rows are named ``<name>+compile``);
+    ``memory_budget``: memkern-fit's.
 
     Step 0 warms up; step 1 is measured for memory (under the profiler on CPU, so it is left
     out of the timing); the median time of the other steps is reported.
@@ -85,7 +87,8 @@ def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: i
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    setup = build(name, cfg, device, seed, compile=compile)
+    setup = build(name, cfg, device, seed, compile=compile, batch=batch,
+                  memory_budget=memory_budget)
     if compile and name.startswith("memkern"):
         name = f"{name}+compile"
     batches = Batches(corpus, batch, cfg.seq, seed=seed, device=device)

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
 
 from memkern import _fake, backend
 from memkern.profile import saved as _saved
@@ -106,6 +107,9 @@ class StepPlan:
     """Bytes the allocator reserved from the device by the end (its segments)."""
     seconds: float
     """Wall time of the planning."""
+    flops: int | None = None
+    """Floating-point operations of the measured step (``count_flops=True``), by the formulas
+    of ``torch.utils.flop_counter`` (GEMMs and attention)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -176,6 +180,8 @@ class _Timeline(TorchDispatchMode):
         self.roots: list[tuple[nn.Module, Any]] = []
         self.closed = False  # after the run: frees are no longer events
         self.host = False  # inside on_host(): new storages are host memory
+        self.count_flops = False
+        self.flops = 0
 
     # ---------------------------------------------------------------------------- storages
     def _new(self, nbytes: int, op: str, where: str) -> int:
@@ -305,6 +311,10 @@ class _Timeline(TorchDispatchMode):
                 self.workspace(self.target.gemm_workspace, f"cuBLAS workspace ({thread} thread)",
                                where, keep=True)
         out = func(*args, **kwargs)
+        if self.count_flops:  # torch's FLOP formulas (FlopCounterMode's), without its module
+            count = flop_registry.get(func._overloadpacket)  # hooks, which change memory
+            if count is not None:
+                self.flops += count(*args, **kwargs, out_val=out)
         out = self.target.adjust(func, args, kwargs, out)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -403,14 +413,15 @@ def _held(tl: _Timeline) -> dict[str, int]:
 
 
 def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Target = "cuda",
-                       warmup_steps: int = 1) -> StepPlan:
+                       warmup_steps: int = 1, count_flops: bool = False) -> StepPlan:
     """Plans one training step of the set-up ``build()`` makes, for ``device``.
 
     ``build`` runs inside the fake mode (create the model, the optimizer and the batch there, on
     the CPU: the stand-in for every target) and returns a :class:`TrainingSetup`. Its ``step``
     runs ``warmup_steps`` times (the optimizer creates its state), then once more: that step is
     measured. ``device``: "cuda" (Hopper), "cuda-sm80" (Ampere), "cpu", or a
-    :class:`~memkern.profile.targets.Target`. Returns a :class:`StepPlan`.
+    :class:`~memkern.profile.targets.Target`. ``count_flops``: also count the measured step's
+    floating-point operations (:attr:`StepPlan.flops`). Returns a :class:`StepPlan`.
     """
     if warmup_steps < 0:
         raise ValueError(f"plan_training_step: warmup_steps={warmup_steps} must be >= 0")
@@ -435,14 +446,19 @@ def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Targ
             tl.names = {id(m): n or type(setup.model).__name__
                         for n, m in setup.model.named_modules()}
             held: dict[str, int] = {}
+            flops = None
             with torch.autograd.graph.saved_tensors_hooks(tl.pack, lambda t: t):
                 for step in range(warmup_steps + 1):
                     gc.collect()
                     tl.begin_step(step)
-                    if step == warmup_steps:
+                    last = step == warmup_steps
+                    if last:
                         held = _held(tl)
+                    tl.count_flops = last and count_flops
                     setup.step()
                     tl.assign_roles()
+                    if tl.count_flops:
+                        flops = tl.flops
             description = setup.description
             tl.closed = True
             del setup
@@ -463,4 +479,4 @@ def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Targ
     peak = max(phase_peaks.values(), key=lambda m: m.allocated)
     return StepPlan(str(device if isinstance(device, str) else device.name), description, peak,
                     phase_peaks, run_peak, step_start.get(measured, 0), held, reserved,
-                    time.perf_counter() - start)
+                    time.perf_counter() - start, flops)

@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser, size_choices, config_names,
                         help="memkern bench model size (default: gpt2-small)")
     parser.add_argument("--configs", type=config_names, default=None,
                         help="comma-separated memkern bench configurations (default: every one "
-                        "that can be planned; compiled ones cannot)")
+                        "that can be planned: not the compiled ones, nor memkern-fit)")
     parser.add_argument("--batch", type=positive_int, default=8,
                         help="sequences per step (default: 8)")
     parser.add_argument("--seq", type=positive_int,
@@ -99,9 +99,9 @@ def _plans(args: argparse.Namespace) -> list[tuple[str, StepPlan]]:
                 for name, patch in variants]
     if args.set or args.variant:
         raise ValueError("--set and --variant go with --hf")
-    from memkern.bench.configs import CONFIGS
+    from memkern.bench.configs import DEFAULT_CONFIGS
 
-    names = args.configs or [c for c in CONFIGS if "compiled" not in c]
+    names = args.configs or [c for c in DEFAULT_CONFIGS if "compiled" not in c]
     return [(name, plan_training_step(bench_workload(name, args.size, batch=args.batch,
                                                      seq=args.seq), device=args.device))
             for name in names]

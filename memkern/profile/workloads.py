@@ -32,6 +32,9 @@ def bench_workload(config: str, size: str = "small", *, batch: int = 8, seq: int
     if "compiled" in config:
         raise ValueError(f"{config}: torch.compile'd configurations cannot be planned (the "
                          "compiler does not run under the planner's fake tensor mode)")
+    if config == "memkern-fit":
+        raise ValueError("memkern-fit plans itself: memkern.fit reports its planned peak (or "
+                         "run memkern bench --configs memkern-fit --memory-budget ...)")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
     base = SIZES[size]
