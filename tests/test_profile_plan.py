@@ -10,6 +10,11 @@ Oracles:
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -142,3 +147,61 @@ def test_peak_phases_and_second_moment():
                                                      "cuBLAS workspace (backward thread"}
     assert not any("cuBLAS" in op for m in cpu.phase_peaks.values()
                    for op in m.by_op["transient"])
+
+
+def test_attention_output_has_the_kernels_layout():
+    """What the planner relies on, with no correction: the stand-in's attention op under fake
+    tensors lays its output out as the kernels do — torch's CPU flash kernel (run here) and
+    the CUDA kernels (``empty_like`` of ``q.transpose(1, 2)``, transposed back: worked out by
+    hand) — for a dense ``q`` and for GPT-2's strided ``qkv`` split. A layout that differed
+    would make the consumer's ``transpose(1, 2).reshape`` copy in the plan and not on the
+    device."""
+    from memkern._fake import fake_mode
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    b, t, h, d = 3, 17, 4, 8
+    layouts = {"dense": (lambda x: x.reshape(b, t, 3 * h, d).transpose(1, 2).contiguous()
+                         .view(b, 3, h, t, d).unbind(1), (h * t * d, t * d, d, 1)),
+               "split": (lambda x: [y.transpose(1, 2) for y in x.unbind(2)],
+                         (t * h * d, d, h * d, 1))}
+    for name, (split, cuda) in layouts.items():
+        q, k, v = split(torch.randn(b, t, 3, h, d))
+        kernel = op(q, k, v, 0.0, True)[0]
+        with fake_mode():
+            planned = op(*split(torch.empty(b, t, 3, h, d)), 0.0, True)[0]
+        assert planned.shape == kernel.shape and planned.stride() == kernel.stride() == cuda, name
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "memkern.cli", "plan", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_plan_command_writes_table_json_and_plot(tmp_path):
+    json_path, png_path = tmp_path / "plan.json", tmp_path / "plan.png"
+    proc = _cli("--device", "cpu", "--size", "tiny", "--batch", "3", "--seq", "19", "--configs",
+                "torch-fp32,memkern-full", "--json", str(json_path), "--plot", str(png_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(png_path, "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(json_path) as fh:
+        plans = json.load(fh)["plans"]
+    assert set(plans) == {"torch-fp32", "memkern-full"}
+    for name, plan in plans.items():
+        peak = plan["peak"]
+        assert sum(peak["by_category"].values()) == peak["allocated"]
+        assert f"{peak['allocated'] / MIB:.1f}" in proc.stdout  # the summary row
+        assert set(plan["phase_peaks"]) == {"forward", "backward", "optimizer"}
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--hf", "llama", "--variant", "patch:frobnicate=1"], "--variant"),
+    (["--set", "hidden_size=64"], "--hf"),
+    (["--hf", "not-a-model-type"], "not-a-model-type"),
+    (["--configs", "torch-amp-compiled"], "compile"),
+])
+def test_plan_command_bad_input_is_one_line(flags, needle):
+    proc = _cli("--device", "cpu", *flags)
+    assert proc.returncode == 2
+    assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

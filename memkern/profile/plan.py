@@ -315,7 +315,6 @@ class _Timeline(TorchDispatchMode):
             count = flop_registry.get(func._overloadpacket)  # hooks, which change memory
             if count is not None:
                 self.flops += count(*args, **kwargs, out_val=out)
-        out = self.target.adjust(func, args, kwargs, out)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._track(t, op, where)

@@ -14,8 +14,8 @@ those differences, and the planner applies them:
   implementations: outputs only), the composite ops' references (every op they run), and the
   target's chunk sizes and code paths;
 * **attention**: the stand-in runs torch's CPU flash attention, which saves and returns what
-  the GPU's flash and memory-efficient kernels do (``q, k, v``, the output, float32
-  log-sum-exp); its output is given the layout the target's kernel allocates;
+  the GPU's flash, cuDNN and memory-efficient kernels do (``q, k, v``, the output in ``q``'s
+  layout, float32 log-sum-exp);
 * **workspaces no op returns** (CUDA): cuBLAS's workspace (one per thread that runs GEMMs:
   the main thread and autograd's device thread; 32 MiB on Hopper and later, 8.125 MiB
   before), taken from the caching allocator at its first GEMM and kept; flash attention's
@@ -48,7 +48,6 @@ GEMMS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.b
                    aten._addmm_activation.default})
 """The ops that run cuBLAS (and so make the calling thread's workspace exist)."""
 
-_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
 _ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -91,12 +90,6 @@ class Target:
         """Bytes a thread's first GEMM takes and keeps (cuBLAS's workspace); 0 on the CPU."""
         return CUBLAS_WORKSPACE[self.arch] if self.name == "cuda" else 0
 
-    def adjust(self, func, args, kwargs, out):
-        """``out`` as the target lays it out (an op's output strides where they differ)."""
-        if func is _ATTENTION:
-            return (_attention_layout(self.name, args[0]), *out[1:])
-        return out
-
     def workspaces(self, func, args, kwargs) -> list[int]:
         """Bytes ``func`` allocates and frees inside itself on the target (besides its outputs):
         on a GPU, flash attention's backward scratch (16-bit inputs; the stand-in's attention
@@ -118,18 +111,6 @@ class Target:
         if k.shape[1] != h:  # grouped-query attention: dk, dv of every query head, then summed
             sizes += [b * k.shape[2] * h * d * q.element_size()] * 2
         return sizes
-
-
-def _attention_layout(tgt_name: str, q: torch.Tensor) -> torch.Tensor:
-    """A new attention output of ``q``'s shape ``[B, H, T, D]``, laid out as the target's kernel
-    allocates it: the CPU kernel ``[B, T, H, D]`` always; the CUDA kernels ``empty_like`` of
-    ``q.transpose(1, 2)`` (its strides when dense, ``[B, T, H, D]`` contiguous otherwise).
-    The meta implementation returns ``empty_like(q)``, which differs when ``q`` is a strided
-    view (GPT-2's ``qkv`` split): the consumer's ``transpose(1, 2).reshape`` would then copy."""
-    if tgt_name == "cuda":
-        return torch.empty_like(q.transpose(1, 2)).transpose(1, 2)
-    b, h, t, d = q.shape
-    return torch.empty((b, t, h, d), dtype=q.dtype).transpose(1, 2)
 
 
 TARGETS = {"cuda": Target("cuda"), "cuda-sm80": Target("cuda", "sm80"), "cpu": Target("cpu")}
