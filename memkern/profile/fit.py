@@ -190,7 +190,9 @@ class _Blocks:
 @contextlib.contextmanager
 def _stand_in(model: nn.Module) -> Iterator[None]:
     """Inside the planner's build: the model's parameters and buffers replaced by fake CPU
-    tensors of their shapes and dtypes (tied parameters stay tied); restored on exit."""
+    tensors of their shapes and dtypes (tied parameters stay tied); restored on exit. The
+    module tables are swapped (not ``torch.func.functional_call``) because the step's
+    optimizer must hold the stand-ins as the model's parameters, ``.grad`` and all."""
     swapped: list[tuple[dict, str, Any]] = []
     fakes: dict[int, torch.Tensor] = {}
 
