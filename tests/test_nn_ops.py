@@ -495,6 +495,36 @@ def test_cpu_norm_kernels_keep_a_non_finite_value_in_its_row(rms):
     assert torch.equal(dx[~bad], dx_ok)
 
 
+NORM_BACKWARD_KERNELS = [pytest.param("cpu", marks=needs_cpu_kernels, id="cpp"),
+                         pytest.param("triton", marks=needs_triton, id="triton-interpreted")]
+
+
+@pytest.mark.parametrize("kernel", NORM_BACKWARD_KERNELS)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_norm_backward_sums_a_later_rows_non_finite_gradient(kernel, rms):
+    """The weight and bias gradients are sums over rows in a loop: the C++ kernel's tasks of
+    32 rows, the Triton kernel's programs of 5 rows (70 rows on the CPU). A NaN and an inf in
+    dy, each in a later trip of both loops (row 67: the third task, its fourth row; the
+    Triton program of rows 65-69, its third), reach their columns of dw and db as in float64
+    autograd, and only their own rows of dx; everything else is as finite as the oracle."""
+    x, w, b, dy = _norm_inputs(70, 67, torch.float32, "same-dtype", rms)
+    dy[67, 7], dy[48, 2] = float("nan"), float("inf")
+    with backend.force(kernel):
+        y, mean, rstd = ops.norm_forward(x, w, b, 1e-5, rms)
+        dx, dw, db = ops.norm_backward(dy, x, w, mean, rstd, rms)
+    _, _, _, (dx64, dw64, db64) = _norm64(x, w, b, 1e-5, rms, dy)
+    for name, got, want in (("dw", dw, dw64), ("db", db, dy.double().sum(0))):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), name
+        assert want[7].isnan() and want[2].isinf() and want.isfinite().sum() == 65, name
+        finite = want.isfinite()
+        assert torch.equal(got[~finite & ~want.isnan()], want[~finite & ~want.isnan()].float())
+        assert rel_err(got[finite], want[finite]) < 1e-5, name
+    bad = torch.zeros(70, dtype=torch.bool)
+    bad[[48, 67]] = True
+    assert not dx[bad].isfinite().any(), "the two rows hold no finite value"
+    assert rel_err(dx[~bad], dx64[~bad]) < 1e-5
+
+
 @needs_cpu_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", KINDS)
