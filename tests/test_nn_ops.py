@@ -228,6 +228,26 @@ def test_philox_reference_known_answer():
 
 
 @pytest.mark.skipif(not backend.runs_on("cpu", torch.device("cpu")), reason="memkern._C not built")
+def test_cpu_dropout_equals_the_reference_over_three_of_its_chunks():
+    """The reference draws its mask in chunks of _REFERENCE_CHUNK counters (4 elements each);
+    over three of them (the last one short) it must still be the C++ kernel's mask, which
+    computes each element's counter directly: a counter restarting at a chunk boundary would
+    repeat the first chunk's mask. A NaN and an inf in the third chunk stay where they are
+    kept and become 0 where they are dropped."""
+    from memkern.ops.dropout import _REFERENCE_CHUNK
+
+    numel = 2 * 4 * _REFERENCE_CHUNK + 4 * 77 + 3
+    x = torch.randn(numel)
+    x[numel - 5], x[numel - 100] = math.nan, math.inf
+    seed = torch.randint(0, 1 << 62, (), dtype=torch.int64)
+    y = torch.ops.memkern.dropout(x, seed, 0.37)
+    want = ops.dropout.reference(x, seed, 0.37)
+    assert torch.equal(y.view(torch.int32), want.view(torch.int32))
+    third = slice(2 * 4 * _REFERENCE_CHUNK, numel)
+    assert not torch.equal(y[third][:1000] != 0, y[:1000] != 0)  # not the first chunk's mask
+
+
+@pytest.mark.skipif(not backend.runs_on("cpu", torch.device("cpu")), reason="memkern._C not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
                          ids=str)
 @pytest.mark.parametrize("numel", [1, 7, 1023, 65537])
