@@ -77,31 +77,30 @@ class StateIO:
     def window_grad_pieces(self) -> dict[int, Pieces]:
         """This rank's pieces of the open window's gradient summed over ranks, per
         ``id(param)``; the window is left as it is."""
-        grad_buffer = self.opt.grad_buffer
-        if self.shards is None:
-            return {id(p): [(grad_buffer.grad(p).view(-1), 0)] for p in self.params()}
-        pieces = {}
-        for unit, flat in zip(self.shards.units, self.shards.reduced_window_grads()):
-            for p in unit.params:
-                piece = self.shards.owned_piece(p, flat)
-                pieces[id(p)] = [piece] if piece is not None else []
-        return pieces
+        return self._grad_pieces(None if self.shards is None else
+                                 self.shards.reduced_window_grads())
 
     def window_grad_targets(self) -> dict[int, Pieces]:
         """Zeroes the gradients; returns where a loaded window's summed gradient goes on this
         rank, per ``id(param)``: with several ranks each takes its own slices only, the others
         stay zero here, so the reduction at ``step`` sums to the loaded values plus what
         comes after."""
-        grad_buffer = self.opt.grad_buffer
-        grad_buffer.zero_()
-        if self.shards is None:
+        self.opt.grad_buffer.zero_()
+        return self._grad_pieces(None if self.shards is None else
+                                 self.shards.window_grad_targets())
+
+    def _grad_pieces(self, unit_slices: list[torch.Tensor] | None) -> dict[int, Pieces]:
+        """Per ``id(param)``, its pieces in ``unit_slices`` (per unit, this rank's slice of a
+        unit-laid-out gradient), or in the gradient buffer for one plain process (None)."""
+        if unit_slices is None:
+            grad_buffer = self.opt.grad_buffer
             return {id(p): [(grad_buffer.grad(p).view(-1), 0)] for p in self.params()}
-        targets = {}
-        for unit, flat in zip(self.shards.units, self.shards.window_grad_targets()):
+        pieces = {}
+        for unit, flat in zip(self.shards.units, unit_slices):
             for p in unit.params:
                 piece = self.shards.owned_piece(p, flat)
-                targets[id(p)] = [piece] if piece is not None else []
-        return targets
+                pieces[id(p)] = [piece] if piece is not None else []
+        return pieces
 
     # ------------------------------------------------------------- full (gathered) state
     def gather_param_states(self) -> dict[int, dict[str, torch.Tensor]]:
