@@ -100,7 +100,7 @@ def extensions() -> tuple[list, dict]:
 
     cxx_flags = CXX_FLAGS + openmp_flags()
     cpp_sources = (sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
-                   + sources("csrc/autograd/*.cpp"))
+                   + sources("csrc/any_device/*.cpp") + sources("csrc/autograd/*.cpp"))
     if want_cuda():
         archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         defines = ["-DMEMKERN_WITH_CUDA", f'-DMEMKERN_CUDA_ARCHS="{archs}"']
