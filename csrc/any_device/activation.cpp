@@ -1,16 +1,20 @@
-// memkern::act_forward / memkern::act_backward on CPU. Contract: memkern/ops/activation.py.
+// memkern::act_forward / memkern::act_backward on the CPU and, in a build with the CUDA
+// kernels, on CUDA. Contract: memkern/ops/activation.py.
 //
-// torch's own CPU activation kernels are already vectorised single passes that compute 16-bit
-// inputs in float32 and round once, which is this op's contract; registering them here in C++
-// (rather than leaving the CPU key to the Python reference) takes the Python call out of every
-// MLP forward and backward on the CPU — the host time of memkern's C++ MLP autograd.
+// torch's own activation kernels are already single passes that compute 16-bit inputs in
+// float32 and round once, which is this op's contract, on every device; registering them here
+// in C++ (rather than leaving a dispatch key to a Python kernel) takes the Python call out of
+// every MLP forward and backward — the host time of memkern's C++ MLP autograd. The same
+// functions serve both dispatch keys. Without the CUDA kernels (no toolkit at install time)
+// the CUDA key is left to the Python registry (memkern/ops/_registry.py), which registers the
+// Triton kernel there.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <string_view>
 
-namespace memkern::cpu {
+namespace memkern::any_device {
 namespace {
 
 [[noreturn]] void unknown_kind(const char* op, std::string_view kind) {
@@ -18,7 +22,7 @@ namespace {
               "' is not an activation; use one of ('gelu', 'gelu_tanh', 'relu', 'silu')");
 }
 
-at::Tensor act_forward_cpu(const at::Tensor& x, c10::string_view kind) {
+at::Tensor act_forward(const at::Tensor& x, c10::string_view kind) {
   if (kind == "gelu") return at::gelu(x);
   if (kind == "gelu_tanh") return at::gelu(x, "tanh");
   if (kind == "relu") return at::relu(x);
@@ -26,7 +30,7 @@ at::Tensor act_forward_cpu(const at::Tensor& x, c10::string_view kind) {
   unknown_kind("act_forward", kind);
 }
 
-at::Tensor act_backward_cpu(const at::Tensor& grad, const at::Tensor& x, c10::string_view kind) {
+at::Tensor act_backward(const at::Tensor& grad, const at::Tensor& x, c10::string_view kind) {
   if (kind == "gelu") return at::gelu_backward(grad, x);
   if (kind == "gelu_tanh") return at::gelu_backward(grad, x, "tanh");
   if (kind == "relu") return at::threshold_backward(grad, x, 0);
@@ -37,8 +41,15 @@ at::Tensor act_backward_cpu(const at::Tensor& grad, const at::Tensor& x, c10::st
 }  // namespace
 
 TORCH_LIBRARY_IMPL(memkern, CPU, m) {
-  m.impl("act_forward", &act_forward_cpu);
-  m.impl("act_backward", &act_backward_cpu);
+  m.impl("act_forward", &act_forward);
+  m.impl("act_backward", &act_backward);
 }
 
-}  // namespace memkern::cpu
+#ifdef MEMKERN_WITH_CUDA
+TORCH_LIBRARY_IMPL(memkern, CUDA, m) {
+  m.impl("act_forward", &act_forward);
+  m.impl("act_backward", &act_backward);
+}
+#endif
+
+}  // namespace memkern::any_device
