@@ -35,7 +35,8 @@ CUDA_PATH_KEYS = ("CUDA", "AutogradCUDA", "Autograd", "ADInplaceOrView",
 # The keys of which one must exist for the op to run on CUDA tensors at all.
 CUDA_KERNEL_KEYS = ("CUDA", "CompositeExplicitAutograd", "CompositeImplicitAutograd")
 
-_LINE = re.compile(r"^(?P<key>\w+): registered at (?P<where>\S+?)(:\d+)? ")
+# "<key>: registered at <file>:<line> :: <signature>"; alias keys read "<key>[alias]: ...".
+_LINE = re.compile(r"^(?P<key>\w+)(\[alias\])?: registered at (?P<where>\S+?)(:\d+)? ")
 
 
 def memkern_ops() -> list[str]:
@@ -51,7 +52,7 @@ def registrations(op: str) -> dict[str, str]:
     found = {}
     for line in torch._C._dispatch_dump(op).splitlines():
         match = _LINE.match(line)
-        if match and match["key"] not in ("debug",):
+        if match and match["key"] != "debug":
             found[match["key"]] = match["where"]
     return found
 
