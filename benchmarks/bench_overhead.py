@@ -80,7 +80,7 @@ def layer_pairs(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Cal
             nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(approximate="tanh"),
                           nn.Linear(4 * WIDTH, WIDTH)),
             mk.nn.MLP(WIDTH, 4 * WIDTH, activation="gelu_tanh")),
-        "SwiGLU": modules(_TorchSwiGLU(WIDTH, 4 * WIDTH), mk.nn.SwiGLU(WIDTH, 4 * WIDTH)),
+        "SwiGLU": modules(common.TorchSwiGLU(WIDTH, 4 * WIDTH), mk.nn.SwiGLU(WIDTH, 4 * WIDTH)),
         # the common case in a transformer block: the layer's input is a norm's output (memkern's
         # layer saves the norm's input and rebuilds the output in backward)
         "LayerNorm→Linear": modules(
@@ -92,22 +92,12 @@ def layer_pairs(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Cal
             nn.Sequential(mk.nn.LayerNorm(WIDTH),
                           mk.nn.MLP(WIDTH, 4 * WIDTH, activation="gelu_tanh"))),
         "RMSNorm→SwiGLU": modules(
-            nn.Sequential(nn.RMSNorm(WIDTH), _TorchSwiGLU(WIDTH, 4 * WIDTH)),
+            nn.Sequential(nn.RMSNorm(WIDTH), common.TorchSwiGLU(WIDTH, 4 * WIDTH)),
             nn.Sequential(mk.nn.RMSNorm(WIDTH), mk.nn.SwiGLU(WIDTH, 4 * WIDTH))),
         "LinearCrossEntropy": (
             lambda: F.cross_entropy(lin_t(x).float(), target).backward(),
             lambda: lin_m(x, target).backward()),
     }
-
-
-class _TorchSwiGLU(nn.Module):
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False)
-        self.down_proj = nn.Linear(h, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def per_call_seconds(fns: list[Callable], *, reps: int, calls: int, device: torch.device

@@ -72,6 +72,12 @@ def measure(fn: Callable[[], object], *, reps: int = 3, calls: int = 1) -> HostD
                           gpu_seconds(fn, calls))
 
 
+def describe(t: HostDeviceTime) -> str:
+    """``host 1.23 ms, GPU 0.98 ms (host-bound)``."""
+    return (f"host {t.host_seconds * 1e3:.3f} ms, GPU {t.gpu_seconds * 1e3:.3f} ms "
+            f"({t.bound}-bound)")
+
+
 def table(rows: list[tuple[str, HostDeviceTime]], unit: str = "ms") -> list[str]:
     """The lines of a table of (name, time) rows: wall, host and GPU time per call in ``unit``
     (``"ms"`` or ``"µs"``) and which one bounds it."""
