@@ -197,7 +197,7 @@ def test_norm_kernels_match_float64(device, affine, rms, dtype, D, rows):
         if w is not None:
             assert torch.equal(dw, torch.zeros(D, dtype=stat_dtype)) and torch.equal(db, dw)
         return
-    y64, mean64, rstd64, (dx64, dw64, db64) = norm64(x, w, b, 1e-5, rms, dy)
+    y64, mean64, rstd64, (dx64, _, _) = norm64(x, w, b, 1e-5, rms, dy)
     if D == 1 and not rms:  # x - mean is exactly 0: y = b, dx = 0 in any precision
         assert torch.equal(dx, torch.zeros_like(dx))
     elif D == 1:  # dx = rstd dy (1 - xhat^2) with xhat^2 ~ 1: bounded by the terms' size
@@ -209,9 +209,11 @@ def test_norm_kernels_match_float64(device, affine, rms, dtype, D, rows):
     assert rel_err(rstd, rstd64) <= stat_tol
     if not rms:
         assert rel_err(mean, mean64) <= stat_tol
-    if w is not None:
-        assert rel_err(dw, dw64) <= max(stat_tol, 1e-5)
-        assert rel_err(db, dy.double().sum(0)) <= max(stat_tol, 1e-5)
+    if w is not None:  # sums over rows, against the sums of the terms' magnitudes
+        xhat64 = (x.double() - (0 if rms else mean64[:, None])) * rstd64[:, None]
+        for got, terms in ((dw, dy.double() * xhat64), (db, dy.double())):
+            err = (got.double() - terms.sum(0)).abs() / terms.abs().sum(0).clamp_min(1e-30)
+            assert err.max() <= max(stat_tol, 1e-5)
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
@@ -276,34 +278,3 @@ def test_cuda_activation_kernels_are_torchs(kind):
                        ops.act_forward.reference(x, kind).nan_to_num())
     assert torch.equal(torch.ops.memkern.act_backward(g, x, kind).nan_to_num(),
                        ops.act_backward.reference(g, x, kind).nan_to_num())
-
-
-# ----------------------------------------------------------------------------------------------
-# opcheck on CUDA tensors (test_nn_ops.py opchecks every op on CPU tensors)
-
-
-def _cuda_opcheck_cases():
-    x, g = torch.randn(5, 17), torch.randn(5, 17)
-    seed = torch.tensor(12345, dtype=torch.int64)
-    _, mean, rstd = ops.norm_forward.reference(x, torch.randn(17), torch.randn(17), 1e-5, False)
-    _, _, rrstd = ops.norm_forward.reference(x, torch.randn(17), None, 1e-5, True)
-    return [
-        ("act_forward", (x, "gelu_tanh")),
-        ("act_backward", (g, x, "silu")),
-        ("swiglu_forward", (x, g)),
-        ("swiglu_backward", (g, x, g.clone())),
-        ("dropout", (x, seed, 0.25)),
-        ("norm_forward", (x, torch.randn(17), torch.randn(17), 1e-5, False)),
-        ("norm_forward", (x.bfloat16(), torch.randn(17), None, 1e-5, True)),
-        ("norm_backward", (g, x, torch.randn(17), mean, rstd, False)),
-        ("norm_backward", (g, x, None, torch.empty(0), rrstd, True)),
-    ]
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not compiled.has_cuda, reason="memkern._C was built without its CUDA kernels")
-@pytest.mark.parametrize("name,args", _cuda_opcheck_cases(),
-                         ids=lambda v: v if isinstance(v, str) else "")
-def test_cuda_opcheck(name, args):
-    cuda_args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
-    torch.library.opcheck(getattr(torch.ops.memkern, name).default, cuda_args)

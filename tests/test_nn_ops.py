@@ -500,6 +500,7 @@ def _opcheck_cases():
         ("swiglu_backward", (g, x, g.clone())),
         ("dropout", (x, seed, 0.25)),
         ("norm_forward", (x, torch.randn(17), torch.randn(17), 1e-5, False)),
+        ("norm_forward", (x.bfloat16(), torch.randn(17), None, 1e-5, True)),  # float32 weight
         ("norm_backward", (g, x, torch.randn(17), mean, rstd, False)),
         ("norm_backward", (g, x, None, torch.empty(0), rrstd, True)),
         ("cross_entropy_rows_", (torch.randn(5, 17), t, None, -100, 0.1, True)),
@@ -510,7 +511,9 @@ def _opcheck_cases():
 
 
 @pytest.mark.parametrize("name,args", _opcheck_cases(), ids=lambda v: v if isinstance(v, str) else "")
-def test_opcheck(name, args):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_opcheck(device, name, args):
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
     torch.library.opcheck(getattr(torch.ops.memkern, name).default, args)
 
 

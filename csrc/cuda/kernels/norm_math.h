@@ -6,27 +6,9 @@
 // inputs (rounded once by the caller), double for float64.
 #pragma once
 
-#include <cmath>
-
 #include "host_device.h"
 
 namespace memkern::math {
-
-MEMKERN_HOST_DEVICE float sqrt_of(float x) {
-#if defined(__CUDA_ARCH__)
-  return ::sqrtf(x);
-#else
-  return std::sqrt(x);
-#endif
-}
-
-MEMKERN_HOST_DEVICE double sqrt_of(double x) {
-#if defined(__CUDA_ARCH__)
-  return ::sqrt(x);
-#else
-  return std::sqrt(x);
-#endif
-}
 
 // The row mean (LayerNorm) from the row sum; inv_d = 1 / D.
 template <typename acc_t>

@@ -4,27 +4,9 @@
 // the caller), double for float64.
 #pragma once
 
-#include <cmath>
-
 #include "host_device.h"
 
 namespace memkern::math {
-
-MEMKERN_HOST_DEVICE float exp_of(float x) {
-#if defined(__CUDA_ARCH__)
-  return ::expf(x);
-#else
-  return std::exp(x);
-#endif
-}
-
-MEMKERN_HOST_DEVICE double exp_of(double x) {
-#if defined(__CUDA_ARCH__)
-  return ::exp(x);
-#else
-  return std::exp(x);
-#endif
-}
 
 // h = silu(gate) * up = gate / (1 + exp(-gate)) * up. exp(-gate) overflows to inf for a very
 // negative gate, giving -0 * up as torch's silu does; NaN propagates.
