@@ -23,6 +23,7 @@
 namespace memkern::flat_ops {
 
 // grads and params are float32, bfloat16 or float16 (DType::f64: cudaErrorInvalidValue).
+using memkern::DType;
 
 // grads[i] = round(float(grads[i]) * *inv_scale); *found_inf = 1 if any input element is
 // inf or NaN, else left unchanged.
