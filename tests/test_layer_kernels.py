@@ -154,7 +154,7 @@ def test_swiglu_kernels_match_float64(device, shape, layout, dtype):
 WIDTHS = [1, 67, 4099]
 
 
-def _norm_case(rows, D, dtype, affine, rms, device):
+def _norm_case(rows, D, dtype, affine, rms):
     x = (torch.randn(rows, D, dtype=torch.float64) * 2 + 0.5).to(dtype)
     wdtype = {"same-dtype": dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}.get(affine)
     w = None if affine == "none" else (torch.randn(D) * 0.5 + 1).to(wdtype)
@@ -180,7 +180,7 @@ def test_norm_kernels_match_float64(device, affine, rms, dtype, D, rows):
     (converted to the math type)."""
     if rows == 9001 and D == 4099:
         pytest.skip("9001 x 4099 is slow in float64 autograd; 9001 x 67 covers the chunks")
-    x, w, b, dy = _norm_case(rows, D, dtype, affine, rms, device)
+    x, w, b, dy = _norm_case(rows, D, dtype, affine, rms)
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     stat_tol = 1e-12 if dtype == torch.float64 else 2e-6
     y, mean, rstd = (t.cpu() for t in torch.ops.memkern.norm_forward(
@@ -224,7 +224,7 @@ def test_norm_kernels_non_finite_and_largest_value_in_a_late_trip(device, rms):
     its largest value, 1e4, at column 2777. The non-finite rows hold a non-finite value
     and leave every other row exactly as without them; row 3 matches float64 (a sum that
     dropped a later trip would miss the value dominating its variance)."""
-    x, w, b, dy = _norm_case(7, 4099, torch.float32, "same-dtype", rms, device)
+    x, w, b, dy = _norm_case(7, 4099, torch.float32, "same-dtype", rms)
     x[1, 3001], x[2, 4098], x[3, 2777] = math.nan, math.inf, 1e4
     args = (_dev(w, device), _dev(b, device), 1e-5, rms)
     y, mean, rstd = torch.ops.memkern.norm_forward(x.to(device), *args)
