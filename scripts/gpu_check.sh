@@ -9,7 +9,9 @@
 #   bash scripts/gpu_check.sh [BUDGET_SECONDS]        (default: $GPU_CHECK_BUDGET, else 540)
 #
 # Results (logs and each benchmark's JSON) go to $GPU_CHECK_OUT (default: a new temporary
-# folder), named in the summary. Needs: an NVIDIA GPU, a CUDA build of torch 2.11-2.15, nvcc of
+# folder), named in the summary. GPU_CHECK_SKIP="cuda-tests sanitizer ..." skips the steps
+# named (e.g. a second call on the same machine that only wants the benchmarks; the build
+# step is then quick, ninja reusing the first call's objects). Needs: an NVIDIA GPU, a CUDA build of torch 2.11-2.15, nvcc of
 # the same CUDA major version, setuptools and ninja; pytest-xdist for the parallel suite (else
 # it runs serially, and says so); compute-sanitizer on the PATH or under $CUDA_HOME/bin.
 # Nothing is downloaded: it runs on a machine without network. Exit status: 0 when every step
@@ -42,6 +44,11 @@ step() {
   local name=$1 limit=$2 need=$3 detail=$4
   shift 5
   local left=$((deadline - SECONDS))
+  if [[ " ${GPU_CHECK_SKIP:-} " == *" $name "* ]]; then
+    echo "== $name: skipped (GPU_CHECK_SKIP)"
+    rows+=("$(printf '%-18s %-8s %6s   %s' "$name" skipped - "GPU_CHECK_SKIP")")
+    return
+  fi
   if [ "$left" -lt "$need" ]; then
     echo "== $name: skipped, ${left}s of the budget left and it needs about ${need}s"
     rows+=("$(printf '%-18s %-8s %6s   %s' "$name" skipped - "budget: ${left}s left, needs ~${need}s")")
@@ -91,7 +98,7 @@ for f in tests/test_flat_ops.py tests/test_adamw8bit_op.py tests/test_sgd8bit_op
   [ -f "$f" ] && sanitized+=("$f")
 done
 sanitizer=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
-if [ -x "$sanitizer" ]; then
+if [ -x "$sanitizer" ] || [[ " ${GPU_CHECK_SKIP:-} " == *" sanitizer "* ]]; then
   step sanitizer 240 90 "grep -E 'ERROR SUMMARY|passed|failed' \"$out/sanitizer.log\" | tr '\n' ' '" -- \
     env MEMKERN_REQUIRE_EXT=cuda "$sanitizer" --tool memcheck --error-exitcode 1 \
     --print-limit 20 "$python" -m pytest -q -p no:cacheprovider -m cuda \
