@@ -8,6 +8,8 @@ Environment switches
                        =1      require them (fail if impossible);  =0  never
     TORCH_CUDA_ARCH_LIST       GPU architectures (default "8.0;9.0": A100 and H100/H200)
     MAX_JOBS                   parallel compile jobs (ninja)
+    MEMKERN_WERROR=1           treat compiler warnings in memkern's C++ and CUDA code as
+                               errors (CI)
 
 Install with ``pip install --no-build-isolation .`` so the build uses the torch already
 installed rather than downloading another one into an isolated build environment.
@@ -119,15 +121,19 @@ def extensions() -> tuple[list, dict]:
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
     cxx_flags = CXX_FLAGS + openmp_flags()
+    nvcc_flags = list(NVCC_FLAGS)
+    if os.environ.get("MEMKERN_WERROR", "0") == "1":
+        cxx_flags.append("-Werror")
+        nvcc_flags += ["-Werror=all-warnings", "-Xcompiler=-Werror"]
     cpp_sources = (sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
-                   + sources("csrc/autograd/*.cpp"))
+                   + sources("csrc/any_device/*.cpp") + sources("csrc/autograd/*.cpp"))
     if want_cuda():
         archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         defines = ["-DMEMKERN_WITH_CUDA", f'-DMEMKERN_CUDA_ARCHS="{archs}"']
         ext = CUDAExtension(
             "memkern._C",
             cpp_sources + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
-            extra_compile_args={"cxx": cxx_flags + defines, "nvcc": NVCC_FLAGS + defines},
+            extra_compile_args={"cxx": cxx_flags + defines, "nvcc": nvcc_flags + defines},
         )
         say(f"building the C++ CPU and CUDA kernels (TORCH_CUDA_ARCH_LIST={archs})")
     else:

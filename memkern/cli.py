@@ -252,6 +252,12 @@ def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
           + ("(CUDA allocator)" if device.type == "cuda" else "(profiler allocation trace)")
           + ";\nopt B/param: gradients + the fp32 weights the optimizer updates (master copies, or "
           "fp32 parameters updated in place) + optimizer state, per parameter")
+    if device.type == "cuda":
+        from memkern.bench.host_device import table
+
+        print("\nper step on the GPU: host = issuing the step (wall time until the call "
+              "returns), GPU = its kernels' summed time (profiler); the larger one bounds it")
+        print("\n".join(table([(r.config, r.host_device) for r in rows])))
     spread = [f"{r.config} {r.step_spread:.0%}" for r in rows if r.step_spread > SPREAD_LIMIT]
     if spread:
         print(f"note: timed steps spread over {SPREAD_LIMIT:.0%} ((max - min) / median) in "

@@ -18,6 +18,7 @@ from memkern import backend, ops
 from memkern._extension import compiled
 from memkern.ops.dropout import keep_mask, philox4x32
 from compare import rel_err
+from layer_oracle import norm64
 
 LOW = [pytest.param(d, id=str(d).removeprefix("torch."))
        for d in (torch.float32, torch.bfloat16, torch.float16)]
@@ -435,23 +436,6 @@ CPU_NORM_TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3,
 DTYPES = LOW + [pytest.param(torch.float64, id="float64")]
 
 
-def _norm64(x, w, b, eps, rms, dy):
-    """(y, mean, rstd) and the gradients of (x, w, b) for ``dy``, in float64 by autograd."""
-    leaves = [None if t is None else t.double().requires_grad_() for t in (x, w, b)]
-    x64, w64, b64 = leaves
-    mean = None if rms else x64.mean(-1, keepdim=True)
-    centred = x64 if rms else x64 - mean
-    rstd = torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
-    y = centred * rstd
-    y = y * w64 if w64 is not None else y
-    y = y + b64 if b64 is not None else y
-    wanted = [t for t in leaves if t is not None]
-    grads = dict(zip([i for i, t in enumerate(leaves) if t is not None],
-                     torch.autograd.grad(y, wanted, dy.double())))
-    return (y.detach(), None if rms else mean.detach().view(-1), rstd.detach().view(-1),
-            [grads.get(i) for i in range(3)])
-
-
 def _norm_inputs(rows, D, dtype, affine, rms):
     x = (torch.randn(rows, D) * 2 + 0.5).to(dtype)
     wdtype = torch.float32 if affine == "float32" else dtype
@@ -473,7 +457,7 @@ def test_cpu_norm_kernels_match_float64(rms, affine, dtype, rows):
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     stat_tol = 1e-13 if dtype == torch.float64 else 1e-6
     y, mean, rstd = torch.ops.memkern.norm_forward(x, w, b, 1e-5, rms)
-    y64, mean64, rstd64, (dx64, dw64, db64) = _norm64(x, w, b, 1e-5, rms, dy)
+    y64, mean64, rstd64, (dx64, dw64, db64) = norm64(x, w, b, 1e-5, rms, dy)
     assert y.dtype == dtype and rstd.dtype == mean.dtype == stat_dtype
     assert rel_err(y, y64) <= CPU_NORM_TOL[dtype]
     assert rel_err(rstd, rstd64) < stat_tol
@@ -611,6 +595,7 @@ def _opcheck_cases():
         ("swiglu_backward", (g, x, g.clone())),
         ("dropout", (x, seed, 0.25)),
         ("norm_forward", (x, torch.randn(17), torch.randn(17), 1e-5, False)),
+        ("norm_forward", (x.bfloat16(), torch.randn(17), None, 1e-5, True)),  # float32 weight
         ("norm_backward", (g, x, torch.randn(17), mean, rstd, False)),
         ("norm_backward", (g, x, None, torch.empty(0), rrstd, True)),
         ("cross_entropy_rows_", (torch.randn(5, 17), t, None, -100, 0.1, True)),
@@ -621,7 +606,9 @@ def _opcheck_cases():
 
 
 @pytest.mark.parametrize("name,args", _opcheck_cases(), ids=lambda v: v if isinstance(v, str) else "")
-def test_opcheck(name, args):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_opcheck(device, name, args):
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
     torch.library.opcheck(getattr(torch.ops.memkern, name).default, args)
 
 

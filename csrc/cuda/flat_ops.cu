@@ -11,7 +11,9 @@
 #include "kernels/l2_norm.cuh"
 #include "kernels/sgd.cuh"
 #include "kernels/sgd8bit.cuh"
+#include "kernels/step_counter.cuh"
 #include "kernels/unscale.cuh"
+#include "launch.cuh"
 
 namespace memkern::flat_ops {
 namespace {
@@ -20,24 +22,8 @@ using device::kThreadsPerBlock;
 static_assert(device::kQBlock == kQuantBlock, "one quantization block size for kernel and host");
 using device::kVecWidth;
 
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
-// Calls fn(TypeTag<T>{}) with the element type that `dtype` names.
-template <typename Fn>
-cudaError_t with_dtype(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::f32:
-      return fn(TypeTag<float>{});
-    case DType::bf16:
-      return fn(TypeTag<__nv_bfloat16>{});
-    case DType::f16:
-      return fn(TypeTag<__half>{});
-  }
-  return cudaErrorInvalidValue;
-}
+using launch::TypeTag;
+using launch::with_dtype;
 
 // Calls fn(TypeTag<G>{}, TypeTag<P>{}) with the element types of grads and params.
 template <typename Fn>
@@ -50,7 +36,7 @@ cudaError_t with_dtypes(DType grads_dtype, DType params_dtype, Fn&& fn) {
 // Whether `buffer` (a T array) allows kVecWidth-element vector accesses; null passes.
 template <typename T>
 bool vector_aligned(const void* buffer) {
-  return reinterpret_cast<std::uintptr_t>(buffer) % (sizeof(T) * kVecWidth) == 0;
+  return launch::vector_aligned<T>(buffer, kVecWidth);
 }
 
 int64_t blocks_for(int64_t n) {

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from memkern.bench import host_device
 from memkern.bench.configs import CONFIGS, build
 from memkern.bench.data import Batches
 from memkern.bench.model import GPTConfig
@@ -43,6 +44,18 @@ class Row:
     losses: list[float]
     step_seconds_min: float = 0.0
     step_seconds_max: float = 0.0
+    host_seconds: float | None = None
+    """On a GPU: the time to issue one step (memkern.bench.host_device), median of steps
+    after the timed ones; None on the CPU."""
+    gpu_seconds: float | None = None
+    """On a GPU: one step's kernels' summed time (memkern.bench.host_device); None on the CPU."""
+
+    @property
+    def host_device(self) -> host_device.HostDeviceTime | None:
+        if self.host_seconds is None or self.gpu_seconds is None:
+            return None
+        return host_device.HostDeviceTime(self.step_seconds, self.host_seconds,
+                                          self.gpu_seconds)
 
     @property
     def final_loss(self) -> float:
@@ -72,6 +85,10 @@ class Progress:
         end = "\n" if done == self.total else ""
         print(f"\r  {self.label:<{self.LABEL_WIDTH}} [{bar}] {done:>4}/{self.total} "
               f"loss {loss:.4f}", end=end, file=sys.stderr, flush=True)
+
+
+# Steps timed for the host/GPU split on a GPU, after the timed steps (one more is profiled).
+SPLIT_REPS = 3
 
 
 def _sync(device: torch.device) -> None:
@@ -128,6 +145,11 @@ def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: i
         losses.append(loss.item())
         bar.update(i + 1, losses[-1])
 
+    split = None
+    if device.type == "cuda":  # a fresh batch per step, fetched before the clock starts
+        pending = iter([batches.next() for _ in range(SPLIT_REPS + 1)])
+        split = host_device.measure(lambda: setup.train_step(*next(pending)), reps=SPLIT_REPS)
+
     x, y = batches.next()
     with setup.autocast():
         saved = saved_bytes(setup.model, x, y)
@@ -141,4 +163,6 @@ def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: i
                breakdown.optimizer_state, breakdown.num_params,
                breakdown.optimizer_side_per_param, step_seconds,
                batch * cfg.seq / step_seconds, losses, step_seconds_min=min(times),
-               step_seconds_max=max(times))
+               step_seconds_max=max(times),
+               host_seconds=split.host_seconds if split else None,
+               gpu_seconds=split.gpu_seconds if split else None)

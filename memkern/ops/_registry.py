@@ -6,6 +6,13 @@ Python, so the op exists whether or not the C++ extension was built; ``csrc/`` r
 kernels for the ``CPU`` and ``CUDA`` dispatch keys against it. Where a compiled kernel is
 missing, the reference (CPU) or the Triton kernel (CUDA) is registered in its place, so
 ``torch.ops.memkern.<op>`` always runs on both devices.
+
+On a GPU the default eager path never enters Python: in a build with the CUDA kernels every
+op's ``CUDA`` key is served by C++ (CUDA C++ kernels, or torch's own kernels called from
+C++), so a layer call goes C++ autograd → dispatcher → launch. A kernel registered from
+Python costs tens of microseconds of host time per call, which made small layers host-bound.
+CI reads the dispatcher's table and fails when a ``CUDA`` kernel comes from a Python file
+(tests/test_dispatch_registrations.py).
 """
 from __future__ import annotations
 
@@ -38,9 +45,10 @@ def eager_entry(name: str) -> Callable[..., Any] | None:
 class Op:
     """The Python entry of one op: checks its arguments, then runs the selected backend.
 
-    ``compiled_kernels``: whether ``csrc/`` registers CPU/CUDA kernels for it (the flat-buffer
-    ops; a tuple of device types, e.g. ``("cpu",)``, where it registers only those); otherwise
-    the reference serves ``CPU`` and the Triton kernel ``CUDA``. ``triton`` is the dotted path
+    ``compiled_kernels``: whether ``csrc/`` registers CPU and CUDA kernels for it (True; a
+    tuple of device types, e.g. ``("cpu",)``, where it registers only those; the CUDA ones
+    exist in a build with the CUDA kernels); where it does not, the reference serves ``CPU``
+    and the Triton kernel ``CUDA``. ``triton`` is the dotted path
     of the Triton implementation (None: there is none, the reference runs).
 
     ``backend="cpu"``/``"cuda"`` go through ``torch.ops.memkern.<name>`` (the dispatcher
@@ -82,6 +90,10 @@ class Op:
                       "planned:cuda": self.op if has_gpu_kernel else reference}
         if not has_cpu:
             LIBRARY.impl(name, reference, "CPU")
+        # Triton's place on the dispatcher: the CUDA key of an extension built without its CUDA
+        # kernels (no CUDA toolkit at install time, or MEMKERN_BUILD_EXT=0). It also runs where
+        # a caller forces it (MEMKERN_BACKEND=triton, backend.force), through self._impl, never
+        # the dispatcher.
         if not ("cuda" in kernels and compiled.has_cuda):
             LIBRARY.impl(name, self._triton_or_reference, "CUDA")
 
