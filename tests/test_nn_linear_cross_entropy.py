@@ -302,13 +302,15 @@ def test_softcap_argument_errors(cap):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_no_host_read_in_forward_or_backward(reduction, dtype, monkeypatch):
+@pytest.mark.parametrize("reduction,items", [("mean", False), ("mean", True), ("sum", True),
+                                             ("sum", False), ("none", False)],
+                         ids=["mean", "mean-num_items", "sum-num_items", "sum", "none"])
+def test_no_host_read_in_forward_or_backward(reduction, items, dtype, monkeypatch):
     """No .item()/.cpu()/bool() of a tensor anywhere in the call and its backward, with ignored
-    tokens, a tensor num_items and soft-capping (the spy sees every aten op the C++ autograd
-    and the Python Function run, and each row op as a whole)."""
+    tokens, soft-capping and (or not) a tensor num_items (the spy sees every aten op the C++
+    autograd and the Python Function run, and each row op as a whole)."""
     x, w, b, t = _data(29, 7, 41, dtype=dtype, ignore=(3, 17), ignore_index=5)
-    n = torch.tensor(31) if reduction != "none" else None
+    n = torch.tensor(31) if items else None
     with HostReadSpy(monkeypatch) as spy:
         loss = lce(x, w, t, b, reduction=reduction, ignore_index=5, num_items=n, softcap=9.0,
                    chunk_size=10, vocab_block=16)
