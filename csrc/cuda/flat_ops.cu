@@ -11,6 +11,7 @@
 #include "kernels/l2_norm.cuh"
 #include "kernels/sgd.cuh"
 #include "kernels/sgd8bit.cuh"
+#include "kernels/step_counter.cuh"
 #include "kernels/unscale.cuh"
 
 namespace memkern::flat_ops {

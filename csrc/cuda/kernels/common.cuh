@@ -1,8 +1,9 @@
-// Building blocks shared by the flat-buffer kernels: dtype <-> float conversion, aligned
-// vector loads, the grid-stride loop with a scalar tail, and the optimizer step counter.
+// Building blocks shared by the CUDA kernels: dtype <-> float conversion, aligned vector loads,
+// the grid-stride loop with a scalar tail, the optimizer step's skip test and multiplier. No
+// kernel is defined here: several translation units include it (flat_ops.cu,
+// cross_entropy_launch.cu).
 //
-// Torch-free on purpose: CI compiles this with plain nvcc and no torch. The kernel headers are
-// included by one translation unit, flat_ops.cu, which instantiates and launches them.
+// Torch-free on purpose: CI compiles this with plain nvcc and no torch.
 #pragma once
 
 #include <cstdint>
@@ -100,14 +101,6 @@ __device__ __forceinline__ bool step_skipped(const float* found_inf) {
 // The gradient multiplier of a step: *grad_multiplier, 1 when none is given.
 __device__ __forceinline__ float grad_multiplier_value(const float* grad_multiplier) {
   return grad_multiplier != nullptr ? *grad_multiplier : 1.0f;
-}
-
-// Advances the optimizer step counter. A separate launch on the same stream, so that every
-// block of the update kernel has read the old value before it changes.
-__global__ void advance_step_kernel(float* step, const float* found_inf) {
-  if (!step_skipped(found_inf)) {
-    *step += 1.0f;
-  }
 }
 
 }  // namespace memkern::device

@@ -183,6 +183,7 @@ __global__ void __launch_bounds__(kRowThreads)
       continue;
     }
     ce::Online<A> acc = ce::online_start<A>();
+#pragma unroll 2  // two tiles' loads in flight per thread
     for (int64_t i = threadIdx.x; i < count; i += kRowThreads) {
       A z[Tile] = {};
       const int k = load_tile(row, tiles, i, cap, z);

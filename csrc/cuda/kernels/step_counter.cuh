@@ -1,0 +1,18 @@
+// The optimizer step counter's kernel, launched by flat_ops.cu after each step's update.
+// Torch-free; included by flat_ops.cu only (a kernel defined in a header that several
+// translation units include would be defined twice).
+#pragma once
+
+#include "common.cuh"
+
+namespace memkern::device {
+
+// Advances the optimizer step counter. A separate launch on the same stream, so that every
+// block of the update kernel has read the old value before it changes.
+__global__ void advance_step_kernel(float* step, const float* found_inf) {
+  if (!step_skipped(found_inf)) {
+    *step += 1.0f;
+  }
+}
+
+}  // namespace memkern::device
