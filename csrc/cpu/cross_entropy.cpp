@@ -30,34 +30,62 @@ constexpr int kLanes = 8;
 template <typename scalar_t>
 constexpr int kTile = static_cast<int>(16 / sizeof(scalar_t));
 
-// The k logits of tile i of `row`, soft-capped, in the math type.
-template <typename scalar_t, typename acc_t>
-int load_tile(const scalar_t* row, const ce::RowTiles<kTile<scalar_t>>& tiles, int64_t i,
-              acc_t cap, acc_t* z) {
-  const int64_t first = tiles.first(i);
-  const int k = tiles.size(i);
-  acc_t slope;
-  for (int j = 0; j < k; ++j) z[j] = ce::capped(widen(row[first + j]), cap, &slope);
-  return k;
+// A logit in the math type, soft-capped when Capped (a template flag, so that the loops without
+// a cap hold no call of tanh and vectorise); its slope in *slope.
+template <bool Capped, typename scalar_t, typename acc_t>
+inline acc_t logit(scalar_t v, acc_t cap, acc_t* slope) {
+  if constexpr (Capped) {
+    return ce::capped(widen(v), cap, slope);
+  } else {
+    *slope = acc_t(1);
+    return widen(v);
+  }
 }
 
-// The online softmax normaliser of one row: tile i goes to lane i % kLanes, the lanes are
-// merged in order.
-template <typename scalar_t, typename acc_t>
-ce::Online<acc_t> row_normaliser(const scalar_t* row, int64_t V, acc_t cap) {
+// The online softmax normaliser of one row, over kLanes lanes merged in order at the end: the
+// head tile (when the row starts unaligned) goes to lane 0, then full tile b of the rest to
+// lane b % kLanes — a loop over the lanes for each round of kLanes tiles, which the compiler
+// vectorises across the lanes (their state kept as three arrays) — and the tail tile to the
+// next lane in turn.
+template <bool Capped, typename scalar_t, typename acc_t>
+MEMKERN_VECTOR_CLONES ce::Online<acc_t> row_normaliser(const scalar_t* row, int64_t V, acc_t cap) {
   constexpr int Tile = kTile<scalar_t>;
   const ce::RowTiles<Tile> tiles{V, ce::head_of(reinterpret_cast<uintptr_t>(row),
                                                 sizeof(scalar_t))};
-  ce::Online<acc_t> lanes[kLanes];
-  for (auto& lane : lanes) lane = ce::online_start<acc_t>();
-  const int64_t count = tiles.count();
-  for (int64_t i = 0; i < count; ++i) {
-    acc_t z[Tile] = {};
-    const int k = load_tile(row, tiles, i, cap, z);
-    ce::online_add(lanes[i % kLanes], z, k);
+  acc_t max[kLanes], sum[kLanes], total[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    const ce::Online<acc_t> start = ce::online_start<acc_t>();
+    max[l] = start.max, sum[l] = start.sum, total[l] = start.total;
   }
-  for (int l = 1; l < kLanes; ++l) ce::online_merge(lanes[0], lanes[l]);
-  return lanes[0];
+  acc_t slope;
+  const auto add = [&](int l, const acc_t (&z)[Tile], int k) {
+    ce::Online<acc_t> lane{max[l], sum[l], total[l]};
+    ce::online_add(lane, z, k);
+    max[l] = lane.max, sum[l] = lane.sum, total[l] = lane.total;
+  };
+  const auto add_tile = [&](int64_t tile, int l) {
+    const scalar_t* first = row + tiles.first(tile);
+    const int k = tiles.size(tile);
+    acc_t z[Tile] = {};
+    for (int j = 0; j < k; ++j) z[j] = logit<Capped>(first[j], cap, &slope);
+    add(l, z, k);
+  };
+  int64_t i = 0;
+  if (tiles.head > 0) add_tile(i++, 0);
+  const int64_t rounds = (tiles.n - tiles.head) / (kLanes * Tile);
+  for (int64_t round = 0; round < rounds; ++round, i += kLanes) {
+    const scalar_t* first = row + tiles.first(i);
+    for (int l = 0; l < kLanes; ++l) {
+      acc_t z[Tile];
+#pragma GCC unroll 16
+      for (int j = 0; j < Tile; ++j) z[j] = logit<Capped>(first[l * Tile + j], cap, &slope);
+      add(l, z, Tile);
+    }
+  }
+  for (int l = 0; i < tiles.count(); ++i, ++l) add_tile(i, l);
+  ce::Online<acc_t> row_stats{max[0], sum[0], total[0]};
+  for (int l = 1; l < kLanes; ++l) ce::online_merge(row_stats, {max[l], sum[l], total[l]});
+  return row_stats;
 }
 
 // What the two ops share: the row settings of one call.
@@ -74,16 +102,33 @@ struct RowMath {
 
 // Columns [0, n) of a row whose column c is class `offset + c`: the gradient written over the
 // logits, from the row's normaliser (max, log_sum) — or (lse, 0) for a saved log-sum-exp.
-template <typename scalar_t, typename acc_t>
-void write_grad_row(scalar_t* row, int64_t n, int64_t offset, int64_t target, acc_t max,
-                    acc_t log_sum, acc_t scale, const RowMath<acc_t>& math) {
-  const acc_t keep = math.keep(), spread = math.spread();
+template <bool Capped, typename scalar_t, typename acc_t>
+MEMKERN_VECTOR_CLONES void write_grad_row(scalar_t* row, int64_t n, int64_t offset,
+                                          int64_t target, acc_t max, acc_t log_sum, acc_t scale,
+                                          const RowMath<acc_t>& math) {
+  const acc_t keep = math.keep(), spread = math.spread(), cap = math.cap;
   for (int64_t c = 0; c < n; ++c) {
     acc_t slope;
-    const acc_t z = ce::capped(widen(row[c]), math.cap, &slope);
+    const acc_t z = logit<Capped>(row[c], cap, &slope);
     const acc_t hit = offset + c == target ? keep : acc_t(0);
     row[c] = narrow<scalar_t>(
         ce::grad_value(ce::log_prob(z, max, log_sum), hit, spread, scale, slope));
+  }
+}
+
+// The row functions with the cap flag chosen once per call.
+template <typename scalar_t, typename acc_t>
+ce::Online<acc_t> normaliser(const scalar_t* row, int64_t V, acc_t cap) {
+  return cap > acc_t(0) ? row_normaliser<true>(row, V, cap) : row_normaliser<false>(row, V, cap);
+}
+
+template <typename scalar_t, typename acc_t>
+void write_grad(scalar_t* row, int64_t n, int64_t offset, int64_t target, acc_t max,
+                acc_t log_sum, acc_t scale, const RowMath<acc_t>& math) {
+  if (math.cap > acc_t(0)) {
+    write_grad_row<true>(row, n, offset, target, max, log_sum, scale, math);
+  } else {
+    write_grad_row<false>(row, n, offset, target, max, log_sum, scale, math);
   }
 }
 
@@ -145,14 +190,14 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_cpu(
           if (compute_grad) zero_row(row, V);
           continue;
         }
-        const ce::Online<acc_t> stats = row_normaliser<scalar_t, acc_t>(row, V, math.cap);
+        const ce::Online<acc_t> stats = normaliser(row, V, math.cap);
         const acc_t row_lse = ce::online_lse(stats);
         acc_t slope;
         const acc_t z_t = ce::capped(widen(row[t[r]]), math.cap, &slope);
         loss_out[r] = ce::row_loss(row_lse, true, z_t, stats.total, V, math.eps);
         lse_out[r] = row_lse;
         if (compute_grad) {
-          write_grad_row(row, V, 0, t[r], stats.max, ce::log_of(stats.sum),
+          write_grad(row, V, 0, t[r], stats.max, ce::log_of(stats.sum),
                          rs == nullptr ? acc_t(1) : rs[r], math);
         }
       }
@@ -190,7 +235,7 @@ void cross_entropy_block_grad_cpu(at::Tensor& logits, const at::Tensor& lse,
         if (t[r] == ignore_index) {
           zero_row(row, width);
         } else {
-          write_grad_row(row, width, class_offset, t[r], l[r], acc_t(0), rs[r * rs_stride], math);
+          write_grad(row, width, class_offset, t[r], l[r], acc_t(0), rs[r * rs_stride], math);
         }
       }
     });
