@@ -100,8 +100,8 @@ def candidates(n, v, h, dtype, device, variants):
     cases[MEMKERN] = lambda x, w, t: mk.nn.functional.linear_cross_entropy(x, w, t)
     ours = [MEMKERN]
     for c, b in variants:
-        c, b = c or chunk, b or vocab
-        if (c, b) == (chunk, vocab):
+        c, b = min(c or chunk, n), min(b or vocab, v)  # sizes past N or V are N or V
+        if (c, b) == (chunk, vocab) or f"memkern chunk={c} vocab={b}" in cases:
             continue
         name = f"memkern chunk={c} vocab={b}"
         cases[name] = (lambda c, b: lambda x, w, t: mk.nn.functional.linear_cross_entropy(

@@ -327,19 +327,26 @@ def test_the_spy_sees_a_host_read(monkeypatch):
     assert spy.reads
 
 
+COMPILERS = [pytest.param("cpu", "aot_eager", id="cpu-aot_eager"),
+             pytest.param("cuda", "inductor", marks=pytest.mark.cuda, id="cuda-inductor")]
+
+
+@pytest.mark.parametrize("device,compiler", COMPILERS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_compiled_matches_eager_and_float64_with_ignored_targets(reduction, dtype):
+def test_compiled_matches_eager_and_float64_with_ignored_targets(reduction, dtype, device,
+                                                                  compiler):
     """torch.compile(fullgraph=True) with a non-default ignore_index and ignored tokens (the
     case where Liger's loss goes wrong under compile): the compiled loss and gradients equal the
     eager ones and both match the float64 unfused graph."""
     torch._dynamo.reset()
-    x, w, b, t = _data(37, 11, 53, dtype=dtype, ignore=(0, 5, 6, 36), ignore_index=2)
+    x, w, b, t = _data(37, 11, 53, dtype=dtype, ignore=(0, 5, 6, 36), ignore_index=2,
+                       device=device)
 
     def f(x, w, b, t):
         return lce(x, w, t, b, reduction=reduction, ignore_index=2, chunk_size=8, vocab_block=16)
 
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(f, fullgraph=True, backend=compiler)
     x64, w64, b64 = (v.detach().double().requires_grad_() for v in (x, w, b))
     ref = F.cross_entropy(F.linear(x64, w64, b64), t, reduction=reduction, ignore_index=2)
     g = torch.randn_like(ref)
@@ -472,6 +479,36 @@ def test_cuda_matches_float64(reduction, dtype):
     g = torch.randn_like(ref)
     for a, r in zip(_grads(got, (x, w, b), g.to(dtype)), _grads(ref, (x64, w64, b64), g)):
         assert a.dtype == dtype and rel_err(a, r) < 2 * TOL[dtype]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_cuda_peak_is_the_gradients_and_one_block(dtype):
+    """On the GPU, forward + backward allocate no more above the inputs than the two gradients,
+    one block of logits of the size block_sizes picks (16-bit: x's bytes in the backward, the
+    weight gradient plus that in the forward), the per-token float32 loss and lse, and 1 MiB of
+    small tensors; and after the forward the graph keeps per-token tensors (and, float32, the
+    weight gradient) only."""
+    N, H, V = 2049, 128, 50257
+    x, w, _, t = _data(N, H, V, dtype=dtype, bias=False, device="cuda", ignore=(5,))
+    size = x.element_size()
+    grads = (N + V) * H * size
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = lce(x, w, t)
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - start
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    chunk, vocab = lce_ops.block_sizes(N, V, H, size, True, dtype == torch.bfloat16)
+    block = max(chunk * V, N * vocab) * size if dtype == torch.bfloat16 else chunk * V * size
+    assert peak <= grads + block + 8 * N + (1 << 20), (peak, grads, block)
+    if dtype == torch.bfloat16:
+        assert kept <= N * H * size + 8 * N + 4096, kept
+    else:
+        assert kept <= (N + V) * H * size + 8 * N + 4096, kept
 
 
 @pytest.mark.cuda
