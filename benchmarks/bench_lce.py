@@ -177,8 +177,11 @@ def run_shape(n, v, h, dtype, device, reps, variants):
     for name, fn in cases.items():
         clear()
         loss_box = []
-        peaks[name] = peak_above_inputs(lambda: loss_box.append(fn(x, w, t)) or loss_box[0].backward(),
-                                        device)
+
+        def forward_backward(fn=fn):
+            loss_box.append(fn(x, w, t))
+            loss_box[0].backward()
+        peaks[name] = peak_above_inputs(forward_backward, device)
         losses[name] = float(loss_box[0].detach().float())
         grads[name] = (x.grad.detach().clone(), w.grad.detach().clone())
     ref = grads[UNFUSED]
@@ -206,19 +209,19 @@ def run_shape(n, v, h, dtype, device, reps, variants):
           f"default chunk_size={sizes[0]}, vocab_block={sizes[1]}")
     print(f"  {'':38s} {'time ms':>9s} {'peak MiB':>9s} {'loss':>10s} {'grad err':>9s}")
     for name in cases:
-        print(f"  {name:38s} {med[name] * 1e3:9.2f} {peaks[name] / 2**20:9.1f} {losses[name]:10.5f} "
-              f"{grad_err[name]:9.2e}")
+        print(f"  {name:38s} {med[name] * 1e3:9.2f} {peaks[name] / 2**20:9.1f} "
+              f"{losses[name]:10.5f} {grad_err[name]:9.2e}")
     if baseline in cases:
         ratios = {name: (med[name] / med[baseline], peaks[name] / peaks[baseline]) for name in ours}
         result["memkern_over_" + baseline.replace(" ", "_")] = ratios
         for name, (rt, rp) in ratios.items():
             verdict = "meets" if rt <= time_target and rp <= peak_target else "misses"
-            print(f"  {name} / {baseline}: time {rt:.3f}x (target <= {time_target}), peak {rp:.3f}x "
-                  f"(target <= {peak_target}): {verdict}")
+            print(f"  {name} / {baseline}: time {rt:.3f}x (target <= {time_target}), "
+                  f"peak {rp:.3f}x (target <= {peak_target}): {verdict}")
         result["targets"] = {"baseline": baseline, "time": time_target, "peak": peak_target}
     elif baseline is not None:
-        print(f"  no {baseline} in this run: the targets (<= {time_target}x time, <= {peak_target}x "
-              "peak) are not checked")
+        print(f"  no {baseline} in this run: the targets (<= {time_target}x time, "
+              f"<= {peak_target}x peak) are not checked")
     if "gemm_probe" in result:
         probe = result["gemm_probe"]
         for name, r in probe.items():
@@ -240,7 +243,8 @@ def run(device, reps, shapes=None, variants=None):
     for n, v, h, dtype in shapes:
         if variants is None:  # the GPU sweep around the default sizes
             chunk, vocab = default_sizes(n, v, h, dtype)
-            sweep = [(2 * chunk, 0), (max(1, chunk // 2), 0), (0, 2 * vocab), (0, max(1, vocab // 2))]
+            sweep = [(2 * chunk, 0), (max(1, chunk // 2), 0), (0, 2 * vocab),
+                     (0, max(1, vocab // 2))]
         else:
             sweep = parse_variants(variants)
         results[f"{n}x{v}x{h}:{str(dtype).removeprefix('torch.')}"] = run_shape(

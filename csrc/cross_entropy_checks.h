@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 
 namespace memkern::cross_entropy_checks {
 
@@ -62,6 +63,34 @@ inline void block(const char* op, int64_t class_offset, int64_t width, int64_t n
   TORCH_CHECK(class_offset >= 0 && class_offset + width <= num_classes, op,
               ": the block's columns are classes [", class_offset, ", ", class_offset + width,
               ") but num_classes=", num_classes, "; the block must lie within the classes");
+}
+
+constexpr const char* kRowsOp = "memkern.ops.cross_entropy_rows_";
+constexpr const char* kBlockGradOp = "memkern.ops.cross_entropy_block_grad_";
+
+// Every tensor and setting of cross_entropy_rows_ (but the targets' range); returns whether
+// row_scale is given.
+inline bool rows_op(const at::Tensor& z, const at::Tensor& t,
+                    const std::optional<at::Tensor>& row_scale, double label_smoothing,
+                    double softcap) {
+  logits(kRowsOp, z);
+  target(kRowsOp, t, z);
+  const bool scaled = row_scale.has_value() && row_scale->defined();
+  if (scaled) rows(kRowsOp, "row_scale", *row_scale, z, true);
+  settings(kRowsOp, label_smoothing, softcap);
+  return scaled;
+}
+
+// Every tensor and setting of cross_entropy_block_grad_ (but the targets' range).
+inline void block_grad_op(const at::Tensor& z, const at::Tensor& lse, const at::Tensor& t,
+                          const at::Tensor& row_scale, int64_t class_offset, int64_t num_classes,
+                          double label_smoothing, double softcap) {
+  logits(kBlockGradOp, z);
+  target(kBlockGradOp, t, z);
+  rows(kBlockGradOp, "lse", lse, z, true);
+  rows(kBlockGradOp, "row_scale", row_scale, z, false);
+  settings(kBlockGradOp, label_smoothing, softcap);
+  block(kBlockGradOp, class_offset, z.size(1), num_classes);
 }
 
 }  // namespace memkern::cross_entropy_checks

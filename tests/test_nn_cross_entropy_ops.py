@@ -125,7 +125,8 @@ def test_rows_match_float64_torch(V, backend_name, device, dtype, smoothing, cap
     assert torch.equal(loss[[0, 7, 12]], torch.zeros(3, dtype=loss.dtype, device=device))
     untouched = z.clone()
     loss2, _ = _rows(backend_name, untouched, t, None, -7, smoothing, False, cap)
-    assert torch.equal(untouched.isnan(), z.isnan()) and torch.equal(untouched[~z.isnan()], z[~z.isnan()])
+    assert torch.equal(untouched.isnan(), z.isnan())
+    assert torch.equal(untouched[~z.isnan()], z[~z.isnan()])
     assert torch.equal(loss2.isnan(), loss.isnan())
 
 
@@ -181,7 +182,8 @@ def test_cpu_bad_target_raises_before_writing(op):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("backend_name", ["reference", pytest.param("cpu", marks=needs_cpu_kernels)])
+@pytest.mark.parametrize("backend_name",
+                         ["reference", pytest.param("cpu", marks=needs_cpu_kernels)])
 def test_rows_when_the_target_probability_underflows(dtype, backend_name):
     """Logits so spread that softmax(z)[t] underflows to 0 for most rows (loss in the
     hundreds): the loss is still exact, the gradient softmax - onehot."""
@@ -215,10 +217,10 @@ def test_gpu_out_of_range_targets_are_never_read(backend_name):
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: ops.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 5]), None, -100, 0.0, True),
-     r"target\[1\] = 5"),
-    (lambda: ops.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 2], dtype=torch.int32), None,
-                                     -100, 0.0, True), "target must be an int64"),
+    (lambda: ops.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 5]), None, -100, 0.0,
+                                     True), r"target\[1\] = 5"),
+    (lambda: ops.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 2], dtype=torch.int32),
+                                     None, -100, 0.0, True), "target must be an int64"),
     (lambda: ops.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 2]), None, -100, 0.0, True,
                                      -1.0), "softcap=-1.0"),
     (lambda: ops.cross_entropy_block_grad_(torch.randn(2, 5), torch.zeros(2), torch.tensor([1, 2]),

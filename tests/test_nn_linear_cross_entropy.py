@@ -67,7 +67,8 @@ def test_out_of_range_target_raises_a_clear_error(where, value):
     the range, before any gradient is written; ignore_index itself is fine anywhere."""
     x, w, b, t = _data(23, 13, 37, ignore=(4,))
     t[{"first": 0, "middle": 11, "last": 22}[where]] = value
-    for reduction, backend in (("mean", None), ("sum", None), ("none", None), ("mean", "reference")):
+    for reduction, backend in (("mean", None), ("sum", None), ("none", None),
+                               ("mean", "reference")):
         with mk.ops.force(backend) if backend else contextlib.nullcontext():
             with pytest.raises(ValueError, match=rf"= {value} is not a class index in \[0, 37\) "
                                                  r"nor ignore_index=-100"):
@@ -428,7 +429,8 @@ def test_cpp_and_python_block_sizes_agree(monkeypatch):
         for weight_grad in (False, True):
             for split in (False, True):
                 args = (n, v, h, size, weight_grad, split)
-                assert tuple(_C.linear_cross_entropy_block_sizes(*args)) == lce_ops.block_sizes(*args)
+                cpp = _C.linear_cross_entropy_block_sizes(*args)
+                assert tuple(cpp) == lce_ops.block_sizes(*args)
     monkeypatch.setenv(lce_ops.CHUNK_ENV, "333")
     monkeypatch.setenv(lce_ops.VOCAB_BLOCK_ENV, "77")
     assert tuple(_C.linear_cross_entropy_block_sizes(*shapes[3], True, True)) == (333, 77)
@@ -454,7 +456,8 @@ def test_block_sizes_bound_the_blocks():
     # tiny: 8 MiB covers everything
     assert lce_ops.block_sizes(23, 37, 13, 8, True, True) == (23, 37)
     # 100 tokens at the GPT-2 vocab: the 8 MiB floor -> 83 rows -> 64; 41943 classes -> 41856
-    assert 8 * MiB // (2 * 50304) == 83 and lce_ops.block_sizes(100, 50304, 64, 2, False, True) == (64, 41856)
+    assert 8 * MiB // (2 * 50304) == 83
+    assert lce_ops.block_sizes(100, 50304, 64, 2, False, True) == (64, 41856)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -472,8 +475,8 @@ def test_cuda_matches_float64(reduction, dtype):
     got = lce(x, w, t, b, reduction=reduction, ignore_index=11, num_items=n,
               label_smoothing=0.05, chunk_size=1000, vocab_block=3000)
     x64, w64, b64 = (v.detach().double().requires_grad_() for v in (x, w, b))
-    ref = F.cross_entropy(F.linear(x64, w64, b64), t, reduction="sum" if n is not None else reduction,
-                          ignore_index=11, label_smoothing=0.05)
+    ref = F.cross_entropy(F.linear(x64, w64, b64), t, ignore_index=11, label_smoothing=0.05,
+                          reduction="sum" if n is not None else reduction)
     ref = ref / 5000 if n is not None else ref
     assert rel_err(got, ref) < TOL[dtype]
     g = torch.randn_like(ref)

@@ -157,6 +157,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> forward_chunks(
   return {loss, lse, dx, dw, db};
 }
 
+// memkern.ops.linear_cross_entropy._float_gemm: a @ b in float32 (float64) from 16-bit a, b.
+Tensor float_gemm(const Tensor& a, const Tensor& b) {
+  const auto cd = compute_dtype(a);
+  if (a.scalar_type() == cd) return at::mm(a, b);
+  if (a.is_cuda()) return at::mm(a, b, cd);  // cuBLAS: 16-bit products, float32 sums and result
+  return at::mm(a.to(cd), b.to(cd));         // the CPU has no such GEMM
+}
+
 // memkern.ops.linear_cross_entropy.backward_impl.
 std::tuple<Tensor, Tensor> backward_blocks(const Tensor& grad_loss, const Tensor& x,
                                            const Tensor& weight,
@@ -171,6 +179,8 @@ std::tuple<Tensor, Tensor> backward_blocks(const Tensor& grad_loss, const Tensor
   Tensor dw = grad_weight ? at::empty_like(weight) : at::empty({0}, weight.options());
   Tensor db = grad_bias ? at::empty_like(*bias) : at::empty({0}, weight.options());
   if (!(grad_weight || grad_bias)) return {dw, db};
+  const bool one_scale = grad_loss.dim() == 0;  // applied to each block's float32 dW, db
+  const Tensor row_scale = one_scale ? at::ones_like(grad_loss).expand({N}) : grad_loss;
   const int64_t width = std::max<int64_t>(1, std::min(vocab_block, V));
   const Tensor block = at::empty({N * width}, x.options());  // a narrower last block: contiguous
   for (int64_t c0 = 0; c0 < V; c0 += width) {
@@ -182,14 +192,22 @@ std::tuple<Tensor, Tensor> backward_blocks(const Tensor& grad_loss, const Tensor
     } else {
       at::mm_out(z, x, wt);
     }
-    block_grad_op(z, lse, target, grad_loss, c0, V, ignore_index, label_smoothing, softcap);
+    block_grad_op(z, lse, target, row_scale, c0, V, ignore_index, label_smoothing, softcap);
     if (grad_weight) {
       Tensor dwc = dw.narrow(0, c0, cols);
-      at::mm_out(dwc, z.t(), x);
+      if (one_scale) {
+        at::mul_out(dwc, float_gemm(z.t(), x), grad_loss);
+      } else {
+        at::mm_out(dwc, z.t(), x);
+      }
     }
     if (grad_bias) {
       Tensor dbc = db.narrow(0, c0, cols);
-      at::sum_out(dbc, z, {0});
+      if (one_scale) {
+        at::mul_out(dbc, z.sum(0, false, grad_loss.scalar_type()), grad_loss);
+      } else {
+        at::sum_out(dbc, z, {0});
+      }
     }
   }
   return {dw, db};
@@ -307,7 +325,7 @@ struct LinearCrossEntropyBackward : public torch::autograd::Node {
       const Tensor xs = x.unpack(), bs = bias.unpack();
       std::optional<Tensor> b;
       if (bs.defined()) b = bs;
-      auto [dw, db] = backward_blocks(rows.expand({xs.size(0)}), xs, weight.unpack(), b,
+      auto [dw, db] = backward_blocks(rows, xs, weight.unpack(), b,
                                       target.unpack(), lse.unpack(), ignore_index,
                                       label_smoothing, vocab_block, need_weight,
                                       need_bias && bs.defined(), softcap);

@@ -161,16 +161,11 @@ void dispatch_logits(const at::Tensor& logits, const F& f) {
 std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_cpu(
     at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& row_scale,
     int64_t ignore_index, double label_smoothing, bool compute_grad, double softcap) {
-  const char* op = "memkern.ops.cross_entropy_rows_";
-  checks::logits(op, logits);
-  checks::target(op, target, logits);
-  const bool scaled = row_scale.has_value() && row_scale->defined();
-  if (scaled) checks::rows(op, "row_scale", *row_scale, logits, true);
-  checks::settings(op, label_smoothing, softcap);
+  const bool scaled = checks::rows_op(logits, target, row_scale, label_smoothing, softcap);
   const int64_t n = logits.size(0), V = logits.size(1);
   const auto acc = checks::acc_dtype(logits);
   const int64_t* t = target.const_data_ptr<int64_t>();
-  check_targets(op, t, n, V, ignore_index);  // before any row is written
+  check_targets(checks::kRowsOp, t, n, V, ignore_index);  // before any row is written
   at::Tensor loss = at::empty({n}, logits.options().dtype(acc));
   at::Tensor lse = at::empty({n}, logits.options().dtype(acc));
   const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(V, 1));
@@ -210,16 +205,11 @@ void cross_entropy_block_grad_cpu(at::Tensor& logits, const at::Tensor& lse,
                                   const at::Tensor& target, const at::Tensor& row_scale,
                                   int64_t class_offset, int64_t num_classes,
                                   int64_t ignore_index, double label_smoothing, double softcap) {
-  const char* op = "memkern.ops.cross_entropy_block_grad_";
-  checks::logits(op, logits);
-  checks::target(op, target, logits);
-  checks::rows(op, "lse", lse, logits, true);
-  checks::rows(op, "row_scale", row_scale, logits, false);
-  checks::settings(op, label_smoothing, softcap);
+  checks::block_grad_op(logits, lse, target, row_scale, class_offset, num_classes,
+                        label_smoothing, softcap);
   const int64_t n = logits.size(0), width = logits.size(1);
-  checks::block(op, class_offset, width, num_classes);
   const int64_t* t = target.const_data_ptr<int64_t>();
-  check_targets(op, t, n, num_classes, ignore_index);
+  check_targets(checks::kBlockGradOp, t, n, num_classes, ignore_index);
   const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1));
   dispatch_logits(logits, [&](auto tag) {
     using scalar_t = decltype(tag);

@@ -38,21 +38,17 @@ void check_launch(const char* op, cudaError_t status) {
 std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_cuda(
     at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& row_scale,
     int64_t ignore_index, double label_smoothing, bool compute_grad, double softcap) {
-  const char* op = "memkern.ops.cross_entropy_rows_";
-  checks::logits(op, logits);
-  checks::target(op, target, logits);
-  const bool scaled = row_scale.has_value() && row_scale->defined();
-  if (scaled) checks::rows(op, "row_scale", *row_scale, logits, true);
-  checks::settings(op, label_smoothing, softcap);
+  const bool scaled = checks::rows_op(logits, target, row_scale, label_smoothing, softcap);
   const c10::cuda::CUDAGuard device_guard(logits.device());
   const int64_t n = logits.size(0);
   const at::TensorOptions acc = logits.options().dtype(checks::acc_dtype(logits));
   at::Tensor loss = at::empty({n}, acc), lse = at::empty({n}, acc);
-  check_launch(op, launch::rows(logits.data_ptr(), logits_type(logits), n, logits.size(1),
-                                target.const_data_ptr<int64_t>(),
-                                scaled ? row_scale->const_data_ptr() : nullptr,
-                                loss.data_ptr(), lse.data_ptr(), ignore_index, label_smoothing,
-                                softcap, compute_grad, c10::cuda::getCurrentCUDAStream()));
+  check_launch(checks::kRowsOp,
+               launch::rows(logits.data_ptr(), logits_type(logits), n, logits.size(1),
+                            target.const_data_ptr<int64_t>(),
+                            scaled ? row_scale->const_data_ptr() : nullptr, loss.data_ptr(),
+                            lse.data_ptr(), ignore_index, label_smoothing, softcap,
+                            compute_grad, c10::cuda::getCurrentCUDAStream()));
   return {loss, lse};
 }
 
@@ -61,20 +57,15 @@ void cross_entropy_block_grad_cuda(at::Tensor& logits, const at::Tensor& lse,
                                    int64_t class_offset, int64_t num_classes,
                                    int64_t ignore_index, double label_smoothing,
                                    double softcap) {
-  const char* op = "memkern.ops.cross_entropy_block_grad_";
-  checks::logits(op, logits);
-  checks::target(op, target, logits);
-  checks::rows(op, "lse", lse, logits, true);
-  checks::rows(op, "row_scale", row_scale, logits, false);
-  checks::settings(op, label_smoothing, softcap);
-  checks::block(op, class_offset, logits.size(1), num_classes);
+  checks::block_grad_op(logits, lse, target, row_scale, class_offset, num_classes,
+                        label_smoothing, softcap);
   const c10::cuda::CUDAGuard device_guard(logits.device());
-  check_launch(op, launch::block_grad(
-                       logits.data_ptr(), logits_type(logits), logits.size(0), logits.size(1),
-                       lse.const_data_ptr(), target.const_data_ptr<int64_t>(),
-                       row_scale.const_data_ptr(), row_scale.stride(0), class_offset,
-                       num_classes, ignore_index, label_smoothing, softcap,
-                       c10::cuda::getCurrentCUDAStream()));
+  check_launch(checks::kBlockGradOp,
+               launch::block_grad(logits.data_ptr(), logits_type(logits), logits.size(0),
+                                  logits.size(1), lse.const_data_ptr(),
+                                  target.const_data_ptr<int64_t>(), row_scale.const_data_ptr(),
+                                  row_scale.stride(0), class_offset, num_classes, ignore_index,
+                                  label_smoothing, softcap, c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace

@@ -119,7 +119,8 @@ def _check_target_range(op, logits, target, ignore_index, num_classes) -> None:
 
 def _fake(logits, target, row_scale, ignore_index, label_smoothing, compute_grad, softcap=0.0):
     cd = _checks.compute_dtype(logits.dtype)
-    return logits.new_empty(logits.shape[:1], dtype=cd), logits.new_empty(logits.shape[:1], dtype=cd)
+    return (logits.new_empty(logits.shape[:1], dtype=cd),
+            logits.new_empty(logits.shape[:1], dtype=cd))
 
 
 def _fake_block(logits, lse, target, row_scale, class_offset, num_classes, ignore_index,
@@ -197,8 +198,8 @@ def block_grad_reference(logits, lse, target, row_scale, class_offset, num_class
 
 cross_entropy_rows_ = Op(
     "cross_entropy_rows_",
-    "(Tensor(a!) logits, Tensor target, Tensor? row_scale, int ignore_index, float label_smoothing, "
-    "bool compute_grad, float softcap=0.0) -> (Tensor, Tensor)",
+    "(Tensor(a!) logits, Tensor target, Tensor? row_scale, int ignore_index, "
+    "float label_smoothing, bool compute_grad, float softcap=0.0) -> (Tensor, Tensor)",
     check=_check,
     fake=_fake,
     reference=reference,

@@ -34,9 +34,12 @@ the backward op); each empty (``[0]``) when not requested.
 
 ``linear_cross_entropy_backward(grad_loss, x, weight, bias, target, lse, ignore_index,
 label_smoothing, vocab_block, grad_weight, grad_bias, softcap=0.0) -> (dweight, dbias)``: the
-weight and bias gradients of ``(grad_loss * loss).sum()`` for a float32 (float64) ``[N]``
-``grad_loss`` (any stride: an expanded scalar is fine), in the weight's / bias's dtype; ``lse``
-is the forward's.
+weight and bias gradients of ``(grad_loss * loss).sum()``, in the weight's / bias's dtype;
+``lse`` is the forward's. ``grad_loss`` is float32 (float64): ``[N]``, one factor per token
+(any stride), folded into each block's logits gradient; or ``[]``, one factor for every token
+(``mean``/``sum``), applied to each block's weight and bias gradients in float32 before their one
+rounding to 16 bits — a 16-bit logits gradient times a small factor (``1 / tokens``) would
+underflow in float16.
 
 Both run as one C++ implementation on every device when the extension is built
 (csrc/autograd/linear_cross_entropy.cpp, the twin of the loops below; the GEMMs are torch's, the
@@ -179,12 +182,13 @@ def _check_backward(grad_loss, x, weight, bias, target, lse, ignore_index, label
     device = _check(x, weight, bias, target, ignore_index, label_smoothing, vocab_block, op=op,
                     softcap=softcap)
     cd = _checks.compute_dtype(x.dtype)
-    for name, t in (("grad_loss", grad_loss), ("lse", lse)):
-        if not isinstance(t, torch.Tensor) or t.dtype != cd or tuple(t.shape) != (x.shape[0],):
-            raise ValueError(
-                f"memkern.ops.{op}: {name} must be a {cd} tensor of shape ({x.shape[0]},), got "
-                + (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t))
-            )
+    for name, t, shapes in (("grad_loss", grad_loss, ((x.shape[0],), ())),
+                            ("lse", lse, ((x.shape[0],),))):
+        if not isinstance(t, torch.Tensor) or t.dtype != cd or tuple(t.shape) not in shapes:
+            got = (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                   else repr(t))
+            raise ValueError(f"memkern.ops.{op}: {name} must be a {cd} tensor of shape "
+                             f"{' or '.join(str(s) for s in shapes)}, got {got}")
         _checks.same_device(op, name, t, x, "x")
     return device
 
@@ -257,6 +261,17 @@ def forward_impl(x, weight, bias, target, ignore_index, label_smoothing, chunk_s
     return loss, lse, dx, dw, db
 
 
+def _float_gemm(a, b):
+    """``a @ b`` in float32 (float64 for float64) from 16-bit ``a``, ``b``: cuBLAS's
+    16-bit-in, float32-out GEMM on a GPU; the operands widened on the CPU, which has none."""
+    cd = _checks.compute_dtype(a.dtype)
+    if a.dtype == cd:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=cd)
+    return torch.mm(a.to(cd), b.to(cd))
+
+
 def backward_impl(grad_loss, x, weight, bias, target, lse, ignore_index, label_smoothing,
                   vocab_block, grad_weight, grad_bias, softcap=0.0):
     """The backward block loop (csrc/autograd/linear_cross_entropy.cpp: ``backward_blocks``)."""
@@ -265,6 +280,8 @@ def backward_impl(grad_loss, x, weight, bias, target, lse, ignore_index, label_s
     dw, db = _backward_outputs(weight, bias, grad_weight, grad_bias)
     if not (grad_weight or grad_bias):
         return dw, db
+    one_scale = grad_loss.dim() == 0  # applied to each block's float32 dW, db
+    row_scale = torch.ones_like(grad_loss).expand(N) if one_scale else grad_loss
     width = max(1, min(vocab_block, V))
     block = x.new_empty((N * width,))  # flat: a narrower last block is contiguous too
     for c0 in range(0, V, width):
@@ -275,12 +292,18 @@ def backward_impl(grad_loss, x, weight, bias, target, lse, ignore_index, label_s
             torch.addmm(bias[c0:c1], x, wt, out=z)
         else:
             torch.mm(x, wt, out=z)
-        cross_entropy_block_grad_(z, lse, target, grad_loss, c0, V, ignore_index,
+        cross_entropy_block_grad_(z, lse, target, row_scale, c0, V, ignore_index,
                                   label_smoothing, softcap)
         if grad_weight:
-            torch.mm(z.t(), x, out=dw[c0:c1])
+            if one_scale:
+                torch.mul(_float_gemm(z.t(), x), grad_loss, out=dw[c0:c1])
+            else:
+                torch.mm(z.t(), x, out=dw[c0:c1])
         if grad_bias:
-            torch.sum(z, 0, out=db[c0:c1])
+            if one_scale:
+                torch.mul(z.sum(0, dtype=grad_loss.dtype), grad_loss, out=db[c0:c1])
+            else:
+                torch.sum(z, 0, out=db[c0:c1])
     return dw, db
 
 

@@ -112,6 +112,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         dx, dw, db = ctx.grads
         ctx.grads = None
         # the incoming gradient in float32 (float64): per token for "none", else one number
+        # (which the backward op applies to dW, db in float32: no float16 underflow)
         scale = grad_loss.to(torch.promote_types(grad_loss.dtype, torch.float32))
         if reduction == "none":
             rows = scale.reshape(-1)
@@ -134,8 +135,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             x, weight, bias, target, lse = ctx.saved_tensors
             need_b = need_b and bias is not None
             dw, db = ops.linear_cross_entropy_backward(
-                rows.expand(x.shape[0]), x, weight, bias, target, lse, ignore_index,
-                label_smoothing, vocab_block, need_w, need_b, softcap)
+                rows, x, weight, bias, target, lse, ignore_index, label_smoothing, vocab_block,
+                need_w, need_b, softcap)
             dw, db = dw if need_w else None, db if need_b else None
         return dx, dw, db, None, None, None, None, None, None, None, None
 
