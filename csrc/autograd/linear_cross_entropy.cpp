@@ -157,12 +157,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> forward_chunks(
   return {loss, lse, dx, dw, db};
 }
 
-// memkern.ops.linear_cross_entropy._float_gemm: a @ b in float32 (float64) from 16-bit a, b.
+// memkern.ops.linear_cross_entropy._float_gemm: a @ b in float32 from float16 a, b.
 Tensor float_gemm(const Tensor& a, const Tensor& b) {
-  const auto cd = compute_dtype(a);
-  if (a.scalar_type() == cd) return at::mm(a, b);
-  if (a.is_cuda()) return at::mm(a, b, cd);  // cuBLAS: 16-bit products, float32 sums and result
-  return at::mm(a.to(cd), b.to(cd));         // the CPU has no such GEMM
+  if (a.is_cuda()) return at::mm(a, b, at::kFloat);  // cuBLAS: float32 sums and result
+  return at::mm(a.to(at::kFloat), b.to(at::kFloat));  // the CPU has no such GEMM
 }
 
 // memkern.ops.linear_cross_entropy.backward_impl.
@@ -179,8 +177,9 @@ std::tuple<Tensor, Tensor> backward_blocks(const Tensor& grad_loss, const Tensor
   Tensor dw = grad_weight ? at::empty_like(weight) : at::empty({0}, weight.options());
   Tensor db = grad_bias ? at::empty_like(*bias) : at::empty({0}, weight.options());
   if (!(grad_weight || grad_bias)) return {dw, db};
-  const bool one_scale = grad_loss.dim() == 0;  // applied to each block's float32 dW, db
-  const Tensor row_scale = one_scale ? at::ones_like(grad_loss).expand({N}) : grad_loss;
+  // float16 and one factor: applied to each block's float32 dW, db; else folded into dZ
+  const bool scale_after = grad_loss.dim() == 0 && x.scalar_type() == at::kHalf;
+  const Tensor row_scale = (scale_after ? at::ones_like(grad_loss) : grad_loss).expand({N});
   const int64_t width = std::max<int64_t>(1, std::min(vocab_block, V));
   const Tensor block = at::empty({N * width}, x.options());  // a narrower last block: contiguous
   for (int64_t c0 = 0; c0 < V; c0 += width) {
@@ -195,7 +194,7 @@ std::tuple<Tensor, Tensor> backward_blocks(const Tensor& grad_loss, const Tensor
     block_grad_op(z, lse, target, row_scale, c0, V, ignore_index, label_smoothing, softcap);
     if (grad_weight) {
       Tensor dwc = dw.narrow(0, c0, cols);
-      if (one_scale) {
+      if (scale_after) {
         at::mul_out(dwc, float_gemm(z.t(), x), grad_loss);
       } else {
         at::mm_out(dwc, z.t(), x);
@@ -203,7 +202,7 @@ std::tuple<Tensor, Tensor> backward_blocks(const Tensor& grad_loss, const Tensor
     }
     if (grad_bias) {
       Tensor dbc = db.narrow(0, c0, cols);
-      if (one_scale) {
+      if (scale_after) {
         at::mul_out(dbc, z.sum(0, false, grad_loss.scalar_type()), grad_loss);
       } else {
         at::sum_out(dbc, z, {0});

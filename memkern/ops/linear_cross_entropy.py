@@ -36,10 +36,11 @@ the backward op); each empty (``[0]``) when not requested.
 label_smoothing, vocab_block, grad_weight, grad_bias, softcap=0.0) -> (dweight, dbias)``: the
 weight and bias gradients of ``(grad_loss * loss).sum()``, in the weight's / bias's dtype;
 ``lse`` is the forward's. ``grad_loss`` is float32 (float64): ``[N]``, one factor per token
-(any stride), folded into each block's logits gradient; or ``[]``, one factor for every token
-(``mean``/``sum``), applied to each block's weight and bias gradients in float32 before their one
-rounding to 16 bits — a 16-bit logits gradient times a small factor (``1 / tokens``) would
-underflow in float16.
+(any stride), or ``[]``, one factor for every token (``mean``/``sum``). It is folded into each
+block's logits gradient — except a single factor with float16 inputs, which is applied to each
+block's weight and bias gradients in float32 before their one rounding to float16: a float16
+logits gradient times a small factor (``1 / tokens``) would underflow (bfloat16 has float32's
+range).
 
 Both run as one C++ implementation on every device when the extension is built
 (csrc/autograd/linear_cross_entropy.cpp, the twin of the loops below; the GEMMs are torch's, the
@@ -262,14 +263,11 @@ def forward_impl(x, weight, bias, target, ignore_index, label_smoothing, chunk_s
 
 
 def _float_gemm(a, b):
-    """``a @ b`` in float32 (float64 for float64) from 16-bit ``a``, ``b``: cuBLAS's
-    16-bit-in, float32-out GEMM on a GPU; the operands widened on the CPU, which has none."""
-    cd = _checks.compute_dtype(a.dtype)
-    if a.dtype == cd:
-        return torch.mm(a, b)
+    """``a @ b`` in float32 from float16 ``a``, ``b``: cuBLAS's 16-bit-in, float32-out GEMM
+    on a GPU; the operands widened on the CPU, which has none."""
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=cd)
-    return torch.mm(a.to(cd), b.to(cd))
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
 
 
 def backward_impl(grad_loss, x, weight, bias, target, lse, ignore_index, label_smoothing,
@@ -280,8 +278,10 @@ def backward_impl(grad_loss, x, weight, bias, target, lse, ignore_index, label_s
     dw, db = _backward_outputs(weight, bias, grad_weight, grad_bias)
     if not (grad_weight or grad_bias):
         return dw, db
-    one_scale = grad_loss.dim() == 0  # applied to each block's float32 dW, db
-    row_scale = torch.ones_like(grad_loss).expand(N) if one_scale else grad_loss
+    # float16 and one factor: applied to each block's float32 dW, db; else folded into dZ
+    scale_after = grad_loss.dim() == 0 and x.dtype == torch.float16
+    row_scale = torch.ones_like(grad_loss) if scale_after else grad_loss
+    row_scale = row_scale.expand(N)
     width = max(1, min(vocab_block, V))
     block = x.new_empty((N * width,))  # flat: a narrower last block is contiguous too
     for c0 in range(0, V, width):
@@ -295,12 +295,12 @@ def backward_impl(grad_loss, x, weight, bias, target, lse, ignore_index, label_s
         cross_entropy_block_grad_(z, lse, target, row_scale, c0, V, ignore_index,
                                   label_smoothing, softcap)
         if grad_weight:
-            if one_scale:
+            if scale_after:
                 torch.mul(_float_gemm(z.t(), x), grad_loss, out=dw[c0:c1])
             else:
                 torch.mm(z.t(), x, out=dw[c0:c1])
         if grad_bias:
-            if one_scale:
+            if scale_after:
                 torch.mul(z.sum(0, dtype=grad_loss.dtype), grad_loss, out=db[c0:c1])
             else:
                 torch.sum(z, 0, out=db[c0:c1])
