@@ -8,6 +8,8 @@ Environment switches
                        =1      require them (fail if impossible);  =0  never
     TORCH_CUDA_ARCH_LIST       GPU architectures (default "8.0;9.0": A100 and H100/H200)
     MAX_JOBS                   parallel compile jobs (ninja)
+    MEMKERN_WERROR=1           treat compiler warnings in memkern's C++ and CUDA code as
+                               errors (CI)
 
 Install with ``pip install --no-build-isolation .`` so the build uses the torch already
 installed rather than downloading another one into an isolated build environment.
@@ -24,6 +26,8 @@ import sys
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+OBJECTS_DIR = os.path.join(ROOT, "build", "ext")
+"""Where the compiled objects stay between builds (see ``build_ext_keeping_objects``)."""
 CXX_FLAGS = ["-O3", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
 
@@ -89,6 +93,24 @@ def want_cuda() -> bool:
     return False
 
 
+def build_ext_keeping_objects():
+    """torch's ninja build_ext, with its objects in ``OBJECTS_DIR`` rather than a temporary
+    folder. pip's installs (editable or not) give every build a new temporary folder, so each
+    ``pip install`` recompiled every source (about 8 minutes on 2 cores), e.g. the test
+    install right after the first one. Kept objects let ninja recompile only what changed: it
+    compares each object with its source, the headers that source included and the command
+    line that built it (so a change of torch, flags or CUDA choice rebuilds what it affects).
+    A fresh clone has no ``build/`` and compiles everything."""
+    from torch.utils.cpp_extension import BuildExtension
+
+    class BuildExtKeepingObjects(BuildExtension.with_options(use_ninja=True)):
+        def finalize_options(self) -> None:
+            super().finalize_options()
+            self.build_temp = OBJECTS_DIR
+
+    return BuildExtKeepingObjects
+
+
 def extensions() -> tuple[list, dict]:
     if os.environ.get("MEMKERN_BUILD_EXT", "1") == "0":
         say("MEMKERN_BUILD_EXT=0: no compiled extension (reference/Triton backends only)")
@@ -96,18 +118,22 @@ def extensions() -> tuple[list, dict]:
     if not have_cxx_compiler():
         say("no C++ compiler found: no compiled extension (reference/Triton backends only)")
         return [], {}
-    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
     cxx_flags = CXX_FLAGS + openmp_flags()
+    nvcc_flags = list(NVCC_FLAGS)
+    if os.environ.get("MEMKERN_WERROR", "0") == "1":
+        cxx_flags.append("-Werror")
+        nvcc_flags += ["-Werror=all-warnings", "-Xcompiler=-Werror"]
     cpp_sources = (sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
-                   + sources("csrc/autograd/*.cpp"))
+                   + sources("csrc/any_device/*.cpp") + sources("csrc/autograd/*.cpp"))
     if want_cuda():
         archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         defines = ["-DMEMKERN_WITH_CUDA", f'-DMEMKERN_CUDA_ARCHS="{archs}"']
         ext = CUDAExtension(
             "memkern._C",
             cpp_sources + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
-            extra_compile_args={"cxx": cxx_flags + defines, "nvcc": NVCC_FLAGS + defines},
+            extra_compile_args={"cxx": cxx_flags + defines, "nvcc": nvcc_flags + defines},
         )
         say(f"building the C++ CPU and CUDA kernels (TORCH_CUDA_ARCH_LIST={archs})")
     else:
@@ -115,7 +141,7 @@ def extensions() -> tuple[list, dict]:
         say("building the C++ CPU kernels")
     if "-fopenmp" not in cxx_flags:
         say("torch does not use OpenMP: the C++ CPU kernels will run on one thread")
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    return [ext], {"build_ext": build_ext_keeping_objects()}
 
 
 ext_modules, cmdclass = extensions()

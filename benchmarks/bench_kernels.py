@@ -97,7 +97,9 @@ def _torch_unscale(views: list[torch.Tensor], found_inf: torch.Tensor):
         def composed(scale: torch.Tensor) -> None:
             norms = torch.stack(torch._foreach_norm(views))
             found_inf.copy_((~norms.isfinite().all()).float())
-            torch._foreach_mul_(views, scale)
+            # a 0-dim tensor: the one-element scale the memkern op reads is refused as a
+            # "scalar tensor" with 1 dimension (torch 2.11 on CUDA)
+            torch._foreach_mul_(views, scale.reshape(()))
 
         return composed, "_foreach_norm + _foreach_mul_"
     return (lambda scale: torch._amp_foreach_non_finite_check_and_unscale_(views, found_inf, scale),

@@ -18,6 +18,9 @@ autograd, the dispatcher, and on a GPU the kernel launches. Three parts, one pro
 * **steps**: one train step (forward, backward, clip, optimizer, zero grads) of a 2-layer
   width-64 GPT at seq 16, batch 8, under every ``memkern bench`` configuration. Target:
   memkern-full ≤ 1.0× torch-amp.
+* **on CUDA, host and GPU time** (:mod:`memkern.bench.host_device`): per layer call and per
+  step, the time to issue the work and its kernels' summed time, so the run shows which one
+  bounds each. Target (issue 23): every layer's host time ≤ 1.1× torch's, fp32 and bf16.
 
     python benchmarks/bench_overhead.py [--device cpu|cuda] [--dtype float32|bfloat16]
         [--reps 9] [--calls 200] [--save benchmarks/results/cpu-overhead.json]
@@ -41,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import memkern as mk  # noqa: E402
-from memkern.bench.configs import CONFIGS, build  # noqa: E402
+from memkern.bench import host_device  # noqa: E402
+from memkern.bench.configs import DEFAULT_CONFIGS, build  # noqa: E402
 from memkern.bench.model import GPTConfig  # noqa: E402
 
 ROWS, WIDTH, CLASSES = 8, 64, 1000
@@ -51,6 +55,8 @@ TARGETS = {"Linear": 1.0, "LayerNorm": 1.0, "RMSNorm": 1.0, "Dropout": 1.0, "MLP
 TINY = GPTConfig(layers=2, width=WIDTH, heads=2, seq=16)
 TINY_BATCH = 8
 STEP_TARGET = ("memkern-full", "torch-amp", 1.0)
+HOST_TARGET_CUDA = 1.1  # memkern's host time per layer call / torch's, on CUDA (issue 23)
+SPLIT_REPS = 3  # repetitions of --calls calls for the host/GPU split on CUDA
 
 
 def layer_pairs(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Callable, Callable]]:
@@ -74,7 +80,7 @@ def layer_pairs(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Cal
             nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(approximate="tanh"),
                           nn.Linear(4 * WIDTH, WIDTH)),
             mk.nn.MLP(WIDTH, 4 * WIDTH, activation="gelu_tanh")),
-        "SwiGLU": modules(_TorchSwiGLU(WIDTH, 4 * WIDTH), mk.nn.SwiGLU(WIDTH, 4 * WIDTH)),
+        "SwiGLU": modules(common.TorchSwiGLU(WIDTH, 4 * WIDTH), mk.nn.SwiGLU(WIDTH, 4 * WIDTH)),
         # the common case in a transformer block: the layer's input is a norm's output (memkern's
         # layer saves the norm's input and rebuilds the output in backward)
         "LayerNorm→Linear": modules(
@@ -86,22 +92,12 @@ def layer_pairs(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Cal
             nn.Sequential(mk.nn.LayerNorm(WIDTH),
                           mk.nn.MLP(WIDTH, 4 * WIDTH, activation="gelu_tanh"))),
         "RMSNorm→SwiGLU": modules(
-            nn.Sequential(nn.RMSNorm(WIDTH), _TorchSwiGLU(WIDTH, 4 * WIDTH)),
+            nn.Sequential(nn.RMSNorm(WIDTH), common.TorchSwiGLU(WIDTH, 4 * WIDTH)),
             nn.Sequential(mk.nn.RMSNorm(WIDTH), mk.nn.SwiGLU(WIDTH, 4 * WIDTH))),
         "LinearCrossEntropy": (
             lambda: F.cross_entropy(lin_t(x).float(), target).backward(),
             lambda: lin_m(x, target).backward()),
     }
-
-
-class _TorchSwiGLU(nn.Module):
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False)
-        self.down_proj = nn.Linear(h, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def per_call_seconds(fns: list[Callable], *, reps: int, calls: int, device: torch.device
@@ -129,15 +125,21 @@ def per_call_seconds(fns: list[Callable], *, reps: int, calls: int, device: torc
     return [statistics.median(t) for t in times]
 
 
-def step_seconds(device: torch.device, reps: int, calls: int) -> dict[str, float]:
-    """Median seconds per tiny-GPT train step of every ``memkern bench`` configuration."""
+def tiny_steps(device: torch.device) -> dict[str, Callable]:
+    """One tiny-GPT train step of every ``memkern bench`` configuration, by name."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, TINY.vocab, (TINY_BATCH, TINY.seq), generator=gen).to(device)
     y = torch.randint(0, TINY.vocab, (TINY_BATCH, TINY.seq), generator=gen).to(device)
     steps = {}
-    for name in CONFIGS:
+    for name in DEFAULT_CONFIGS:
         setup = build(name, TINY, device)
         steps[name] = (lambda s=setup: s.train_step(x, y))
+    return steps
+
+
+def step_seconds(steps: dict[str, Callable], device: torch.device, reps: int,
+                 calls: int) -> dict[str, float]:
+    """Median seconds per tiny-GPT train step of each configuration in ``steps``."""
     secs = per_call_seconds(list(steps.values()), reps=reps, calls=max(1, calls // 10),
                             device=device)
     return dict(zip(steps, secs))
@@ -239,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype = torch.device(device_name), getattr(torch, args.dtype)
 
     launches = launch_counts(device, dtype)
-    layers = {}
+    cuda = device.type == "cuda"
+    layers, splits = {}, []
     print(f"host time per forward+backward call, [{ROWS}, {WIDTH}] {args.dtype} on {device_name}, "
           "1 thread (launches: GPU path, counted from the code path)")
     print(f"{'layer':<20}{'torch µs':>10}{'memkern µs':>12}{'ratio':>8}{'target':>8}"
@@ -253,8 +256,30 @@ def main(argv: list[str] | None = None) -> int:
                         "launches_torch": n["torch"], "launches_memkern": n["memkern"]}
         print(f"{name:<20}{t_torch * 1e6:>10.1f}{t_mk * 1e6:>12.1f}{t_mk / t_torch:>7.2f}×"
               f"{TARGETS[name]:>7.2f}×{n['torch']['launches']:>16}{n['memkern']['launches']:>9}")
+        if cuda:
+            split_torch, split_mk = (host_device.measure(fn, reps=SPLIT_REPS, calls=args.calls)
+                                     for fn in (torch_fn, mk_fn))
+            splits.append((name, split_torch, split_mk))
+            layers[name].update(
+                host_us_torch=split_torch.host_seconds * 1e6,
+                host_us_memkern=split_mk.host_seconds * 1e6,
+                gpu_us_torch=split_torch.gpu_seconds * 1e6,
+                gpu_us_memkern=split_mk.gpu_seconds * 1e6,
+                host_ratio=split_mk.host_seconds / split_torch.host_seconds,
+                host_target=HOST_TARGET_CUDA, bound_memkern=split_mk.bound)
+    if cuda:
+        print(f"\non CUDA, per call: host = issuing it, GPU = its kernels' summed time; "
+              f"target: memkern's host time ≤ {HOST_TARGET_CUDA:.1f}× torch's")
+        print(f"{'layer':<20}{'host µs torch':>14}{'memkern':>9}{'ratio':>8}{'target':>8}"
+              f"{'GPU µs torch':>14}{'memkern':>9}{'memkern is':>12}")
+        for name, st, sm in splits:
+            print(f"{name:<20}{st.host_seconds * 1e6:>14.1f}{sm.host_seconds * 1e6:>9.1f}"
+                  f"{sm.host_seconds / st.host_seconds:>7.2f}×{HOST_TARGET_CUDA:>7.2f}×"
+                  f"{st.gpu_seconds * 1e6:>14.1f}{sm.gpu_seconds * 1e6:>9.1f}"
+                  f"{sm.bound + '-bound':>12}")
 
-    steps = step_seconds(device, args.reps, args.calls)
+    tiny = tiny_steps(device)
+    steps = step_seconds(tiny, device, args.reps, args.calls)
     mk_name, base_name, target = STEP_TARGET
     print(f"\ntiny GPT train step ({TINY.layers} layers, width {TINY.width}, seq {TINY.seq}, "
           f"batch {TINY_BATCH}):")
@@ -262,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:<20}{secs * 1e6:>10.0f} µs  {secs / steps[base_name]:.2f}× {base_name}")
     ratio = steps[mk_name] / steps[base_name]
     print(f"{mk_name} / {base_name}: {ratio:.2f}× (target ≤ {target:.2f}×)")
+    step_splits = {}
+    if cuda:
+        step_splits = {name: host_device.measure(fn, reps=SPLIT_REPS,
+                                                 calls=max(1, args.calls // 10))
+                       for name, fn in tiny.items()}
+        print("\ntiny GPT train step on CUDA (host: issuing it; GPU: its kernels' summed time):")
+        print("\n".join(host_device.table(list(step_splits.items()), unit="µs")))
     if args.save:
         common.save(args.save, {
             "dtype": args.dtype, "shape": [ROWS, WIDTH], "reps": args.reps, "calls": args.calls,
@@ -269,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             "tiny_step_us": {k: v * 1e6 for k, v in steps.items()},
             "tiny_step_ratio": {"configuration": mk_name, "baseline": base_name,
                                 "ratio": ratio, "target": target},
+            "tiny_step_host_gpu_us": {k: {"host": v.host_seconds * 1e6, "gpu": v.gpu_seconds * 1e6,
+                                          "bound": v.bound} for k, v in step_splits.items()},
         })
     return 0
 

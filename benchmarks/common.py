@@ -61,6 +61,19 @@ def interleaved_times(cases: dict[str, tuple[Callable[[], None], Callable[[], ob
     return times
 
 
+class TorchSwiGLU(torch.nn.Module):
+    """The SwiGLU MLP as torch composes it: down(silu(gate(x)) * up(x)), no biases."""
+
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(d, h, bias=False)
+        self.up_proj = torch.nn.Linear(d, h, bias=False)
+        self.down_proj = torch.nn.Linear(h, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 def nothing() -> None:
     """The prepare step of a case that needs none."""
 

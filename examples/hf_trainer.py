@@ -5,10 +5,13 @@
     python examples/hf_trainer.py --resume            # continue from the last checkpoint
 
 The model is built from a config (nothing is downloaded) and learns arithmetic token
-sequences. Gradient accumulation, clipping, the LR schedule and checkpoints are ``Trainer``'s
+sequences. Checkpoints go to ``--out``, by default a folder in the system's temporary
+directory (``DEFAULT_OUT``), so running the example leaves nothing in the checkout. Gradient accumulation, clipping, the LR schedule and checkpoints are ``Trainer``'s
 own ``TrainingArguments``; memkern's optimizer takes them over (see docs/integrations.md).
 """
 import argparse
+import os
+import tempfile
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
@@ -16,6 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 from memkern.integrations.transformers import MemkernTrainer
 
 VOCAB, SEQ = 256, 64
+DEFAULT_OUT = os.path.join(tempfile.gettempdir(), "memkern-examples", "hf_trainer")
 
 
 class Sequences(torch.utils.data.Dataset):
@@ -38,7 +42,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
     parser.add_argument("--bf16", action="store_true", help="bf16 weights, float32 masters")
-    parser.add_argument("--out", default="hf_trainer_out", help="checkpoint directory")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"checkpoint directory (default: {DEFAULT_OUT})")
     parser.add_argument("--resume", action="store_true", help="resume from --out's last "
                         "checkpoint")
     args = parser.parse_args()
@@ -56,7 +61,8 @@ def main() -> None:
     result = trainer.train(resume_from_checkpoint=True if args.resume else None)
     opt = trainer.memkern_optimizer
     print(f"trained {trainer.state.global_step} steps, final loss {result.training_loss:.3f}, "
-          f"last grad norm {opt.grad_norm:.3f}, skipped steps {opt.skipped_steps}")
+          f"last grad norm {opt.grad_norm:.3f}, skipped steps {opt.skipped_steps}; "
+          f"checkpoints in {args.out}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ Commands:
     memkern bench    train a small GPT under plain torch, torch AMP and memkern
                      configurations and print their memory and speed side by side
     memkern report   predicted per-rank memory of each configuration and world size
+    memkern plan     a training step's device memory planned on fake tensors: the peak and
+                     what it is made of, for a GPU or the CPU, without one
 
 Under torchrun (WORLD_SIZE > 1) every rank trains and rank 0 prints.
 Documentation: docs/ in the repository (start with docs/index.md).
@@ -27,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from memkern.bench.configs import BASELINE, CONFIGS
+from memkern.bench.configs import BASELINE, CONFIGS, DEFAULT_CONFIGS
 from memkern.bench.model import SIZES, GPTConfig
 
 
@@ -87,6 +89,43 @@ def _device(text: str) -> torch.device:
     return device
 
 
+def _output_file(text: str) -> str:
+    """A file the command will write, checked when the flags are read, before any work: its
+    folder exists and a file can be created (or appended to) there. Every flag that names an
+    output file (``--json``, ``--plot``, ...) has this type, so a wrong path costs one line
+    naming the flag instead of a finished run and a traceback."""
+    folder = os.path.dirname(text) or "."
+    if not os.path.isdir(folder):
+        what = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {folder!r} {what}; create "
+                                         "the folder or give another path")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name in it")
+    existed = os.path.exists(text)
+    try:
+        open(text, "a").close()  # creates nothing it does not remove, truncates nothing
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror}")
+    if not existed:
+        os.remove(text)
+    return text
+
+
+def _chart_file(text: str) -> str:
+    """``--plot``: an output file (see :func:`_output_file`) named with a suffix matplotlib
+    writes (.png, .svg, .pdf, ...), with matplotlib installed."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise argparse.ArgumentTypeError("needs matplotlib: pip install matplotlib")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if os.path.splitext(text)[1].lstrip(".").lower() not in formats:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the file name must end in one of "
+            f"{', '.join('.' + f for f in sorted(formats))}")
+    return _output_file(text)
+
+
 def _config_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
@@ -123,17 +162,28 @@ def _parser() -> argparse.ArgumentParser:
                        default="cuda" if torch.cuda.is_available() else "cpu",
                        help="cpu, cuda or cuda:N (default: cuda when available; here: "
                        f"{', '.join(_available_devices())})")
-        p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+        p.add_argument("--json", metavar="PATH", type=_output_file,
+                       help="also write the results as JSON")
 
-    bench = sub.add_parser("bench", help="train the default GPT under each configuration")
+    bench = sub.add_parser(
+        "bench", help="train the default GPT under each configuration",
+        description="Train a small GPT (on the Python standard library's own sources) under "
+        "plain torch, torch AMP and memkern configurations, the same steps on the same "
+        "batches, and print each one's peak memory, saved activations, optimizer-side bytes "
+        "per parameter and step time side by side, with ratios against torch AMP.")
     model_flags(bench, batch=8)
     bench.add_argument("--steps", type=_at_least(MIN_STEPS, " (one warm-up, one profiled, "
                                                  "one timed)"), default=20,
-                       help=f"optimizer steps per configuration, >= {MIN_STEPS} (default: 20)")
-    bench.add_argument("--configs", type=_config_list, default=list(CONFIGS),
-                       help=f"comma-separated subset of: {', '.join(CONFIGS)}")
-    bench.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of memory by "
-                       "component per configuration")
+                       help=f"optimizer steps per configuration, >= {MIN_STEPS} (default: 20); "
+                       "the first, the profiled one and a few warm-up steps are not timed")
+    bench.add_argument("--configs", type=_config_list, default=list(DEFAULT_CONFIGS),
+                       help=f"comma-separated subset of: {', '.join(CONFIGS)} (default: all "
+                       "but memkern-fit)")
+    bench.add_argument("--memory-budget", metavar="BYTES",
+                       help="memkern-fit's device memory budget, e.g. 3GiB or 2500MiB")
+    bench.add_argument("--plot", metavar="PATH", type=_chart_file,
+                       help="write a bar chart of memory by component per configuration "
+                       "(PNG, or another format by the file's suffix)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the model's initial "
                        "weights and of the batches, the same for every configuration "
                        "(default: 0)")
@@ -141,11 +191,25 @@ def _parser() -> argparse.ArgumentParser:
                        help="run the memkern configurations' forward under torch.compile")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    report = sub.add_parser("report", help="predicted per-rank memory per configuration and "
-                            "world size")
+    report = sub.add_parser(
+        "report", help="predicted per-rank memory per configuration and world size",
+        description="Predict each training configuration's memory per rank at several world "
+        "sizes: model state from the per-parameter formulas of docs/memory.md, activations "
+        "measured in one forward pass of each configuration's model on --device (no "
+        "training step).")
     model_flags(report, batch=8)
     report.add_argument("--world-sizes", type=_int_list, default=[1, 2, 4, 8],
                         help="comma-separated world sizes (default: 1,2,4,8)")
+    from memkern.profile import plan_command
+
+    plan = sub.add_parser(
+        "plan", help="plan a training step's device memory on fake tensors",
+        description="Run one whole training step (forward, backward, optimizer step) of a "
+        "memkern bench configuration or a transformers causal LM on fake tensors, computing "
+        "nothing, and print its peak device memory and what the peak is made of, with the CUDA "
+        "caching allocator's rounding: a plan for a GPU made without one.")
+    plan_command.add_arguments(plan, sorted(SIZES), _config_list, _at_least(1), _output_file,
+                               _chart_file)
     return parser
 
 
@@ -188,23 +252,32 @@ def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
           + ("(CUDA allocator)" if device.type == "cuda" else "(profiler allocation trace)")
           + ";\nopt B/param: gradients + the fp32 weights the optimizer updates (master copies, or "
           "fp32 parameters updated in place) + optimizer state, per parameter")
-    for r in rows:
-        if r.step_spread > SPREAD_LIMIT:
-            print(f"note: {r.config}'s step times varied by {r.step_spread:.0%} (min "
-                  f"{r.step_seconds_min * 1e3:.1f} ms, median {r.step_seconds * 1e3:.1f} ms, max "
-                  f"{r.step_seconds_max * 1e3:.1f} ms): the machine was busy or still warming "
-                  "up, so its times are uncertain; run again, or with more --steps")
+    if device.type == "cuda":
+        from memkern.bench.host_device import table
+
+        print("\nper step on the GPU: host = issuing the step (wall time until the call "
+              "returns), GPU = its kernels' summed time (profiler); the larger one bounds it")
+        print("\n".join(table([(r.config, r.host_device) for r in rows])))
+    spread = [f"{r.config} {r.step_spread:.0%}" for r in rows if r.step_spread > SPREAD_LIMIT]
+    if spread:
+        print(f"note: timed steps spread over {SPREAD_LIMIT:.0%} ((max - min) / median) in "
+              f"{', '.join(spread)}{_load()}: those time ratios are uncertain; run again, or "
+              "with more --steps")
+
+
+def _load() -> str:
+    """The machine's load, for the spread note (a busy machine is the usual cause)."""
+    try:
+        one_minute = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return ""
+    return f" (load average {one_minute:.1f} on {os.cpu_count()} CPUs, this run included)"
 
 
 def _bench(args: argparse.Namespace) -> int:
     from memkern.bench.data import stdlib_corpus
     from memkern.bench.runner import run
 
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError("--plot needs matplotlib: pip install matplotlib")
     device = args.device
     cfg = _model_config(args, device)
     corpus = stdlib_corpus()
@@ -213,7 +286,7 @@ def _bench(args: argparse.Namespace) -> int:
     for i, name in enumerate(args.configs):
         rows.append(run(name, cfg, corpus, steps=args.steps, batch=args.batch, device=device,
                         seed=args.seed, progress=rank0 and not args.quiet,
-                        compile=args.compile))
+                        compile=args.compile, memory_budget=args.memory_budget))
     if not rank0:
         return 0
     _print_bench(rows, cfg, args, device)
@@ -287,6 +360,14 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        from memkern.profile import plan_command
+
+        try:
+            return plan_command.run(args)
+        except ValueError as exc:
+            print(f"memkern plan: error: {exc}", file=sys.stderr)
+            return 2
     try:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             import torch.distributed as dist

@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# One command that proves memkern on a GPU machine: build with the CUDA kernels, the whole test
-# suite in parallel, compute-sanitizer (memcheck) over the CUDA kernel tests, every benchmark
-# into benchmarks/results/cuda-*.json, and a summary table last.
+# memkern on a GPU machine, decisive answers first, inside a time budget: build with the CUDA
+# kernels, the cuda-marked tests in parallel, compute-sanitizer (memcheck) over the tests of the
+# CUDA C++ kernels, GPT-2 small eager and compiled, host time per layer call, the kernels, the
+# layers at real shapes; then, budget permitting, the rest of the benchmark suite. Every step
+# runs under its own time limit and is skipped, with a line saying so, when the budget left is
+# shorter than it needs. A summary table comes last.
 #
-#   bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh [BUDGET_SECONDS]        (default: $GPU_CHECK_BUDGET, else 540)
 #
-# Needs: an NVIDIA GPU, a CUDA build of torch 2.11-2.15, nvcc of the same CUDA major version,
-# setuptools and ninja; pytest-xdist for the parallel suite (else it runs serially, and says
-# so); compute-sanitizer on the PATH or under $CUDA_HOME/bin for the sanitizer step. Nothing
-# is downloaded: it runs on a machine without network. Logs go to $GPU_CHECK_LOGS (default: a
-# new temporary folder), named in the summary. Exit status: 0 when every step passed.
+# Results (logs and each benchmark's JSON) go to $GPU_CHECK_OUT (default: a new temporary
+# folder), named in the summary. GPU_CHECK_SKIP="cuda-tests sanitizer ..." skips the steps
+# named (e.g. a second call on the same machine that only wants the benchmarks; the build
+# step is then quick, ninja reusing the first call's objects). Needs: an NVIDIA GPU, a CUDA build of torch 2.11-2.15, nvcc of
+# the same CUDA major version, setuptools and ninja; pytest-xdist for the parallel suite (else
+# it runs serially, and says so); compute-sanitizer on the PATH or under $CUDA_HOME/bin.
+# Nothing is downloaded: it runs on a machine without network. Exit status: 0 when every step
+# that ran passed (a skipped step is not a failure; the summary lists it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
-logs=${GPU_CHECK_LOGS:-$(mktemp -d -t memkern-gpu-check-XXXX)}
-mkdir -p "$logs"
+budget=${1:-${GPU_CHECK_BUDGET:-540}}
+out=${GPU_CHECK_OUT:-$(mktemp -d -t memkern-gpu-check-XXXX)}
+mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+deadline=$((SECONDS + budget))
 
 if ! "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   echo "gpu_check.sh: torch sees no CUDA GPU here ($("$python" -c 'import torch; print(torch.__version__)' 2>&1)); run it on a GPU machine" >&2
@@ -27,27 +35,45 @@ versions=$("$python" -c 'import torch, triton; print(f"torch {torch.__version__}
 
 rows=()
 failed=0
-# step NAME DETAIL-COMMAND -- COMMAND...: runs COMMAND with its output in $logs/NAME.log, then
-# DETAIL-COMMAND (reading that log) for the summary's last column.
+# step NAME LIMIT NEED DETAIL -- COMMAND...: runs COMMAND under `timeout LIMIT` (less when the
+# budget has less left) with its output in $out/NAME.log, then DETAIL (a command reading that
+# log) for the summary's last column. Skipped when fewer than NEED seconds of the budget are
+# left: NEED is what the step takes on an H100/H200, so that a step is not started only to be
+# cut short.
 step() {
-  local name=$1 detail=$2
-  shift 3
-  echo "== $name: $*"
-  local start=$SECONDS status
-  "$@" >"$logs/$name.log" 2>&1
-  status=$?
-  tail -n 5 "$logs/$name.log"
-  local summary
-  summary=$(eval "$detail" 2>/dev/null | tail -n 1)
-  if [ "$status" -eq 0 ]; then
-    rows+=("$(printf '%-12s %-6s %6ss  %s' "$name" ok $((SECONDS - start)) "$summary")")
-  else
-    failed=1
-    rows+=("$(printf '%-12s %-6s %6ss  %s (exit %d)' "$name" FAILED $((SECONDS - start)) "$summary" "$status")")
+  local name=$1 limit=$2 need=$3 detail=$4
+  shift 5
+  local left=$((deadline - SECONDS))
+  if [[ " ${GPU_CHECK_SKIP:-} " == *" $name "* ]]; then
+    echo "== $name: skipped (GPU_CHECK_SKIP)"
+    rows+=("$(printf '%-18s %-8s %6s   %s' "$name" skipped - "GPU_CHECK_SKIP")")
+    return
   fi
+  if [ "$left" -lt "$need" ]; then
+    echo "== $name: skipped, ${left}s of the budget left and it needs about ${need}s"
+    rows+=("$(printf '%-18s %-8s %6s   %s' "$name" skipped - "budget: ${left}s left, needs ~${need}s")")
+    return
+  fi
+  local limit_now=$((limit < left ? limit : left))
+  echo "== $name (limit ${limit_now}s): $*"
+  local start=$SECONDS status
+  timeout --kill-after=15 "$limit_now" "$@" >"$out/$name.log" 2>&1
+  status=$?
+  tail -n 5 "$out/$name.log"
+  local summary result=ok
+  summary=$(eval "$detail" 2>/dev/null | tail -n 1)
+  if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+    result=TIMEOUT
+    failed=1
+  elif [ "$status" -ne 0 ]; then
+    result=FAILED
+    summary="$summary (exit $status)"
+    failed=1
+  fi
+  rows+=("$(printf '%-18s %-8s %6ss  %s' "$name" "$result" $((SECONDS - start)) "$summary")")
 }
 
-step build "grep -E 'memkern .* backends' \"$logs/build.log\"" -- \
+step build 240 60 "grep -E 'memkern .* backends' \"$out/build.log\"" -- \
   env MEMKERN_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="$arch" bash -c \
   "\"$python\" -m pip install --no-build-isolation --no-deps --no-index -e . &&
    \"$python\" -c 'import memkern; b = memkern.backends(); print(\"memkern\", memkern.__version__, \"backends:\", b); assert b[\"cuda\"] and b[\"triton\"], \"the CUDA and Triton backends must both be present\"'"
@@ -58,29 +84,63 @@ else
   parallel=()
   echo "gpu_check.sh: pytest-xdist is not installed, the suite runs serially"
 fi
-# MEMKERN_REQUIRE_EXT=cuda: a build whose CUDA kernels failed to load fails the suite instead
+# MEMKERN_REQUIRE_EXT=cuda: a build whose CUDA kernels failed to load fails the tests instead
 # of falling back to Triton unnoticed.
-step suite "grep -E '(passed|failed|error)' \"$logs/suite.log\"" -- \
-  env MEMKERN_REQUIRE_EXT=cuda "$python" -m pytest -q -p no:cacheprovider "${parallel[@]}" tests
+step cuda-tests 300 150 "grep -E '(passed|failed|error)' \"$out/cuda-tests.log\"" -- \
+  env MEMKERN_REQUIRE_EXT=cuda "$python" -m pytest -q -p no:cacheprovider "${parallel[@]}" \
+  -m cuda tests
 
+# The tests of the CUDA C++ kernels (flat-buffer ops, layer ops, cross-entropy); Triton's
+# kernels are JIT-compiled by Triton itself and checked by the suite.
+sanitized=()
+for f in tests/test_flat_ops.py tests/test_adamw8bit_op.py tests/test_sgd8bit_op.py \
+         tests/test_layer_kernels.py tests/test_nn_cross_entropy_ops.py; do
+  [ -f "$f" ] && sanitized+=("$f")
+done
 sanitizer=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
-if [ -x "$sanitizer" ]; then
-  # The CUDA C++ kernels (the cuda backend of the flat-buffer ops); Triton's are JIT-compiled
-  # by Triton itself and checked by the suite.
-  step sanitizer "grep -E 'ERROR SUMMARY|passed|failed' \"$logs/sanitizer.log\" | tr '\n' ' '" -- \
-    "$sanitizer" --tool memcheck --error-exitcode 1 --print-limit 20 \
-    "$python" -m pytest -q -p no:cacheprovider -m cuda tests/test_flat_ops.py -k "cuda and not triton"
+if [ -x "$sanitizer" ] || [[ " ${GPU_CHECK_SKIP:-} " == *" sanitizer "* ]]; then
+  step sanitizer 240 90 "grep -E 'ERROR SUMMARY|passed|failed' \"$out/sanitizer.log\" | tr '\n' ' '" -- \
+    env MEMKERN_REQUIRE_EXT=cuda "$sanitizer" --tool memcheck --error-exitcode 1 \
+    --print-limit 20 "$python" -m pytest -q -p no:cacheprovider -m cuda \
+    -k "cuda and not triton and not interpreted" "${sanitized[@]}"
 else
   failed=1
-  rows+=("$(printf '%-12s %-6s %6s   %s' sanitizer MISSING - "compute-sanitizer not found (PATH, \$CUDA_HOME/bin)")")
+  rows+=("$(printf '%-18s %-8s %6s   %s' sanitizer MISSING - "compute-sanitizer not found (PATH, \$CUDA_HOME/bin)")")
 fi
 
-step benchmarks "ls benchmarks/results/cuda-*.json | tr '\n' ' '" -- \
-  "$python" benchmarks/run_all.py --device cuda
+# Issue 23's GPU targets, each printed with its target by the benchmark itself.
+gpt2=(--device cuda --size gpt2-small --batch 8 --steps 6 --quiet)
+step gpt2-eager 150 70 "grep -E '^memkern-full ' \"$out/gpt2-eager.log\" | head -1" -- \
+  "$python" -m memkern.cli bench "${gpt2[@]}" \
+  --configs torch-amp,memkern-full,memkern-full-8bit --json "$out/bench-gpt2-small.json"
+step gpt2-compiled 240 120 "grep -E '^memkern-full' \"$out/gpt2-compiled.log\" | head -1" -- \
+  "$python" -m memkern.cli bench "${gpt2[@]}" --compile \
+  --configs torch-amp-compiled,memkern-full --json "$out/bench-gpt2-small-compiled.json"
+for dtype in float32 bfloat16; do
+  step "overhead-$dtype" 200 90 "grep -E 'memkern-full / torch-amp' \"$out/overhead-$dtype.log\"" -- \
+    "$python" benchmarks/bench_overhead.py --device cuda --dtype "$dtype" --reps 5 \
+    --calls 100 --save "$out/overhead-$dtype.json"
+done
+step kernels 120 45 "grep -E 'speed-up' \"$out/kernels.log\" | head -1" -- \
+  "$python" benchmarks/bench_kernels.py --device cuda --save "$out/kernels.json"
+step modules 180 60 "grep -E 'RMSNorm 768' \"$out/modules.log\" | head -1" -- \
+  "$python" benchmarks/bench_modules.py --device cuda --save "$out/modules.json"
+
+# The rest of the benchmark suite, budget permitting.
+step gpt2-others 240 120 "grep -E '^memkern-full-ckpt ' \"$out/gpt2-others.log\" | head -1" -- \
+  "$python" -m memkern.cli bench "${gpt2[@]}" \
+  --configs torch-amp-compiled-budget,memkern-full-ckpt --json "$out/bench-gpt2-small-others.json"
+step front-end 180 90 "tail -n 1 \"$out/front-end.log\"" -- \
+  "$python" benchmarks/bench_front_end.py --device cuda --save "$out/front-end.json"
+step hf 300 150 "tail -n 1 \"$out/hf.log\"" -- \
+  "$python" benchmarks/bench_hf.py --device cuda --size 160m --save "$out/hf.json"
+step 8bit-step 240 120 "tail -n 1 \"$out/8bit-step.log\"" -- \
+  "$python" benchmarks/bench_8bit_state.py --device cuda --sections step,bytes \
+  --save "$out/8bit-step.json"
 
 echo
-echo "memkern GPU check on $gpu (sm_${arch/./}), $versions; logs in $logs"
-printf '%-12s %-6s %7s  %s\n' step result time detail
+echo "memkern GPU check on $gpu (sm_${arch/./}), $versions; budget ${budget}s, used ${SECONDS}s; results in $out"
+printf '%-18s %-8s %7s  %s\n' step result time detail
 for row in "${rows[@]}"; do
   echo "$row"
 done

@@ -11,6 +11,8 @@
 # machines (where the 2.13.0 CPU wheel is at hand, pip takes that).
 # memkern is then built with --no-build-isolation against that torch, in place (editable), so
 # the compiled extension lands next to the sources and the tests run against this checkout.
+# The compiled objects stay in build/ext (setup.py): a second run, e.g. `--test` after a plain
+# install, recompiles only what changed since, and then links.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python}
@@ -43,6 +45,14 @@ fi
 if [ "$with_tests" = 1 ]; then
   "$python" -m pip install "pytest>=8" pytest-xdist expecttest "triton>=3.4" "transformers>=5.23" \
     "accelerate>=1.15"
+fi
+if [ "${MEMKERN_BUILD_EXT:-1}" = 0 ]; then
+  :
+elif [ -f build/ext/build.ninja ]; then
+  echo "install.sh: building memkern (objects kept in build/ext: only what changed is recompiled)"
+else
+  echo "install.sh: building memkern's C++ extension: the first build compiles for 8-10" \
+    "minutes on 2 CPU cores (later builds recompile only what changed)"
 fi
 "$python" -m pip install --no-build-isolation -e .
 "$python" -c 'import memkern; print("memkern", memkern.__version__, "backends:", memkern.backends())'

@@ -1,8 +1,12 @@
-"""DESIGN.md §2 (contract v1): every public name importable as written, with the documented
-parameters and defaults. A rename or a changed default fails here first."""
+"""The public API, contract v1 (docs/api.md): every public name importable as written, with the
+documented parameters and defaults. A rename or a changed default fails here first."""
 import inspect
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
 import memkern as mk
 
@@ -79,3 +83,18 @@ def test_module_level_api():
     import torch
     assert issubclass(mk.optim.FusedAdamW, torch.optim.Optimizer)
     assert issubclass(mk.optim.FusedSGD, torch.optim.Optimizer)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA GPU")
+def test_backends_reports_triton_on_a_cpu_only_under_the_interpreter():
+    """What the README and memkern.backend's table say: installed Triton without a GPU is a
+    backend only under TRITON_INTERPRET=1 (fresh processes: the tests set it for themselves)."""
+    pytest.importorskip("triton")
+    script = "import memkern; print(memkern.backends()['triton'])"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    plain = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           env=env, timeout=300)
+    interpreted = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                 env=dict(env, TRITON_INTERPRET="1"), timeout=300)
+    assert plain.stdout.split() == ["False"], plain.stderr[-2000:]
+    assert interpreted.stdout.split() == ["True"], interpreted.stderr[-2000:]

@@ -38,7 +38,7 @@ def bench_json(tmp_path_factory):
 def test_bench_runs_and_writes_json_and_png(bench_json):
     data, stdout = bench_json
     rows = {r["config"]: r for r in data["rows"]}
-    assert set(rows) == set(cli.CONFIGS)
+    assert set(rows) == set(cli.DEFAULT_CONFIGS)
     for r in rows.values():
         assert len(r["losses"]) == 4 and all(torch.isfinite(torch.tensor(r["losses"])))
         assert r["peak_bytes"] > 0 and r["step_seconds"] > 0 and r["num_params"] > 0
@@ -114,6 +114,97 @@ def test_bad_flags_give_one_line_error(flags, needle):
     assert "Traceback" not in proc.stderr
 
 
+def _subcommands() -> dict:
+    """{name: parser} of every ``memkern`` subcommand (argparse keeps them in a private
+    attribute): a subcommand added later is checked without editing the tests below."""
+    return dict(cli._parser()._subparsers._group_actions[0].choices)
+
+
+def _output_flags() -> list[tuple[str, str]]:
+    """(subcommand, flag) for every flag of type ``cli._output_file`` or ``cli._chart_file``."""
+    return [(command, flag.option_strings[-1]) for command, parser in _subcommands().items()
+            for flag in parser._actions if flag.type in (cli._output_file, cli._chart_file)]
+
+
+OUTPUT_FLAGS = _output_flags()
+
+
+def test_output_flags_are_found():
+    assert {("bench", "--json"), ("bench", "--plot"), ("report", "--json")} <= set(OUTPUT_FLAGS)
+
+
+SMALL_RUN = {"--size": "tiny", "--steps": "3", "--batch": "1", "--seq": "16"}
+"""Flags that keep a run short, should a path check be missing (given to the subcommands that
+have them)."""
+
+
+def _refused_at_once(flags: list[str], needle: str) -> None:
+    """One line naming the flag, exit status 2, and nothing run (no table on stdout)."""
+    known = _subcommands()[flags[0]]._option_string_actions
+    small = [text for flag, value in SMALL_RUN.items() if flag in known for text in (flag, value)]
+    proc = _run_cli(*flags, *small)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert f"error: argument {flags[-2]}: " in lines[0] and needle in lines[0], lines[0]
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("command,flag", OUTPUT_FLAGS)
+def test_output_path_in_a_missing_folder_is_refused_before_work(tmp_path, command, flag):
+    target = tmp_path / "no-such-folder" / "out.png"
+    _refused_at_once([command, flag, str(target)], "does not exist")
+    assert not target.parent.exists()
+
+
+@pytest.mark.parametrize("command,flag", OUTPUT_FLAGS)
+def test_output_path_that_is_a_folder_or_under_a_file_is_refused(tmp_path, command, flag):
+    folder = tmp_path / "results.png"
+    folder.mkdir()
+    _refused_at_once([command, flag, str(folder)], "is a folder")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("kept")
+    _refused_at_once([command, flag, str(a_file / "out.png")], "is a file, not a folder")
+    assert a_file.read_text() == "kept"
+
+
+@pytest.mark.parametrize("command,flag", OUTPUT_FLAGS)
+def test_output_path_in_a_read_only_folder_is_refused(tmp_path, command, flag):
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("this user (root?) can write to a folder of mode 0o500")
+        _refused_at_once([command, flag, str(folder / "out.png")], "Permission denied")
+    finally:
+        folder.chmod(0o700)
+
+
+def test_checked_output_path_is_left_as_it_was(tmp_path):
+    """The check creates no file it does not remove, and truncates none."""
+    fresh, existing = tmp_path / "fresh.json", tmp_path / "existing.json"
+    existing.write_text("old results")
+    assert cli._output_file(str(fresh)) == str(fresh) and not fresh.exists()
+    assert cli._output_file(str(existing)) == str(existing)
+    assert existing.read_text() == "old results"
+
+
+def test_plot_suffix_must_be_a_format_matplotlib_writes(tmp_path):
+    _refused_at_once(["bench", "--plot", str(tmp_path / "chart.txt")], ".png")
+
+
+def test_every_subcommand_help_opens_with_what_it_does():
+    subparsers = _subcommands()
+    assert {"bench", "report"} <= set(subparsers)
+    for command, parser in subparsers.items():
+        assert parser.description, f"memkern {command} has no description"
+        proc = _run_cli(command, "--help")
+        assert proc.returncode == 0
+        paragraphs = proc.stdout.split("\n\n")
+        assert paragraphs[0].startswith(f"usage: memkern {command}")
+        assert " ".join(paragraphs[1].split()) == " ".join(parser.description.split())
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA GPU")
 @pytest.mark.parametrize("command", ["bench", "report"])
 def test_cuda_without_a_gpu_is_one_line(command):
@@ -145,15 +236,20 @@ def _row(name: str, times_ms: tuple[float, float, float]):
                [2.5, 2.4], step_seconds_min=low, step_seconds_max=high)
 
 
-def test_bench_notes_configurations_whose_step_times_spread(capsys):
-    """(max - min) / median over 20%: a note under the table; 19%: none."""
-    rows = [_row("torch-amp", (100.0, 110.0, 130.0)), _row("torch-fp32", (95.0, 100.0, 114.0))]
+def test_bench_notes_configurations_whose_step_times_spread_in_one_line(capsys):
+    """(max - min) / median over 20%: named in one note under the table; 19%: not named."""
+    rows = [_row("torch-amp", (100.0, 110.0, 130.0)), _row("torch-fp32", (95.0, 100.0, 114.0)),
+            _row("memkern-full", (50.0, 60.0, 200.0))]
     args = cli._parser().parse_args(["bench", "--size", "tiny", "--steps", "4"])
     cli._print_bench(rows, SIZES["tiny"], args, torch.device("cpu"))
-    out = capsys.readouterr().out
-    notes = [ln for ln in out.splitlines() if ln.startswith("note:")]
-    assert len(notes) == 1 and notes[0].startswith("note: torch-amp's step times varied by 27% "
-                                                   "(min 100.0 ms, median 110.0 ms, max 130.0")
+    lines = capsys.readouterr().out.splitlines()
+    notes = [ln for ln in lines if ln.startswith("note:")]
+    assert len(notes) == 1 and notes[0] == lines[-1]
+    assert notes[0].startswith("note: timed steps spread over 20% ((max - min) / median) in "
+                               "torch-amp 27%, memkern-full 250% (load average ")
+    assert "torch-fp32" not in notes[0]
+    cli._print_bench(rows[1:2], SIZES["tiny"], args, torch.device("cpu"))
+    assert "note:" not in capsys.readouterr().out
 
 
 def test_report_has_a_column_legend():
@@ -251,3 +347,49 @@ def test_8bit_state_loss_curve_follows_32bit():
     assert early < 2e-3
     assert window < 1.5e-2
     assert step < 12e-2
+
+
+def test_progress_bars_line_up_for_every_configuration(capsys):
+    """The bar starts at the same column for every configuration, compiled ones included
+    ("torch-amp-compiled-budget" once pushed its bar out of line)."""
+    from memkern.bench.runner import Progress
+
+    for name in [*cli.CONFIGS, *(f"{n}+compile" for n in cli.CONFIGS)]:
+        Progress(name, 3).update(3, 2.5)
+    lines = [line.lstrip("\r") for line in capsys.readouterr().err.split("\n") if line]
+    assert len(lines) == 2 * len(cli.CONFIGS)
+    assert len({line.index("[") for line in lines}) == 1, lines
+
+
+@pytest.mark.parametrize("steps,timed", [(3, [2]), (4, [3]), (5, [4]), (6, [5]), (9, [5, 6, 7, 8])])
+def test_bench_times_only_the_steps_after_the_warm_up(monkeypatch, steps, timed):
+    """Step 0 (first allocations, compilation), step 1 (profiled) and up to three warm-up steps
+    are not timed, at least one step is. A fake clock, advanced by each step, tells which
+    steps the reported times came from: step i takes 100 + i seconds."""
+    import types
+
+    from memkern.bench import runner
+
+    clock = [0.0]
+    monkeypatch.setattr(runner, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    real_build = runner.build
+
+    def build(*args, **kwargs):
+        setup = real_build(*args, **kwargs)
+        real_step, done = setup.train_step, []
+
+        def step(*step_args, **step_kwargs):
+            clock[0] += 100.0 + len(done)
+            done.append(True)
+            return real_step(*step_args, **step_kwargs)
+
+        setup.train_step = step
+        return setup
+
+    monkeypatch.setattr(runner, "build", build)
+    cfg = GPTConfig(SIZES["tiny"].layers, SIZES["tiny"].width, SIZES["tiny"].heads, seq=16)
+    row = runner.run("torch-amp", cfg, stdlib_corpus(), steps=steps, batch=2,
+                     device=torch.device("cpu"), progress=False)
+    assert len(row.losses) == steps
+    assert (row.step_seconds_min, row.step_seconds_max) == (100.0 + timed[0], 100.0 + timed[-1])
+    assert row.step_seconds == pytest.approx(100.0 + sum(timed) / len(timed))

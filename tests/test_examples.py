@@ -1,4 +1,6 @@
-"""The examples and the README's usage snippet run as written, in fresh processes."""
+"""The examples, and every ``python`` block of the README and docs/, run as written in fresh
+processes; the links and file paths the documentation gives resolve in the repository."""
+import glob
 import os
 import re
 import subprocess
@@ -7,18 +9,107 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ["README.md", "CHANGELOG.md", "tests/README.md",
+        *sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))]
+NOT_RUN = "<!-- not run:"
+"""A ``python`` block right after a line starting with this (and giving the reason) is not
+run: a list of signatures, for instance."""
 
 
-def _run(args: list[str], cwd: str) -> subprocess.CompletedProcess:
+def _run(args: list[str], cwd: str, **env_vars: str) -> subprocess.CompletedProcess:
     # One intra-op thread: the shared CI machine's two cores are busy with other tests.
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               **env_vars)
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=600)
 
 
-def test_readme_usage_snippet_runs_as_written(tmp_path):
+def _python_blocks() -> list[tuple[str, str]]:
+    """(file:line, code) of every ``python`` block of the documentation that is meant to run."""
+    blocks = []
+    for name in DOCS:
+        text = open(os.path.join(REPO, name)).read()
+        for match in re.finditer(r"```python\n(.*?)```", text, re.S):
+            before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            if not before.startswith(NOT_RUN):
+                blocks.append((f"{name}:{text[:match.start()].count(chr(10)) + 1}",
+                               match.group(1)))
+    return blocks
+
+
+PYTHON_BLOCKS = _python_blocks()
+
+
+def test_the_documentation_has_python_blocks_to_run():
+    files = {where.split(":")[0] for where, _ in PYTHON_BLOCKS}
+    assert {"README.md", "docs/index.md", "docs/api.md", "docs/integrations.md"} <= files
+
+
+@pytest.mark.parametrize("code", [code for _, code in PYTHON_BLOCKS],
+                         ids=[where for where, _ in PYTHON_BLOCKS])
+def test_documentation_python_block_runs_as_written(tmp_path, code):
+    for package in ("transformers", "accelerate"):
+        if re.search(rf"^\s*(from|import) {package}\b", code, re.M):
+            pytest.importorskip(package)
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    proc = _run([str(script)], str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: str) -> set[str]:
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#+ (.*)$", open(path).read(), re.M):
+        slug = _slug(heading)
+        seen[slug] = seen.get(slug, -1) + 1
+        if seen[slug]:
+            seen[f"{slug}-{seen[slug]}"] = 0
+    return set(seen)
+
+
+@pytest.mark.parametrize("name", DOCS)
+def test_documentation_links_and_paths_resolve(name):
+    """Markdown links (and their #anchors) and the repository paths written in backticks name
+    files that exist: no reference to a file users do not have."""
+    path = os.path.join(REPO, name)
+    text = open(path).read()
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", text):
+        if "://" in target:
+            continue
+        linked = os.path.normpath(os.path.join(os.path.dirname(path), target)) if target else path
+        assert os.path.exists(linked), f"{name} links to {target}, which does not exist"
+        if anchor:
+            assert anchor in _anchors(linked), f"{name} links to {target}#{anchor}: no such heading"
+    prefixes = ("docs/", "benchmarks/", "examples/", "scripts/", "tests/", "memkern/", "csrc/")
+    for quoted in re.findall(r"`([^`\s]+)`", text):
+        if quoted.startswith(prefixes) and not re.search(r"[*<>{}|]", quoted):
+            assert os.path.exists(os.path.join(REPO, quoted)), f"{name} names {quoted}"
+
+
+def test_no_shipped_file_cites_the_developers_design_notes():
+    """The developers' design notes are not in the repository; what users need is in docs/."""
+    design_notes = "DESIGN" + ".md"
+    for folder in ("docs", "memkern", "tests", "examples", "benchmarks", "scripts", "csrc", ".ci"):
+        for root, _, files in os.walk(os.path.join(REPO, folder)):
+            for f in files:
+                if f.endswith((".py", ".md", ".sh", ".toml", ".cpp", ".h", ".cu", ".cuh")) or \
+                        folder == ".ci":
+                    with open(os.path.join(root, f), errors="replace") as fh:
+                        assert design_notes not in fh.read(), os.path.join(root, f)
+    for f in ("README.md", "CHANGELOG.md", "setup.py", "pyproject.toml", "CMakeLists.txt"):
+        assert design_notes not in open(os.path.join(REPO, f)).read(), f
+
+
+def test_readme_quick_start_trains(tmp_path):
+    """The README's quick start, run as written, closes 25 windows of 4 micro-batches and
+    steps with finite gradients."""
     readme = open(os.path.join(REPO, "README.md")).read()
-    snippet = re.search(r"## Using it\n\n```python\n(.*?)```", readme, re.S).group(1)
+    snippet = re.search(r"## Quick start\n.*?```python\n(.*?)```", readme, re.S).group(1)
     script = tmp_path / "snippet.py"
     script.write_text(snippet + "assert opt.skipped_steps == 0 and opt.grad_norm > 0\n"
                       "print('done', scheduler.last_epoch)\n")
@@ -36,14 +127,19 @@ def test_quickstart_learns(tmp_path):
 
 @pytest.mark.slow
 def test_hf_trainer_example_trains_and_resumes(tmp_path):
+    """With no --out, the checkpoints go to the temporary directory, not the working one."""
     pytest.importorskip("transformers")
     example = os.path.join(REPO, "examples", "hf_trainer.py")
-    first = _run([example, "--steps", "4", "--out", str(tmp_path / "out")], str(tmp_path))
+    work, temp = tmp_path / "work", tmp_path / "temp"
+    work.mkdir()
+    temp.mkdir()
+    out = temp / "memkern-examples" / "hf_trainer"
+    first = _run([example, "--steps", "4"], str(work), TMPDIR=str(temp))
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "trained 4 steps" in first.stdout
-    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-2", "checkpoint-4"]
-    resumed = _run([example, "--steps", "6", "--out", str(tmp_path / "out"), "--resume"],
-                   str(tmp_path))
+    assert "trained 4 steps" in first.stdout and f"checkpoints in {out}" in first.stdout
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4"]
+    assert os.listdir(work) == []
+    resumed = _run([example, "--steps", "6", "--out", str(out), "--resume"], str(work))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "trained 6 steps" in resumed.stdout
 

@@ -14,6 +14,8 @@ sized the same way for 512 threads (V = 50257: 12 bfloat16 tiles of 8 per thread
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -269,3 +271,49 @@ def test_triton_interpreted_matches_float64(dtype):
     with backend.force("triton"):
         ops.cross_entropy_block_grad_(block, lse, t, scale, 4000, V, -100, 0.1, 6.0)
     assert rel_err(block[ok], grad_ref[ok, 4000:]) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_triton, id="interpreted"),
+                                    pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")])
+def test_triton_rows_over_several_tiles(device, dtype, smoothing):
+    """A vocabulary of three Triton tiles (the last one short), so the online softmax rescales
+    its running sum twice, against F.cross_entropy in float64 on the very (rounded) logits. Per
+    row, in a later tile: the row's max (the first tiles' sum must be rescaled to it), the
+    target, an inf or a NaN (the row is NaN, as in torch); a row whose whole first tile is
+    -inf (masked classes: exp(-inf - -inf) must not turn the sum into NaN); an ignored row."""
+    from memkern.kernels.cross_entropy import MAX_BLOCK_V
+
+    V = 2 * MAX_BLOCK_V + 77
+    rows = 7
+    z = (torch.randn(rows, V) * 3).to(dtype)
+    t = torch.randint(0, V, (rows,))
+    last = 2 * MAX_BLOCK_V  # the first column of the third tile
+    z[1, last + 40] = 30.0  # the max, far above the first tiles' (their exps shrink ~e^-20)
+    z[2, MAX_BLOCK_V + 9] = 25.0  # the max in the second tile, the target in the third
+    t[2] = last + 3
+    z[3, last + 70] = math.inf
+    z[4, last + 1] = math.nan
+    z[5, :MAX_BLOCK_V] = -math.inf
+    t[5] = MAX_BLOCK_V + 100
+    t[6] = -100
+    scale = torch.randn(rows)
+    zr = z.double().requires_grad_()
+    per_row = F.cross_entropy(zr, t, reduction="none", label_smoothing=smoothing)
+    (grad,) = torch.autograd.grad(per_row, zr, scale.double())
+    out = z.to(device, copy=True)
+    loss, _ = _rows("triton", out, t.to(device), scale.to(device), -100, smoothing, True)
+    loss, out = loss.cpu(), out.cpu()
+    per_row = per_row.detach()
+    finite, nan = per_row.isfinite(), per_row.isnan()  # 3, 4: NaN; 5 with smoothing: inf
+    assert finite[[0, 1, 2, 6]].all() and nan[[3, 4]].all()
+    assert rel_err(loss[finite], per_row[finite]) < 1e-6
+    assert torch.equal(loss.isnan(), nan)
+    assert torch.equal(loss[~finite & ~nan], per_row[~finite & ~nan].float())
+    kept = [0, 1, 2, 5, 6]
+    assert _close(out[kept], grad[kept], 2 * TOL[dtype])
+    for r in (3, 4):
+        assert torch.equal(out[r].isnan(), grad[r].isnan()), r
+    assert torch.equal(out[6], torch.zeros_like(out[6]))

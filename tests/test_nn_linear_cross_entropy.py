@@ -103,6 +103,30 @@ def test_matches_unfused_float64(reduction, smoothing, bias, ignore_index, sizes
         assert rel_err(a, r) < 1e-12
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_nan_and_inf_in_later_chunks_propagate_like_torch(bias):
+    """Six chunks of 4 tokens: a NaN input row in the third chunk and an inf one in the fifth
+    (eight blocks of 5 classes in the backward). Their losses and dx rows are NaN, as torch's;
+    dW and db are NaN as torch's are; every other row's loss and dx is the float64 unfused
+    one."""
+    x, w, b, t = _data(23, 13, 37, bias=bias, ignore=(0,))
+    x.data[9, 4] = float("nan")
+    x.data[17, 2] = float("inf")
+    ref = F.cross_entropy(F.linear(x, w, b), t, reduction="none")
+    got = lce(x, w, t, b, reduction="none", chunk_size=4, vocab_block=5)
+    bad = torch.zeros(23, dtype=torch.bool)
+    bad[[9, 17]] = True
+    assert ref[bad].isnan().all() and torch.equal(got.isnan(), ref.isnan())
+    assert rel_err(got[~bad], ref[~bad]) < 1e-13
+    g = torch.rand_like(ref) + 0.5
+    got_grads, ref_grads = _grads(got, (x, w, b), g), _grads(ref, (x, w, b), g)
+    for a, r in zip(got_grads, ref_grads):
+        assert torch.equal(a.isnan(), r.isnan())
+    assert ref_grads[0][bad].isnan().all() and not ref_grads[0][~bad].isnan().any()
+    assert rel_err(got_grads[0][~bad], ref_grads[0][~bad]) < 1e-12
+    assert all(r.isnan().all() for r in ref_grads[1:])
+
+
 @pytest.mark.parametrize("sizes", [(None, None), (97, 29)], ids=["default", "chunks11-blocks5"])
 @pytest.mark.parametrize("dtype", LOW, ids=LOW_IDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -1,5 +1,6 @@
 """The ops behind memkern.nn (memkern/ops/{activation,swiglu,dropout,norm,
-linear_cross_entropy}.py; the cross-entropy row ops: test_nn_cross_entropy_ops.py): reference vs float64 torch math, Triton vs the reference (each test
+linear_cross_entropy}.py; the cross-entropy row ops are test_nn_cross_entropy_ops.py's):
+reference vs float64 torch math, Triton vs the reference (each test
 twice: under TRITON_INTERPRET=1 on the CPU, and compiled for real on a GPU, marked cuda),
 torch.library.opcheck on each op, and the argument checks.
 
@@ -18,6 +19,7 @@ from memkern import backend, ops
 from memkern._extension import compiled
 from memkern.ops.dropout import keep_mask, philox4x32
 from compare import rel_err
+from layer_oracle import norm64
 
 LOW = [pytest.param(d, id=str(d).removeprefix("torch."))
        for d in (torch.float32, torch.bfloat16, torch.float16)]
@@ -149,6 +151,26 @@ def test_philox_reference_known_answer():
 
 
 @pytest.mark.skipif(not backend.runs_on("cpu", torch.device("cpu")), reason="memkern._C not built")
+def test_cpu_dropout_equals_the_reference_over_three_of_its_chunks():
+    """The reference draws its mask in chunks of _REFERENCE_CHUNK counters (4 elements each);
+    over three of them (the last one short) it must still be the C++ kernel's mask, which
+    computes each element's counter directly: a counter restarting at a chunk boundary would
+    repeat the first chunk's mask. A NaN and an inf in the third chunk stay where they are
+    kept and become 0 where they are dropped."""
+    from memkern.ops.dropout import _REFERENCE_CHUNK
+
+    numel = 2 * 4 * _REFERENCE_CHUNK + 4 * 77 + 3
+    x = torch.randn(numel)
+    x[numel - 5], x[numel - 100] = math.nan, math.inf
+    seed = torch.randint(0, 1 << 62, (), dtype=torch.int64)
+    y = torch.ops.memkern.dropout(x, seed, 0.37)
+    want = ops.dropout.reference(x, seed, 0.37)
+    assert torch.equal(y.view(torch.int32), want.view(torch.int32))
+    third = slice(2 * 4 * _REFERENCE_CHUNK, numel)
+    assert not torch.equal(y[third][:1000] != 0, y[:1000] != 0)  # not the first chunk's mask
+
+
+@pytest.mark.skipif(not backend.runs_on("cpu", torch.device("cpu")), reason="memkern._C not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
                          ids=str)
 @pytest.mark.parametrize("numel", [1, 7, 1023, 65537])
@@ -274,23 +296,6 @@ CPU_NORM_TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3,
 DTYPES = LOW + [pytest.param(torch.float64, id="float64")]
 
 
-def _norm64(x, w, b, eps, rms, dy):
-    """(y, mean, rstd) and the gradients of (x, w, b) for ``dy``, in float64 by autograd."""
-    leaves = [None if t is None else t.double().requires_grad_() for t in (x, w, b)]
-    x64, w64, b64 = leaves
-    mean = None if rms else x64.mean(-1, keepdim=True)
-    centred = x64 if rms else x64 - mean
-    rstd = torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
-    y = centred * rstd
-    y = y * w64 if w64 is not None else y
-    y = y + b64 if b64 is not None else y
-    wanted = [t for t in leaves if t is not None]
-    grads = dict(zip([i for i, t in enumerate(leaves) if t is not None],
-                     torch.autograd.grad(y, wanted, dy.double())))
-    return (y.detach(), None if rms else mean.detach().view(-1), rstd.detach().view(-1),
-            [grads.get(i) for i in range(3)])
-
-
 def _norm_inputs(rows, D, dtype, affine, rms):
     x = (torch.randn(rows, D) * 2 + 0.5).to(dtype)
     wdtype = torch.float32 if affine == "float32" else dtype
@@ -312,7 +317,7 @@ def test_cpu_norm_kernels_match_float64(rms, affine, dtype, rows):
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     stat_tol = 1e-13 if dtype == torch.float64 else 1e-6
     y, mean, rstd = torch.ops.memkern.norm_forward(x, w, b, 1e-5, rms)
-    y64, mean64, rstd64, (dx64, dw64, db64) = _norm64(x, w, b, 1e-5, rms, dy)
+    y64, mean64, rstd64, (dx64, dw64, db64) = norm64(x, w, b, 1e-5, rms, dy)
     assert y.dtype == dtype and rstd.dtype == mean.dtype == stat_dtype
     assert rel_err(y, y64) <= CPU_NORM_TOL[dtype]
     assert rel_err(rstd, rstd64) < stat_tol
@@ -352,6 +357,36 @@ def test_cpu_norm_kernels_keep_a_non_finite_value_in_its_row(rms):
     dx_ok, _, _ = torch.ops.memkern.norm_backward(dy[~bad], x[~bad], w, mean_ok, rstd_ok, rms)
     assert torch.equal(y[~bad], y_ok) and torch.equal(rstd[~bad], rstd_ok)
     assert torch.equal(dx[~bad], dx_ok)
+
+
+NORM_BACKWARD_KERNELS = [pytest.param("cpu", marks=needs_cpu_kernels, id="cpp"),
+                         pytest.param("triton", marks=needs_triton, id="triton-interpreted")]
+
+
+@pytest.mark.parametrize("kernel", NORM_BACKWARD_KERNELS)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_norm_backward_sums_a_later_rows_non_finite_gradient(kernel, rms):
+    """The weight and bias gradients are sums over rows in a loop: the C++ kernel's tasks of
+    32 rows, the Triton kernel's programs of 5 rows (70 rows on the CPU). A NaN and an inf in
+    dy, each in a later trip of both loops (row 67: the third task, its fourth row; the
+    Triton program of rows 65-69, its third), reach their columns of dw and db as in float64
+    autograd, and only their own rows of dx; everything else is as finite as the oracle."""
+    x, w, b, dy = _norm_inputs(70, 67, torch.float32, "same-dtype", rms)
+    dy[67, 7], dy[48, 2] = float("nan"), float("inf")
+    with backend.force(kernel):
+        y, mean, rstd = ops.norm_forward(x, w, b, 1e-5, rms)
+        dx, dw, db = ops.norm_backward(dy, x, w, mean, rstd, rms)
+    _, _, _, (dx64, dw64, db64) = norm64(x, w, b, 1e-5, rms, dy)
+    for name, got, want in (("dw", dw, dw64), ("db", db, dy.double().sum(0))):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), name
+        assert want[7].isnan() and want[2].isinf() and want.isfinite().sum() == 65, name
+        finite = want.isfinite()
+        assert torch.equal(got[~finite & ~want.isnan()], want[~finite & ~want.isnan()].float())
+        assert rel_err(got[finite], want[finite]) < 1e-5, name
+    bad = torch.zeros(70, dtype=torch.bool)
+    bad[[48, 67]] = True
+    assert not dx[bad].isfinite().any(), "the two rows hold no finite value"
+    assert rel_err(dx[~bad], dx64[~bad]) < 1e-5
 
 
 @needs_cpu_kernels
@@ -420,6 +455,7 @@ def _opcheck_cases():
         ("swiglu_backward", (g, x, g.clone())),
         ("dropout", (x, seed, 0.25)),
         ("norm_forward", (x, torch.randn(17), torch.randn(17), 1e-5, False)),
+        ("norm_forward", (x.bfloat16(), torch.randn(17), None, 1e-5, True)),  # float32 weight
         ("norm_backward", (g, x, torch.randn(17), mean, rstd, False)),
         ("norm_backward", (g, x, None, torch.empty(0), rrstd, True)),
         ("cross_entropy_rows_", (torch.randn(5, 17), t, None, -100, 0.1, True)),
@@ -434,7 +470,9 @@ def _opcheck_cases():
 
 
 @pytest.mark.parametrize("name,args", _opcheck_cases(), ids=lambda v: v if isinstance(v, str) else "")
-def test_opcheck(name, args):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_opcheck(device, name, args):
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
     torch.library.opcheck(getattr(torch.ops.memkern, name).default, args)
 
 

@@ -5,7 +5,8 @@
 // same draw as memkern.nn.functional.dropout.draw_seed, so both paths give the same masks) and
 // runs memkern::dropout; saves the seed only (8 bytes); backward runs memkern::dropout on the
 // gradient with that seed, regenerating the forward's mask. memkern::dropout is called through
-// the dispatcher: the C++ CPU kernel, or on CUDA whatever kernel is registered there.
+// the dispatcher: the C++ CPU kernel, or the CUDA one (csrc/cuda/dropout.cu), which reads the
+// seed on the device — at::randint draws it there, so a call makes no host-device copy.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>

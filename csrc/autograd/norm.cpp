@@ -6,7 +6,8 @@
 // memkern::norm_forward; saves x, the weight, and the float32 (float64 for float64 x) per-row
 // mean (LayerNorm; empty for RMSNorm) and rstd — never the output. Backward runs
 // memkern::norm_backward. Both ops are called through the dispatcher, so whatever kernel is
-// registered for the device serves them (the reference on the CPU, Triton on CUDA).
+// registered for the device serves them (C++ on the CPU and on CUDA: csrc/cpu/norm.cpp,
+// csrc/cuda/norm.cu).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>

@@ -3,6 +3,9 @@
 // memkern/ops/norm.py. The math runs in the statistics' dtype; 16-bit rows are widened into an
 // L1-resident buffer first (one conversion per element, then plain float loops that vectorise).
 //
+// The statistics and each element's output come from the sums by the math the CUDA kernels
+// share (csrc/cuda/kernels/norm_math.h).
+//
 // Row sums (mean, mean square, the backward's two dot products) run over kLanes independent
 // lanes, so the loops vectorise without reassociating one sum. The weight and bias gradients
 // are sums over rows: each task of kRowChunk rows (a fixed count, not one per thread) writes its
@@ -11,11 +14,12 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <optional>
 #include <tuple>
 #include <vector>
 
+#include "../cuda/kernels/norm_math.h"
+#include "../layer_checks.h"
 #include "flat_math.h"
 
 namespace memkern::cpu {
@@ -68,20 +72,18 @@ void forward_rows(const scalar_t* __restrict x, const acc_t* __restrict w,
   for (int64_t r = first; r < last; ++r) {
     const scalar_t* xrow = x + r * D;
     for (int64_t i = 0; i < D; ++i) xr[i] = widen(xrow[i]);
-    acc_t mu = 0;
     if (!rms) {
-      mu = lane_dot<acc_t>(xr, nullptr, D) * inv_d;
+      const acc_t mu = math::norm_mean(lane_dot<acc_t>(xr, nullptr, D), inv_d);
       for (int64_t i = 0; i < D; ++i) xr[i] -= mu;  // two passes: the variance of x - mean
       mean[r] = mu;
     }
-    const acc_t rs = acc_t(1) / std::sqrt(lane_dot<acc_t>(xr, xr, D) * inv_d + eps);
+    const acc_t rs = math::norm_rstd(lane_dot<acc_t>(xr, xr, D), inv_d, eps);
     rstd[r] = rs;
     scalar_t* yrow = y + r * D;
+    const bool has_w = w != nullptr, has_b = b != nullptr;
     for (int64_t i = 0; i < D; ++i) {
-      acc_t v = xr[i] * rs;
-      if (w != nullptr) v = v * w[i];
-      if (b != nullptr) v = v + b[i];
-      yrow[i] = narrow<scalar_t>(v);
+      yrow[i] = narrow<scalar_t>(math::norm_output(xr[i], rs, has_w, has_w ? w[i] : acc_t(1),
+                                                   has_b, has_b ? b[i] : acc_t(0)));
     }
   }
 }
@@ -89,9 +91,10 @@ void forward_rows(const scalar_t* __restrict x, const acc_t* __restrict w,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward_cpu(
     const at::Tensor& x, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, double eps, bool rms) {
-  TORCH_CHECK(x.dim() == 2, "memkern.norm_forward: x must be 2-D [rows, D], got shape ",
-              x.sizes(), "; flatten the leading dimensions with x.reshape(-1, D)");
-  const at::ScalarType acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  check_norm_input("norm_forward", x);
+  check_norm_param("norm_forward", "weight", weight, x);
+  check_norm_param("norm_forward", "bias", bias, x);
+  const at::ScalarType acc = layer_acc_type(x);
   const at::Tensor xc = x.contiguous();
   const int64_t rows = x.size(0), D = x.size(1);
   const auto w = as_acc(weight, acc);
@@ -129,7 +132,7 @@ void backward_rows(const scalar_t* __restrict dy, const scalar_t* __restrict x,
     const acc_t mu = mean == nullptr ? acc_t(0) : mean[r];
     const acc_t rs = rstd[r];
     for (int64_t i = 0; i < D; ++i) {
-      xhat[i] = (widen(x[r * D + i]) - mu) * rs;
+      xhat[i] = math::norm_xhat(widen(x[r * D + i]), mu, rs);
       g[i] = widen(dy[r * D + i]);
       gw[i] = w == nullptr ? g[i] : g[i] * w[i];
     }
@@ -137,7 +140,8 @@ void backward_rows(const scalar_t* __restrict dy, const scalar_t* __restrict x,
     const acc_t mean_gw = mean == nullptr ? acc_t(0) : lane_dot<acc_t>(gw, nullptr, D) * inv_d;
     const acc_t mean_gw_xhat = lane_dot<acc_t>(gw, xhat, D) * inv_d;
     for (int64_t i = 0; i < D; ++i) {
-      dx[r * D + i] = narrow<scalar_t>(rs * (gw[i] - mean_gw - xhat[i] * mean_gw_xhat));
+      dx[r * D + i] =
+          narrow<scalar_t>(math::norm_input_grad(gw[i], xhat[i], rs, mean_gw, mean_gw_xhat));
     }
     if (partial_w != nullptr) {
       for (int64_t i = 0; i < D; ++i) {
@@ -151,17 +155,10 @@ void backward_rows(const scalar_t* __restrict dy, const scalar_t* __restrict x,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward_cpu(
     const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
     const at::Tensor& mean, const at::Tensor& rstd, bool rms) {
-  TORCH_CHECK(x.dim() == 2 && dy.sizes() == x.sizes(),
-              "memkern.norm_backward: dy and x must be 2-D [rows, D] of one shape, got ",
-              dy.sizes(), " and ", x.sizes());
-  TORCH_CHECK(dy.scalar_type() == x.scalar_type(), "memkern.norm_backward: dy has dtype ",
-              dy.scalar_type(), " but x has ", x.scalar_type(), "; pass dy in x's dtype");
-  const at::ScalarType acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  check_norm_backward_args(dy, x, mean, rstd, rms);
+  check_norm_param("norm_backward", "weight", weight, x);
+  const at::ScalarType acc = layer_acc_type(x);
   const int64_t rows = x.size(0), D = x.size(1);
-  TORCH_CHECK(rstd.scalar_type() == acc && rstd.numel() == rows &&
-                  (rms || (mean.scalar_type() == acc && mean.numel() == rows)),
-              "memkern.norm_backward: mean and rstd must be the ", acc,
-              " statistics norm_forward returned for this x");
   const at::Tensor xc = x.contiguous(), dyc = dy.contiguous();
   const at::Tensor mc = mean.contiguous(), rc = rstd.contiguous();
   const auto w = as_acc(weight, acc);

@@ -1,26 +1,22 @@
 // memkern::swiglu_forward / memkern::swiglu_backward on CPU: h = silu(gate) * up and its
 // gradient, each one pass over the elements in float32 (float64 for float64 inputs), rounded
-// once into the inputs' dtype. Contract and formulas: memkern/ops/swiglu.py.
+// once into the inputs' dtype. Contract and formulas: memkern/ops/swiglu.py; the per-element
+// math is shared with the CUDA kernels (csrc/cuda/kernels/swiglu_math.h).
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <tuple>
 
+#include "../cuda/kernels/swiglu_math.h"
+#include "../layer_checks.h"
 #include "flat_math.h"
 
 namespace memkern::cpu {
 namespace {
 
-void check_like(const char* op, const char* name, const at::Tensor& t, const at::Tensor& gate) {
-  TORCH_CHECK(t.sizes() == gate.sizes() && t.scalar_type() == gate.scalar_type(), "memkern.",
-              op, ": ", name, " has shape ", t.sizes(), " and dtype ", t.scalar_type(),
-              "; expected gate's ", gate.sizes(), " and ", gate.scalar_type());
-}
-
 at::Tensor swiglu_forward_cpu(const at::Tensor& gate, const at::Tensor& up) {
-  check_like("swiglu_forward", "up", up, gate);
+  check_like_gate("swiglu_forward", "up", up, gate);
   const at::Tensor a = gate.contiguous(), b = up.contiguous();
   at::Tensor h = at::empty_like(a);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "swiglu_forward",
@@ -31,8 +27,7 @@ at::Tensor swiglu_forward_cpu(const at::Tensor& gate, const at::Tensor& up) {
     scalar_t* hp = h.data_ptr<scalar_t>();
     parallel_blocks(a.numel(), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const acc_t x = widen(ap[i]);
-        hp[i] = narrow<scalar_t>(x / (acc_t(1) + std::exp(-x)) * widen(bp[i]));
+        hp[i] = narrow<scalar_t>(math::swiglu<acc_t>(widen(ap[i]), widen(bp[i])));
       }
     });
   });
@@ -42,8 +37,8 @@ at::Tensor swiglu_forward_cpu(const at::Tensor& gate, const at::Tensor& up) {
 std::tuple<at::Tensor, at::Tensor> swiglu_backward_cpu(const at::Tensor& grad,
                                                        const at::Tensor& gate,
                                                        const at::Tensor& up) {
-  check_like("swiglu_backward", "up", up, gate);
-  check_like("swiglu_backward", "grad", grad, gate);
+  check_like_gate("swiglu_backward", "up", up, gate);
+  check_like_gate("swiglu_backward", "grad", grad, gate);
   const at::Tensor g = grad.contiguous(), a = gate.contiguous(), b = up.contiguous();
   at::Tensor grad_gate = at::empty_like(a), grad_up = at::empty_like(b);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "swiglu_backward",
@@ -56,10 +51,10 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward_cpu(const at::Tensor& grad,
     scalar_t* dbp = grad_up.data_ptr<scalar_t>();
     parallel_blocks(a.numel(), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const acc_t dh = widen(gp[i]), x = widen(ap[i]), u = widen(bp[i]);
-        const acc_t s = acc_t(1) / (acc_t(1) + std::exp(-x));
-        dbp[i] = narrow<scalar_t>(dh * x * s);
-        dap[i] = narrow<scalar_t>(dh * u * s * (acc_t(1) + x * (acc_t(1) - s)));
+        const math::SwigluGrad<acc_t> d =
+            math::swiglu_grad<acc_t>(widen(gp[i]), widen(ap[i]), widen(bp[i]));
+        dap[i] = narrow<scalar_t>(d.gate);
+        dbp[i] = narrow<scalar_t>(d.up);
       }
     });
   });

@@ -20,7 +20,7 @@ namespace {
 using memkern::check_flat;
 using memkern::check_float32_state;
 using memkern::check_scalar;
-using memkern::flat_ops::DType;
+using memkern::DType;
 
 // The dtype of a gradient or parameter buffer, as the kernels name it.
 DType kernel_dtype(const char* op, const char* name, const at::Tensor& t) {

@@ -18,9 +18,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include "dtype.h"
+
 namespace memkern::flat_ops {
 
-enum class DType { f32, bf16, f16 };
+// grads and params are float32, bfloat16 or float16 (DType::f64: cudaErrorInvalidValue).
+using memkern::DType;
 
 // grads[i] = round(float(grads[i]) * *inv_scale); *found_inf = 1 if any input element is
 // inf or NaN, else left unchanged.

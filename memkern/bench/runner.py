@@ -2,17 +2,26 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import sys
 import time
 
 import torch
 
-from memkern.bench.configs import build
+from memkern.bench import host_device
+from memkern.bench.configs import CONFIGS, build
 from memkern.bench.data import Batches
 from memkern.bench.model import GPTConfig
 from memkern.profile import memory_breakdown, saved_bytes
 from memkern.profile.allocations import allocation_stats
+
+
+EXTRA_WARMUP_STEPS = 3
+"""Untimed steps after the profiled one, when ``steps`` leaves room for them. On the 2-core CPU
+machine a compiled configuration's steps 1-3 took 1.4-2.9 s in three runs of the default
+bench, against 0.07-0.6 s for its later steps: timed, they made a first ``memkern bench`` after
+install report noise."""
 
 
 @dataclasses.dataclass
@@ -35,6 +44,18 @@ class Row:
     losses: list[float]
     step_seconds_min: float = 0.0
     step_seconds_max: float = 0.0
+    host_seconds: float | None = None
+    """On a GPU: the time to issue one step (memkern.bench.host_device), median of steps
+    after the timed ones; None on the CPU."""
+    gpu_seconds: float | None = None
+    """On a GPU: one step's kernels' summed time (memkern.bench.host_device); None on the CPU."""
+
+    @property
+    def host_device(self) -> host_device.HostDeviceTime | None:
+        if self.host_seconds is None or self.gpu_seconds is None:
+            return None
+        return host_device.HostDeviceTime(self.step_seconds, self.host_seconds,
+                                          self.gpu_seconds)
 
     @property
     def final_loss(self) -> float:
@@ -47,7 +68,10 @@ class Row:
 
 
 class Progress:
-    """One line per configuration on stderr, redrawn in place on a terminal."""
+    """One line per configuration on stderr, redrawn in place on a terminal; the bars line up
+    whatever the configuration (the longest name, compiled, sets the label's width)."""
+
+    LABEL_WIDTH = max(len(name) for name in CONFIGS) + len("+compile")
 
     def __init__(self, label: str, total: int, enabled: bool = True) -> None:
         self.label, self.total, self.enabled = label, total, enabled
@@ -59,8 +83,12 @@ class Progress:
         filled = int(24 * done / self.total)
         bar = "#" * filled + "." * (24 - filled)
         end = "\n" if done == self.total else ""
-        print(f"\r  {self.label:<18} [{bar}] {done:>4}/{self.total} loss {loss:.4f}",
-              end=end, file=sys.stderr, flush=True)
+        print(f"\r  {self.label:<{self.LABEL_WIDTH}} [{bar}] {done:>4}/{self.total} "
+              f"loss {loss:.4f}", end=end, file=sys.stderr, flush=True)
+
+
+# Steps timed for the host/GPU split on a GPU, after the timed steps (one more is profiled).
+SPLIT_REPS = 3
 
 
 def _sync(device: torch.device) -> None:
@@ -69,18 +97,28 @@ def _sync(device: torch.device) -> None:
 
 
 def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: int,
-        device: torch.device, seed: int = 0, progress: bool = True, compile: bool = False) -> Row:
+        device: torch.device, seed: int = 0, progress: bool = True, compile: bool = False,
+        memory_budget: int | str | None = None) -> Row:
     """Trains configuration ``name`` for ``steps`` steps (batch × cfg.seq tokens each);
-    ``compile``: the memkern configurations compiled (their rows are named ``<name>+compile``).
+    ``compile``: the memkern configurations compiled (their rows are named ``<name>+compile``);
+    ``memory_budget``: memkern-fit's.
 
-    Step 0 warms up; step 1 is measured for memory (under the profiler on CPU, so it is left
-    out of the timing); the median time of the other steps is reported.
+    Step 0 warms up (first allocations, lazy initialisation, compilation); step 1 is measured
+    for memory (under the profiler on CPU, so it is left out of the timing); up to
+    ``EXTRA_WARMUP_STEPS`` more warm up, leaving at least one step; the median time of the
+    rest is reported.
     """
+    first_timed = 2 + max(0, min(EXTRA_WARMUP_STEPS, steps - 3))
+    # The previous configuration's model and optimizer sit in reference cycles until a
+    # garbage collection: collected here, not in the middle of this run, where the memory
+    # they free would lower this configuration's peak above its starting level.
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    setup = build(name, cfg, device, seed, compile=compile)
+    setup = build(name, cfg, device, seed, compile=compile, batch=batch,
+                  memory_budget=memory_budget)
     if compile and name.startswith("memkern"):
         name = f"{name}+compile"
     batches = Batches(corpus, batch, cfg.seq, seed=seed, device=device)
@@ -102,10 +140,15 @@ def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: i
             start = time.perf_counter()
             loss = setup.train_step(x, y)
             _sync(device)
-            if i > 0:
+            if i >= first_timed:
                 times.append(time.perf_counter() - start)
         losses.append(loss.item())
         bar.update(i + 1, losses[-1])
+
+    split = None
+    if device.type == "cuda":  # a fresh batch per step, fetched before the clock starts
+        pending = iter([batches.next() for _ in range(SPLIT_REPS + 1)])
+        split = host_device.measure(lambda: setup.train_step(*next(pending)), reps=SPLIT_REPS)
 
     x, y = batches.next()
     with setup.autocast():
@@ -120,4 +163,6 @@ def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: i
                breakdown.optimizer_state, breakdown.num_params,
                breakdown.optimizer_side_per_param, step_seconds,
                batch * cfg.seq / step_seconds, losses, step_seconds_min=min(times),
-               step_seconds_max=max(times))
+               step_seconds_max=max(times),
+               host_seconds=split.host_seconds if split else None,
+               gpu_seconds=split.gpu_seconds if split else None)

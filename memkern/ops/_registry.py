@@ -6,6 +6,13 @@ Python, so the op exists whether or not the C++ extension was built; ``csrc/`` r
 kernels for the ``CPU`` and ``CUDA`` dispatch keys against it. Where a compiled kernel is
 missing, the reference (CPU) or the Triton kernel (CUDA) is registered in its place, so
 ``torch.ops.memkern.<op>`` always runs on both devices.
+
+On a GPU the default eager path never enters Python: in a build with the CUDA kernels every
+op's ``CUDA`` key is served by C++ (CUDA C++ kernels, or torch's own kernels called from
+C++), so a layer call goes C++ autograd → dispatcher → launch. A kernel registered from
+Python costs tens of microseconds of host time per call, which made small layers host-bound.
+CI reads the dispatcher's table and fails when a ``CUDA`` kernel comes from a Python file
+(tests/test_dispatch_registrations.py).
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from typing import Any
 import torch
 
 from memkern import backend
+from memkern._fake import fake_mode_active
 from memkern._extension import compiled
 
 LIBRARY = torch.library.Library("memkern", "DEF")
@@ -37,9 +45,11 @@ def eager_entry(name: str) -> Callable[..., Any] | None:
 class Op:
     """The Python entry of one op: checks its arguments, then runs the selected backend.
 
-    ``compiled_kernels``: whether ``csrc/`` registers CPU/CUDA kernels for it (the flat-buffer
-    ops; a tuple of device types, e.g. ``("cpu",)``, where it registers only those); otherwise
-    the reference serves ``CPU`` and the Triton kernel ``CUDA``. ``triton`` is the dotted path
+    ``compiled_kernels``: whether ``csrc/`` registers CPU and CUDA kernels for it (True; a
+    tuple of device types, e.g. ``("cpu",)``, where it registers only those; the CUDA ones
+    exist in a build with the CUDA kernels; ``"composite"``: one C++ implementation for every
+    device, made of other ops — the linear cross-entropy's loops); where it does not, the
+    reference serves ``CPU`` and the Triton kernel ``CUDA``. ``triton`` is the dotted path
     of the Triton implementation (None: there is none, the reference runs).
 
     ``backend="cpu"``/``"cuda"`` go through ``torch.ops.memkern.<name>`` (the dispatcher
@@ -58,7 +68,7 @@ class Op:
         fake: Callable[..., Any],
         reference: Callable[..., Any],
         triton: str | None,
-        compiled_kernels: bool | tuple[str, ...],
+        compiled_kernels: bool | str | tuple[str, ...],
     ) -> None:
         self.name = name
         self.check = check
@@ -68,13 +78,25 @@ class Op:
         LIBRARY.define(name + schema)
         self.op = getattr(torch.ops.memkern, name).default
         torch.library.register_fake(f"memkern::{name}", fake, lib=LIBRARY)
-        kernels = ("cpu", "cuda") if compiled_kernels is True else tuple(compiled_kernels or ())
+        composite = compiled_kernels == "composite"
+        kernels = (("cpu", "cuda") if compiled_kernels is True or composite
+                   else tuple(compiled_kernels or ()))
         has_cpu = "cpu" in kernels and compiled.has_cpu
         # The callable of each backend, resolved once (the Python path runs on every call).
+        # "planned:<device>": what runs on that device while memkern.profile plans a step on
+        # fake tensors: a kernel is its fake implementation (its outputs), a composite op its
+        # reference (every op it runs, so its intermediate buffers are seen).
+        has_gpu_kernel = not composite and (triton is not None or "cuda" in kernels)
         self._impl = {"triton": self.triton, "reference": reference, "cuda": self.op,
-                      "cpu": self.op if has_cpu else reference}
+                      "cpu": self.op if has_cpu else reference,
+                      "planned:cpu": self.op if has_cpu and not composite else reference,
+                      "planned:cuda": self.op if has_gpu_kernel else reference}
         if not has_cpu:
             LIBRARY.impl(name, reference, "CPU")
+        # Triton's place on the dispatcher: the CUDA key of an extension built without its CUDA
+        # kernels (no CUDA toolkit at install time, or MEMKERN_BUILD_EXT=0). It also runs where
+        # a caller forces it (MEMKERN_BACKEND=triton, backend.force), through self._impl, never
+        # the dispatcher.
         if not ("cuda" in kernels and compiled.has_cuda):
             LIBRARY.impl(name, self._triton_or_reference, "CUDA")
 
@@ -83,9 +105,12 @@ class Op:
         return self._triton_path is not None
 
     def triton(self, *args: Any) -> Any:
-        """The Triton implementation (imports triton on first use); the reference if none."""
+        """The Triton implementation (imports triton on first use); the reference if none. Under
+        a ``FakeTensorMode`` (fake CUDA tensors) the registered op: its fake implementation."""
         if self._triton_path is None:
             return self.reference(*args)
+        if fake_mode_active():
+            return self.op(*args)
         if self._triton_fn is None:
             module, _, attr = self._triton_path.rpartition(".")
             self._triton_fn = getattr(importlib.import_module(module), attr)

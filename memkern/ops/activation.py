@@ -7,8 +7,9 @@ Arguments
     kind   ``"gelu"`` (erf), ``"gelu_tanh"`` (tanh approximation, GPT-2's ``gelu_new``),
            ``"relu"`` or ``"silu"``.
 
-Kernels: on the CPU torch's own activation kernels, called from C++ (csrc/cpu/activation.cpp:
-the same single passes as the reference, without a Python call); Triton on CUDA.
+Kernels: torch's own activation kernels, called from C++ on the CPU and on CUDA
+(csrc/any_device/activation.cpp: the same single passes as the reference, without a Python
+call); Triton (memkern/kernels/activation.py).
 
 ``act_forward(x, kind)`` equals ``F.gelu(x)`` / ``F.gelu(x, approximate="tanh")`` /
 ``F.relu(x)`` / ``F.silu(x)``; ``act_backward(grad, x, kind)`` is the gradient w.r.t. ``x``.
@@ -91,7 +92,7 @@ act_forward = Op(
     fake=_fake_forward,
     reference=forward_reference,
     triton="memkern.kernels.activation.act_forward",
-    compiled_kernels=("cpu",),
+    compiled_kernels=True,
 )
 
 act_backward = Op(
@@ -101,5 +102,5 @@ act_backward = Op(
     fake=_fake_backward,
     reference=backward_reference,
     triton="memkern.kernels.activation.act_backward",
-    compiled_kernels=("cpu",),
+    compiled_kernels=True,
 )

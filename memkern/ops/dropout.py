@@ -14,8 +14,9 @@ The random stream is Philox4x32-10 (Salmon et al., 2011) as in ``tl.randint4x``:
 Element ``i`` is kept when that word ``r`` (as an unsigned 32-bit integer) satisfies
 ``r >= round(p * 2**32)``; kept elements are ``x * (1 / (1 - p))`` (computed in float32 for
 16-bit inputs, rounded once), dropped ones are 0 (even where ``x`` is NaN/inf, as in CUDA's
-``native_dropout``). The reference, the C++ CPU kernel (``csrc/cpu/dropout.cpp``) and the Triton
-kernel produce bit-identical masks.
+``native_dropout``). The reference, the C++ CPU and CUDA kernels (``csrc/cpu/dropout.cpp``,
+``csrc/cuda/dropout.cu``: one Philox implementation, ``csrc/cuda/kernels/dropout_math.h``) and
+the Triton kernel produce bit-identical masks.
 """
 from __future__ import annotations
 
@@ -121,5 +122,5 @@ dropout = Op(
     fake=_fake,
     reference=reference,
     triton="memkern.kernels.dropout.dropout",
-    compiled_kernels=("cpu",),
+    compiled_kernels=True,
 )

@@ -52,6 +52,7 @@ import os
 
 import torch
 
+from memkern import backend
 from memkern._extension import compiled
 from memkern.ops import _checks
 from memkern.ops._registry import Op
@@ -265,7 +266,7 @@ def forward_impl(x, weight, bias, target, ignore_index, label_smoothing, chunk_s
 def _float_gemm(a, b):
     """``a @ b`` in float32 from float16 ``a``, ``b``: cuBLAS's 16-bit-in, float32-out GEMM
     on a GPU; the operands widened on the CPU, which has none."""
-    if a.is_cuda:
+    if backend.device_type(a.device) == "cuda":
         return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.float(), b.float())
 
@@ -316,7 +317,7 @@ linear_cross_entropy_forward = Op(
     fake=_fake_forward,
     reference=forward_impl,
     triton=None,
-    compiled_kernels=True,
+    compiled_kernels="composite",
 )
 
 linear_cross_entropy_backward = Op(
@@ -328,5 +329,5 @@ linear_cross_entropy_backward = Op(
     fake=_fake_backward,
     reference=backward_impl,
     triton=None,
-    compiled_kernels=True,
+    compiled_kernels="composite",
 )

@@ -13,7 +13,9 @@ Arguments
 
 ``norm_forward(x, weight, bias, eps, rms) -> (y, mean, rstd)`` with ``y`` of ``x``'s dtype.
 
-Kernels: C++ on the CPU (csrc/cpu/norm.cpp), Triton on CUDA, the reference below.
+Kernels: C++ on the CPU (csrc/cpu/norm.cpp) and on CUDA (csrc/cuda/norm.cu; both share the
+per-row math of csrc/cuda/kernels/norm_math.h), Triton (memkern/kernels/norm.py), the reference
+below.
 ``norm_backward(dy, x, weight, mean, rstd, rms) -> (dx, dweight, dbias)``; ``dweight`` and
 ``dbias`` are float32 (float64) ``[D]`` sums over rows, empty (``[0]``) when ``weight`` is None
 (``dbias`` is ``dy.sum(0)`` whenever ``weight`` is given; the caller drops it without a bias).
@@ -137,7 +139,7 @@ norm_forward = Op(
     fake=_fake_forward,
     reference=forward_reference,
     triton="memkern.kernels.norm.norm_forward",
-    compiled_kernels=("cpu",),
+    compiled_kernels=True,
 )
 
 norm_backward = Op(
@@ -147,5 +149,5 @@ norm_backward = Op(
     fake=_fake_backward,
     reference=backward_reference,
     triton="memkern.kernels.norm.norm_backward",
-    compiled_kernels=("cpu",),
+    compiled_kernels=True,
 )

@@ -3,7 +3,9 @@
 
 Arguments
     gate, up   contiguous, same shape and dtype (float32/bfloat16/float16/float64; float64: not
-               Triton). Kernels: C++ on the CPU (csrc/cpu/swiglu.cpp), Triton on CUDA.
+               Triton). Kernels: C++ on the CPU (csrc/cpu/swiglu.cpp) and on CUDA
+               (csrc/cuda/swiglu.cu; both share the elementwise math of
+               csrc/cuda/kernels/swiglu_math.h), Triton (memkern/kernels/swiglu.py).
     grad       gradient of ``h``, same shape and dtype.
 
 ``swiglu_backward`` returns ``(grad_gate, grad_up)``::
@@ -75,7 +77,7 @@ swiglu_forward = Op(
     fake=_fake_forward,
     reference=forward_reference,
     triton="memkern.kernels.swiglu.swiglu_forward",
-    compiled_kernels=("cpu",),
+    compiled_kernels=True,
 )
 
 swiglu_backward = Op(
@@ -85,5 +87,5 @@ swiglu_backward = Op(
     fake=_fake_backward,
     reference=backward_reference,
     triton="memkern.kernels.swiglu.swiglu_backward",
-    compiled_kernels=("cpu",),
+    compiled_kernels=True,
 )

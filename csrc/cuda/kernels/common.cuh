@@ -1,9 +1,9 @@
-// Building blocks shared by the CUDA kernels: dtype <-> float conversion, aligned vector loads,
-// the grid-stride loop with a scalar tail, the optimizer step's skip test and multiplier. No
-// kernel is defined here: several translation units include it (flat_ops.cu,
-// cross_entropy_launch.cu).
+// Building blocks shared by the flat-buffer kernels: dtype <-> float conversion, aligned
+// vector loads, the grid-stride loop with a scalar tail, the optimizer steps' skip test.
 //
-// Torch-free on purpose: CI compiles this with plain nvcc and no torch.
+// Torch-free on purpose: CI compiles this with plain nvcc and no torch. Several translation
+// units include it (the launchers csrc/cuda/*.cu), so it defines templates and inline device
+// functions only: a plain kernel defined here would be defined once per launcher file.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,5 @@
-// The optimizer step counter's kernel, launched by flat_ops.cu after each step's update.
-// Torch-free; included by flat_ops.cu only (a kernel defined in a header that several
-// translation units include would be defined twice).
+// The optimizer step counter of the flat-buffer optimizer steps (adamw.cuh, sgd.cuh and their
+// 8-bit variants).
 #pragma once
 
 #include "common.cuh"

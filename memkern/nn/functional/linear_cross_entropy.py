@@ -144,9 +144,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 def _cpp_autograd() -> bool:
     """Whether the call runs as ``memkern::linear_cross_entropy`` (this algorithm with its loops
     and autograd in C++, on any device): extension built, default backend, outside
-    ``torch.compile`` and saved-tensor recording (which counts what the Python Function keeps)."""
+    ``torch.compile`` and saved-tensor recording (which counts what the Python Function keeps),
+    and not while planning for a GPU on fake CPU tensors (the C++ loops follow the tensors'
+    device; the Python ones the planned device)."""
     return (compiled.has_cpu and backend.requested() is None and not recording()
-            and not torch.compiler.is_compiling())
+            and backend.planned() in (None, "cpu") and not torch.compiler.is_compiling())
 
 
 def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -171,6 +173,7 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
     if (linear_cross_entropy_entry is not None and input.dim()
             and (num_items is None or isinstance(num_items, torch.Tensor))
             and backend.requested() is None and not recording()
+            and backend.planned() in (None, "cpu")  # the entry decides by the real device
             and not torch.compiler.is_compiling()):
         loss = linear_cross_entropy_entry(input, weight, target, bias, ignore_index, reduction,
                                           label_smoothing, num_items,

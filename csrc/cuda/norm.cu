@@ -1,0 +1,144 @@
+// The launchers of memkern::norm_forward / norm_backward's CUDA kernels (layer_ops.h): the
+// block size from D, the parameter type's instantiation, the weight-gradient chunks.
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/norm.cuh"
+#include "launch.cuh"
+#include "layer_ops.h"
+
+namespace memkern::layer_ops {
+
+namespace {
+
+using device::kColumnTile;
+using device::kRowLanes;
+using device::kWarpSize;
+
+// Threads per row: about four columns each, a whole number of warps, at most kMaxThreads (a
+// wider row loops: thread t takes columns t, t + blockDim.x, ...).
+constexpr int kMaxThreads = 512;
+static_assert(kMaxThreads / kWarpSize <= device::kMaxWarpsPerBlock, "block_sum's scratch");
+int row_threads(int64_t D) {
+  const int64_t warps = ((D + 3) / 4 + kWarpSize - 1) / kWarpSize;
+  return static_cast<int>(std::clamp<int64_t>(warps * kWarpSize, kWarpSize, kMaxThreads));
+}
+
+// Blocks per multiprocessor the row grids are capped at (they stride over further rows).
+constexpr int kRowBlocksPerSm = 16;
+
+// The weight gradients sum over fixed chunks of rows (at least kMinChunkRows rows each, at
+// most kMaxChunks chunks), so the summation order depends on `rows` only, not on the GPU.
+constexpr int64_t kMinChunkRows = 32;
+constexpr int64_t kMaxChunks = 256;
+int64_t chunk_count(int64_t rows) {
+  return std::min((rows + kMinChunkRows - 1) / kMinChunkRows, kMaxChunks);
+}
+
+constexpr int64_t kMaxGridX = int64_t{1} << 16;
+
+// Calls fn(TypeTag<T>{}, TypeTag<P>{}) for x's element type T and the parameters' P, which is
+// T or T's math type (a parameter of another type is converted by the caller).
+template <typename Fn>
+cudaError_t with_norm_types(DType x_dtype, DType param_dtype, Fn&& fn) {
+  return launch::with_dtype<true>(x_dtype, [&](auto x_tag) {
+    using T = typename decltype(x_tag)::type;
+    using Acc = device::compute_t<T>;
+    if (param_dtype == x_dtype) {
+      return fn(x_tag, x_tag);
+    }
+    if (param_dtype == (std::is_same_v<Acc, double> ? DType::f64 : DType::f32)) {
+      return fn(x_tag, launch::TypeTag<Acc>{});
+    }
+    return cudaErrorInvalidValue;
+  });
+}
+
+}  // namespace
+
+cudaError_t norm_forward(const void* x, DType x_dtype, const void* weight, const void* bias,
+                         DType param_dtype, void* y, void* mean, void* rstd, int64_t rows,
+                         int64_t D, double eps, bool rms, cudaStream_t stream) {
+  if ((bias != nullptr && weight == nullptr) || (!rms && rows > 0 && mean == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0 || D == 0) {
+    return cudaSuccess;
+  }
+  int grid = 0;
+  if (const cudaError_t err = launch::capped_grid(rows, kRowBlocksPerSm, &grid);
+      err != cudaSuccess) {
+    return err;
+  }
+  return with_norm_types(x_dtype, param_dtype, [&](auto x_tag, auto param_tag) {
+    using T = typename decltype(x_tag)::type;
+    using P = typename decltype(param_tag)::type;
+    using Acc = device::compute_t<T>;
+    device::norm_forward_kernel<T, P><<<grid, row_threads(D), 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const P*>(weight), static_cast<const P*>(bias),
+        static_cast<T*>(y), static_cast<Acc*>(mean), static_cast<Acc*>(rstd), rows, D,
+        static_cast<Acc>(eps), rms);
+    return cudaGetLastError();
+  });
+}
+
+int64_t norm_backward_workspace(int64_t rows, int64_t D) { return 2 * chunk_count(rows) * D; }
+
+cudaError_t norm_backward(const void* dy, const void* x, DType x_dtype, const void* weight,
+                          DType param_dtype, const void* mean, const void* rstd, void* dx,
+                          void* dweight, void* dbias, void* workspace, int64_t rows, int64_t D,
+                          bool rms, cudaStream_t stream) {
+  const bool weight_grads = weight != nullptr;
+  if (weight_grads && D > 0 && (dweight == nullptr || dbias == nullptr ||
+                                (rows > 0 && workspace == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  if (D == 0) {
+    return cudaSuccess;
+  }
+  int sms = 0;
+  if (const cudaError_t err = launch::sm_count(&sms); err != cudaSuccess) {
+    return err;
+  }
+  return with_norm_types(x_dtype, param_dtype, [&](auto x_tag, auto param_tag) {
+    using T = typename decltype(x_tag)::type;
+    using P = typename decltype(param_tag)::type;
+    using Acc = device::compute_t<T>;
+    const auto* mean_data = static_cast<const Acc*>(mean);
+    const auto* rstd_data = static_cast<const Acc*>(rstd);
+    if (rows > 0) {
+      const int grid = static_cast<int>(std::min<int64_t>(rows, int64_t{sms} * kRowBlocksPerSm));
+      device::norm_input_grad_kernel<T, P><<<grid, row_threads(D), 0, stream>>>(
+          static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const P*>(weight),
+          mean_data, rstd_data, static_cast<T*>(dx), rows, D, rms);
+      if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+        return err;
+      }
+    }
+    if (!weight_grads) {
+      return cudaSuccess;
+    }
+    const int64_t chunks = rows > 0 ? chunk_count(rows) : 0;
+    const int64_t tiles = (D + kColumnTile - 1) / kColumnTile;
+    const dim3 block(kColumnTile, kRowLanes);
+    auto* partials = static_cast<Acc*>(workspace);
+    if (chunks > 0) {
+      const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+      const dim3 grid(static_cast<unsigned>(std::min(tiles, kMaxGridX)),
+                      static_cast<unsigned>(chunks));
+      device::norm_weight_grad_partials_kernel<T><<<grid, block, 0, stream>>>(
+          static_cast<const T*>(dy), static_cast<const T*>(x), mean_data, rstd_data, partials,
+          rows, D, rows_per_chunk, chunks, rms);
+      if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+        return err;
+      }
+    }
+    device::norm_weight_grad_sum_kernel<Acc>
+        <<<static_cast<unsigned>(std::min(tiles, kMaxGridX)), block, 0, stream>>>(
+            partials, static_cast<Acc*>(dweight), static_cast<Acc*>(dbias), D, chunks);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace memkern::layer_ops
