@@ -4,13 +4,13 @@ Saved-for-backward bytes (memkern.profile.saved_bytes) of the MLP, a GPT-2 block
 norms/dropout against their torch.nn counterparts; the time of the norms and MLPs at real
 shapes (bf16 on CUDA, forward + backward, against the torch module; on CUDA also the host/GPU
 split of memkern.bench.host_device; issue 23's targets: RMSNorm 768 and the GELU MLP
-768→3072 ≤ 1.0× torch); the linear cross-entropy's peak allocation
-and time against the unfused ``F.cross_entropy(x @ W.T, t)``, torch's own
-``F.linear_cross_entropy`` (default path, and its chunked path with
-``LinearCrossEntropyOptions()``; a torch without them, e.g. 2.11, says so and is compared with
-the unfused one), all measured in this process (times: median of ``--reps``
-after one warm-up run, interleaved; wall and process CPU time — on a shared machine the
-CPU time is the stable measure of the work done).
+768→3072 ≤ 1.0× torch); the linear cross-entropy's peak allocation and time (``bench_lce.py``:
+against the unfused ``F.cross_entropy(x @ W.T, t)``, torch's own ``F.linear_cross_entropy``
+and its chunked path where this torch has them, and Liger-Kernel on a GPU when it imports;
+4096 x 32000 x 512 float32 on the CPU, 16384 x 50304 x 768 and 4096 x 128256 x 4096 bfloat16
+on a GPU), all measured in this process (times: median of ``--reps`` after one warm-up run,
+interleaved; on the CPU also process CPU time — on a shared machine the stable measure of the
+work done).
 
     python benchmarks/bench_modules.py [--device cpu|cuda] [--reps 3] [--save PATH]
 """
@@ -20,19 +20,18 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_lce  # noqa: E402
 import common  # noqa: E402
 
 import memkern as mk  # noqa: E402
 from memkern.bench import host_device  # noqa: E402
 from memkern.bench.block import GPT2Block  # noqa: E402
-from memkern.profile import allocation_stats, saved_bytes  # noqa: E402
+from memkern.profile import saved_bytes  # noqa: E402
 
 
 def saved_ratios(device, dtype):
@@ -109,75 +108,6 @@ def layer_times(device: torch.device, reps: int) -> dict[str, dict]:
     return out
 
 
-UNFUSED_LCE = "unfused F.cross_entropy(x @ W.T, t)"
-TORCH_LCE = "torch F.linear_cross_entropy (options=None)"
-LCE_TIME_TARGET = 1.0
-"""memkern's linear cross-entropy should take no more time than torch's own (default path)."""
-
-
-def lce(device, reps, N=4096, V=32000, H=512):
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(N, H, device=device, generator=gen).requires_grad_()
-    w = (torch.randn(V, H, device=device, generator=gen) * 0.02).requires_grad_()
-    t = torch.randint(0, V, (N,), device=device, generator=gen)
-    variants = {UNFUSED_LCE: lambda: F.cross_entropy(x @ w.t(), t)}
-    lacks = []  # what this torch does not have (torch 2.11: no F.linear_cross_entropy)
-    if hasattr(F, "linear_cross_entropy"):
-        variants[TORCH_LCE] = lambda: F.linear_cross_entropy(x, w, t)
-        if hasattr(torch.nn, "LinearCrossEntropyOptions"):
-            variants["torch F.linear_cross_entropy (chunked options)"] = lambda: F.linear_cross_entropy(
-                x, w, t, options=torch.nn.LinearCrossEntropyOptions())
-        else:
-            lacks.append("torch.nn.LinearCrossEntropyOptions")
-    else:
-        lacks.append("torch.nn.functional.linear_cross_entropy")
-    for name in lacks:
-        print(f"torch {torch.__version__} has no {name}: not compared with it")
-    ours = "memkern linear_cross_entropy"
-    variants[ours] = lambda: mk.nn.functional.linear_cross_entropy(x, w, t)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    peaks, times, cpu = {}, {k: [] for k in variants}, {k: [] for k in variants}
-    grads = {}
-    for name, fn in variants.items():
-        x.grad = w.grad = None
-        peaks[name] = allocation_stats(lambda fn=fn: fn().backward(), device=device).peak
-        grads[name] = (x.grad, w.grad)
-    # the same work: every variant's gradients against the unfused one's
-    grad_rel_err = {k: max(((a - b).abs().max() / b.abs().max()).item()
-                           for a, b in zip(g, grads[UNFUSED_LCE]))
-                    for k, g in grads.items()}
-    for rep in range(reps + 1):  # the first round is the warm-up
-        for name, fn in variants.items():
-            x.grad = w.grad = None
-            sync()
-            start, cpu_start = time.perf_counter(), time.process_time()
-            fn().backward()
-            sync()
-            if rep:
-                times[name].append(time.perf_counter() - start)
-                cpu[name].append(time.process_time() - cpu_start)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    baseline = TORCH_LCE if TORCH_LCE in variants else UNFUSED_LCE
-    print(f"linear cross-entropy, memkern / {baseline}: time {med[ours] / med[baseline]:.3f}x, "
-          f"CPU time {med_cpu[ours] / med_cpu[baseline]:.3f}x (target <= {LCE_TIME_TARGET}), "
-          f"peak {peaks[ours] / peaks[baseline]:.3f}x")
-    return {
-        "shape": {"N": N, "V": V, "H": H, "dtype": "float32"},
-        "torch_lacks": lacks,
-        "grad_rel_err_vs_unfused": grad_rel_err,
-        "time_target": f"memkern <= {LCE_TIME_TARGET}x {baseline}",
-        "peak_bytes": peaks,
-        "median_seconds": med,
-        "all_seconds": times,
-        "memkern_peak_over": {k: peaks[ours] / v for k, v in peaks.items() if k != ours},
-        "median_cpu_seconds": med_cpu,
-        "all_cpu_seconds": cpu,
-        "memkern_time_over": {k: med[ours] / v for k, v in med.items() if k != ours},
-        "memkern_cpu_time_over": {k: med_cpu[ours] / v for k, v in med_cpu.items() if k != ours},
-    }
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -189,7 +119,7 @@ def main():
                "saved_bytes_ratio_float32": saved_ratios(device, torch.float32),
                "saved_bytes_ratio_bfloat16": saved_ratios(device, torch.bfloat16),
                "layers_at_real_shapes": layer_times(device, args.reps),
-               "linear_cross_entropy": lce(device, args.reps)}
+               "linear_cross_entropy": bench_lce.run(device, args.reps)}
     for k, v in results.items():
         print(k, v)
     out = args.save or os.path.join(os.path.dirname(__file__), "results", f"{device.type}-modules.json")

@@ -5,10 +5,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 class HostReadSpy(TorchDispatchMode):
     """Records every read of a tensor's value by the host: the aten ops behind item(),
-    bool(), float(), int(), equal() (dispatch level) and the Python-level tensor methods that
-    bypass the dispatcher (tolist, numpy) or copy to the CPU."""
+    bool(), float(), int(), equal() (dispatch level: ``item`` itself when C++ code calls
+    Tensor::item(), whose ``_local_scalar_dense`` then runs below the mode) and the
+    Python-level tensor methods that bypass the dispatcher (tolist, numpy) or copy to the CPU."""
 
-    READS = {"_local_scalar_dense", "equal", "is_nonzero", "allclose"}
+    READS = {"_local_scalar_dense", "item", "equal", "is_nonzero", "allclose"}
     METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
 
     def __init__(self, monkeypatch):

@@ -1,5 +1,6 @@
-"""The ops behind memkern.nn (memkern/ops/{activation,swiglu,dropout,norm,cross_entropy,
-linear_cross_entropy}.py): reference vs float64 torch math, Triton vs the reference (each test
+"""The ops behind memkern.nn (memkern/ops/{activation,swiglu,dropout,norm,
+linear_cross_entropy}.py; the cross-entropy row ops are test_nn_cross_entropy_ops.py's):
+reference vs float64 torch math, Triton vs the reference (each test
 twice: under TRITON_INTERPRET=1 on the CPU, and compiled for real on a GPU, marked cuda),
 torch.library.opcheck on each op, and the argument checks.
 
@@ -103,107 +104,28 @@ def test_norm_reference_matches_float64_autograd(rms, affine):
         assert dw.numel() == 0 and db.numel() == 0
 
 
-@pytest.mark.parametrize("smoothing", [0.0, 0.3])
-def test_cross_entropy_rows_reference_matches_torch(smoothing):
-    z = torch.randn(11, 1023, dtype=torch.float64) * 3
-    t = torch.randint(0, 1023, (11,))
-    t[[0, 5]] = -7  # ignored rows, first and middle
-    scale = torch.randn(11, dtype=torch.float64)
-    zr = z.clone().requires_grad_()
-    per_row = F.cross_entropy(zr, t, reduction="none", ignore_index=-7, label_smoothing=smoothing)
-    (grad,) = torch.autograd.grad(per_row, zr, scale)
-    out = z.clone()
-    loss = ops.cross_entropy_rows_.reference(out, t, scale, -7, smoothing, True)
-    assert rel_err(loss, per_row) < 1e-14
-    assert rel_err(out, grad) < 1e-13
-    assert torch.equal(out[[0, 5]], torch.zeros(2, 1023, dtype=torch.float64))
-    untouched = z.clone()
-    ops.cross_entropy_rows_.reference(untouched, t, None, -7, smoothing, False)
-    assert torch.equal(untouched, z), "compute_grad=False must leave the logits alone"
-
-
-needs_cpu_kernels = pytest.mark.skipif(not backend.runs_on("cpu", torch.device("cpu")),
-                                       reason="the compiled extension is not built")
-
-
-@needs_cpu_kernels
-@pytest.mark.parametrize("dtype", [*LOW, pytest.param(torch.float64, id="float64")])
-@pytest.mark.parametrize("smoothing", [0.0, 0.3])
-def test_cpu_cross_entropy_rows_matches_float64_torch(dtype, smoothing):
-    """The C++ CPU kernel against F.cross_entropy in float64 on the very (rounded) logits,
-    with ignored rows, a per-row scale, and a NaN and an inf row that propagate as in torch."""
-    z = (torch.randn(13, 1031) * 3).to(dtype)
-    z[3, 17] = float("nan")
-    z[8, 5] = float("inf")
-    t = torch.randint(0, 1031, (13,))
-    t[[0, 6, 12]] = -7
-    scale = torch.randn(13, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    zr = z.double().clone().requires_grad_()
-    per_row = F.cross_entropy(zr, t, reduction="none", ignore_index=-7, label_smoothing=smoothing)
-    (grad,) = torch.autograd.grad(per_row, zr, scale.double())
-    out = z.clone()
-    with backend.force("cpu"):
-        loss = ops.cross_entropy_rows_(out, t, scale, -7, smoothing, True)
-    finite = [r for r in range(13) if r not in (3, 8)]
-    tol = {torch.float64: 1e-13, torch.float32: 2e-6}.get(dtype, 1e-2)
-    assert loss.dtype == scale.dtype and out.dtype == dtype
-    assert rel_err(loss[finite], per_row[finite]) < tol
-    assert rel_err(out[finite], grad[finite]) < tol
-    assert torch.equal(out[[0, 6, 12]], torch.zeros(3, 1031, dtype=dtype))
-    assert torch.isnan(loss[3]) and torch.isnan(out[3]).all() and torch.isnan(per_row[3])
-    assert torch.isnan(loss[8]) == torch.isnan(per_row[8])
-    assert torch.equal(torch.isnan(out[8]), torch.isnan(grad[8]))
-    untouched = z.clone()
-    with backend.force("cpu"):
-        ops.cross_entropy_rows_(untouched, t, None, -7, smoothing, False)
-    assert torch.equal(untouched.isnan(), z.isnan()) and torch.equal(untouched[~z.isnan()], z[~z.isnan()])
-
-
-@needs_cpu_kernels
-def test_cpu_cross_entropy_rows_bad_target_raises_before_writing():
-    z = torch.randn(5, 11)
-    out = z.clone()
-    t = torch.tensor([3, -100, 10, 11, 0])
-    with pytest.raises(ValueError, match=r"target\[3\] = 11 is not a class index in \[0, 11\) "
-                                         r"nor ignore_index=-100"):
-        with backend.force("cpu"):
-            ops.cross_entropy_rows_(out, t, None, -100, 0.0, True)
-    assert torch.equal(out, z)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-def test_cross_entropy_rows_reference_when_target_probability_underflows(dtype):
-    """Logits so spread that softmax(z)[t] underflows to 0 for most rows (loss in the
-    hundreds): the loss is still exact, the gradient softmax - onehot."""
-    z = (torch.randn(9, 257) * 300).to(dtype)
-    t = torch.randint(0, 257, (9,))
-    zr = z.double().clone().requires_grad_()
-    per_row = F.cross_entropy(zr, t, reduction="none")
-    (grad,) = torch.autograd.grad(per_row.sum(), zr)
-    assert per_row.detach().max().item() > 100
-    out = z.clone()
-    loss = ops.cross_entropy_rows_.reference(out, t, None, -100, 0.0, True)
-    assert rel_err(loss, per_row) < (1e-6 if dtype == torch.float32 else 1e-14)
-    assert rel_err(out, grad) < (1e-6 if dtype == torch.float32 else 1e-14)
-
-
 def test_linear_cross_entropy_ops_match_unfused_float64():
+    """The forward op's loss, lse and gradients of the summed loss (23 tokens in chunks of 5,
+    the last of 3), and the backward op's weight and bias gradients of a weighted sum (37
+    classes in blocks of 4, the last of 1), against F.cross_entropy in float64."""
     x = torch.randn(23, 13, dtype=torch.float64, requires_grad=True)
     w = torch.randn(37, 13, dtype=torch.float64, requires_grad=True)
     b = torch.randn(37, dtype=torch.float64, requires_grad=True)
     t = torch.randint(0, 37, (23,))
     t[-1] = -100
-    per_row = F.cross_entropy(F.linear(x, w, b), t, reduction="none")
+    logits = F.linear(x, w, b)
+    per_row = F.cross_entropy(logits, t, reduction="none")
     gsum = torch.autograd.grad(per_row.sum(), (x, w, b), retain_graph=True)
-    loss, dx, dw, db = ops.linear_cross_entropy_forward(x.detach(), w.detach(), b.detach(), t, -100,
-                                                        0.0, 5, True, True, True)
+    loss, lse, dx, dw, db = ops.linear_cross_entropy_forward(
+        x.detach(), w.detach(), b.detach(), t, -100, 0.0, 5, True, True, True)
     assert rel_err(loss, per_row) < 1e-14
+    assert rel_err(lse[:-1], torch.logsumexp(logits, 1)[:-1]) < 1e-14 and lse[-1] == 0
     for got, want in zip((dx, dw, db), gsum):
         assert rel_err(got, want) < 1e-13
     gl = torch.randn(23, dtype=torch.float64)
-    grl = torch.autograd.grad(per_row, (x, w, b), gl)
-    for got, want in zip(ops.linear_cross_entropy_backward(gl, x.detach(), w.detach(), b.detach(), t,
-                                                           -100, 0.0, 4, True, True, True), grl):
+    grl = torch.autograd.grad(per_row, (w, b), gl)
+    for got, want in zip(ops.linear_cross_entropy_backward(gl, x.detach(), w.detach(), b.detach(),
+                                                           t, lse, -100, 0.0, 4, True, True), grl):
         assert rel_err(got, want) < 1e-13
 
 
@@ -361,68 +283,6 @@ def test_triton_norm_matches_reference(device, rms, affine, dtype, rows):
     assert rel_err(got[0], want[0]) <= max(TRITON_TOL[dtype], 1e-5)
     if affine:
         assert rel_err(got[1], want[1]) < 1e-5 and rel_err(got[2], want[2]) < 1e-5
-
-
-@pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("smoothing", [0.0, 0.2])
-@pytest.mark.parametrize("device", DEVICES)
-def test_triton_cross_entropy_rows_matches_reference(device, dtype, smoothing):
-    z = (torch.randn(6, 1537, device=device) * 4).to(dtype)
-    t = torch.randint(0, 1537, (6,), device=device)
-    t[2] = -100
-    scale = torch.randn(6, device=device)
-    for rs in (None, scale):
-        a, b = z.clone(), z.clone()
-        loss = _triton(ops.cross_entropy_rows_, a, t, rs, -100, smoothing, True)
-        rloss = ops.cross_entropy_rows_.reference(b, t, rs, -100, smoothing, True)
-        assert rel_err(loss, rloss) < 1e-6
-        assert rel_err(a, b) <= TRITON_TOL[dtype] * 2
-        assert torch.equal(a[2], torch.zeros_like(a[2]))
-
-
-@pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("smoothing", [0.0, 0.2])
-@pytest.mark.parametrize("device", DEVICES)
-def test_triton_cross_entropy_rows_over_several_tiles(device, dtype, smoothing):
-    """A vocabulary of three tiles (the last one short), so the online softmax rescales its
-    running sum twice, against F.cross_entropy in float64 on the very (rounded) logits. Per
-    row, in a later tile: the row's max (the first tiles' sum must be rescaled to it), the
-    target, an inf or a NaN (the row is NaN, as in torch); a row whose whole first tile is
-    -inf (masked classes: exp(-inf - -inf) must not turn the sum into NaN); an ignored row."""
-    from memkern.kernels.cross_entropy import MAX_BLOCK_V
-
-    V = 2 * MAX_BLOCK_V + 77
-    rows = 7
-    z = (torch.randn(rows, V) * 3).to(dtype)
-    t = torch.randint(0, V, (rows,))
-    last = 2 * MAX_BLOCK_V  # the first column of the third tile
-    z[1, last + 40] = 30.0  # the max, far above the first tiles' (their exps shrink ~e^-20)
-    z[2, MAX_BLOCK_V + 9] = 25.0  # the max in the second tile, the target in the third
-    t[2] = last + 3
-    z[3, last + 70] = math.inf
-    z[4, last + 1] = math.nan
-    z[5, :MAX_BLOCK_V] = -math.inf
-    t[5] = MAX_BLOCK_V + 100
-    t[6] = -100
-    scale = torch.randn(rows)
-    zr = z.double().requires_grad_()
-    per_row = F.cross_entropy(zr, t, reduction="none", label_smoothing=smoothing)
-    (grad,) = torch.autograd.grad(per_row, zr, scale.double())
-    out = z.to(device, copy=True)
-    loss = _triton(ops.cross_entropy_rows_, out, t.to(device), scale.to(device), -100,
-                   smoothing, True)
-    loss, out = loss.cpu(), out.cpu()
-    per_row = per_row.detach()
-    finite, nan = per_row.isfinite(), per_row.isnan()  # 3, 4: NaN; 5 with smoothing: inf
-    assert finite[[0, 1, 2, 6]].all() and nan[[3, 4]].all()
-    assert rel_err(loss[finite], per_row[finite]) < 1e-6
-    assert torch.equal(loss.isnan(), nan)
-    assert torch.equal(loss[~finite & ~nan], per_row[~finite & ~nan].float())
-    kept = [0, 1, 2, 5, 6]
-    assert rel_err(out[kept], grad[kept]) <= TRITON_TOL[dtype] * 2
-    for r in (3, 4):
-        assert torch.equal(out[r].isnan(), grad[r].isnan()), r
-    assert torch.equal(out[6], torch.zeros_like(out[6]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -599,8 +459,12 @@ def _opcheck_cases():
         ("norm_backward", (g, x, torch.randn(17), mean, rstd, False)),
         ("norm_backward", (g, x, None, torch.empty(0), rrstd, True)),
         ("cross_entropy_rows_", (torch.randn(5, 17), t, None, -100, 0.1, True)),
+        ("cross_entropy_rows_", (torch.randn(5, 17), t, torch.randn(5), -100, 0.0, True, 3.0)),
+        ("cross_entropy_block_grad_", (torch.randn(5, 7), torch.randn(5), t, torch.randn(5), 4,
+                                       17, -100, 0.1, 2.0)),
         ("linear_cross_entropy_forward", (x, w, torch.randn(11), tt, -100, 0.0, 2, True, True, True)),
-        ("linear_cross_entropy_backward", (torch.randn(5), x, w, None, tt, -100, 0.0, 3, True, True, False)),
+        ("linear_cross_entropy_backward", (torch.randn(5), x, w, None, tt, torch.randn(5), -100,
+                                           0.0, 3, True, True)),
         ("linear_cross_entropy_forward", (x, w, None, tt, -100, 0.1, 3, True, True, False, 2.5)),
     ]
 
@@ -630,13 +494,13 @@ def test_every_nn_op_is_opchecked():
     (lambda: ops.norm_forward(torch.randn(3, 4, 5), None, None, 1e-5, False), "x must be 2-D"),
     (lambda: ops.norm_forward(torch.randn(3, 4), torch.randn(5), None, 1e-5, False), "weight has shape"),
     (lambda: ops.norm_forward(torch.randn(3, 4), torch.randn(4), torch.randn(4), 1e-5, True), "takes no bias"),
-    (lambda: ops.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 5]), None, -100, 0.0, True),
-     r"target\[1\] = 5"),
-    (lambda: ops.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 2], dtype=torch.int32), None,
-                                     -100, 0.0, True), "target must be an int64"),
     (lambda: ops.linear_cross_entropy_forward(torch.randn(3, 4), torch.randn(5, 6), None,
                                               torch.tensor([0, 1, 2]), -100, 0.0, 2, True, True, True),
      "same H"),
+    (lambda: ops.linear_cross_entropy_forward(torch.randn(3, 4).bfloat16(), torch.randn(5, 4).bfloat16(),
+                                              None, torch.tensor([0, 1, 2]), -100, 0.0, 2, True,
+                                              True, False),
+     "compute 16-bit weight gradients with linear_cross_entropy_backward"),
 ])
 def test_errors_name_the_argument(call, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -113,6 +113,33 @@ def test_shift_labels_are_used_as_given(family):
     assert rel_err(got.detach(), want.detach()) < TOL
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("labels_given", ["labels", "shift_labels"])
+def test_non_default_ignore_index_reaches_the_fused_loss(family, labels_given):
+    """``ignore_index=-1`` passed to the model's forward (transformers hands it to
+    loss_function): the -1 labels are ignored, and so is the position the shift pads, which must
+    be padded with -1 too (a -100 there would be neither ignored nor a class). With
+    ``shift_labels`` the labels are used as given. Loss and every gradient as the unpatched
+    model's."""
+    model, ref = _pair(family)
+    ids, labels = _batch()
+    labels[labels == -100] = -1
+    kw = {"labels": labels, "ignore_index": -1}
+    if labels_given == "shift_labels":
+        shifted = torch.roll(labels, -1, dims=1)
+        shifted[1, 2] = -1
+        kw["shift_labels"] = shifted
+    n = torch.tensor(int((labels[:, 1:] != -1).sum()) + 5)
+    for extra in ({}, {"num_items_in_batch": n}):
+        model.zero_grad(), ref.zero_grad()
+        got = model(input_ids=ids, **kw, **extra).loss
+        want = ref(input_ids=ids, **kw, **extra).loss
+        assert torch.isfinite(want) and rel_err(got.detach(), want.detach()) < TOL
+        got.backward()
+        want.backward()
+        _check_grads(model, ref)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_without_labels_or_in_eval_the_model_is_unchanged(family):
     # only the loss fused: every other layer as it was, so the logits must be bit-identical
@@ -158,7 +185,7 @@ def test_softcap_is_applied_and_restored_in_the_config():
 def test_fused_training_holds_no_logits():
     # a head-dominated model (vocab 8192, width 48, 1024 tokens): the unpatched step holds the
     # logits, their float32 copy and their gradient; the fused step one block of 256 tokens'
-    # logits at a time (default_chunk_size on the CPU) and the row op's scratch
+    # logits at a time (block_sizes on the CPU)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(**{**_COMMON, "vocab_size": 8192}, attn_implementation="sdpa")
     ref = transformers.LlamaForCausalLM(cfg).train()

@@ -210,14 +210,30 @@ def _cross_entropy_cases() -> Iterator[tuple]:
     from memkern.kernels import _nn_common
     from memkern.kernels.cross_entropy import MAX_BLOCK_V
 
-    def case(dtype, V, scale, grad):
+    def case(dtype, V, scale, grad, softcap):
         return (torch.empty(7, V, dtype=dtype), torch.zeros(7, dtype=torch.int64),
-                torch.empty(7) if scale else None, -100, 0.1, grad)
+                torch.empty(7) if scale else None, -100, 0.1, grad, softcap)
 
-    for c in _covering({"dtype": _nn_common.DTYPES}, {"scale": (True, False), "grad": (True, False)}):
-        yield case(c["dtype"], 1000, c["scale"], c["grad"])
+    flags = {"scale": (True, False), "grad": (True, False), "softcap": (0.0, 2.5)}
+    for c in _covering({"dtype": _nn_common.DTYPES}, flags):
+        yield case(c["dtype"], 1000, c["scale"], c["grad"], c["softcap"])
     for V in _powers_of_two(MAX_BLOCK_V):  # BLOCK_V = min(next_power_of_2(V), MAX_BLOCK_V)
-        yield case(_nn_common.DTYPES[0], V, True, True)
+        yield case(_nn_common.DTYPES[0], V, True, True, 0.0)
+
+
+def _cross_entropy_block_cases() -> Iterator[tuple]:
+    import torch
+    from memkern.kernels import _nn_common
+    from memkern.kernels.cross_entropy import MAX_BLOCK_V
+
+    def case(dtype, width, softcap):
+        return (torch.empty(7, width, dtype=dtype), torch.empty(7), torch.zeros(7, dtype=torch.int64),
+                torch.empty(1).expand(7), 3, width + 5, -100, 0.1, softcap)
+
+    for c in _covering({"dtype": _nn_common.DTYPES}, {"softcap": (0.0, 2.5)}):
+        yield case(c["dtype"], 1000, c["softcap"])
+    for width in _powers_of_two(MAX_BLOCK_V):  # BLOCK = min(next_power_of_2(width), MAX_BLOCK_V)
+        yield case(_nn_common.DTYPES[0], width, 0.0)
 
 
 CASES: dict[str, Callable[[], Iterator[tuple]]] = {
@@ -235,6 +251,7 @@ CASES: dict[str, Callable[[], Iterator[tuple]]] = {
     "norm_forward": lambda: _norm_cases(backward=False),
     "norm_backward": lambda: _norm_cases(backward=True),
     "cross_entropy_rows_": _cross_entropy_cases,
+    "cross_entropy_block_grad_": _cross_entropy_block_cases,
 }
 """Argument cases per op name; every op with a Triton implementation must have an entry."""
 

@@ -1,135 +1,242 @@
-// memkern::cross_entropy_rows_ on CPU: the reference's math (log-softmax once for the loss, its
-// exp for the gradient written over the logits, float32 or float64 for float64 logits) with the
-// same roundings, as two vectorised ATen ops and one loop instead of ~10 ops and a Python call.
-// The target range check reads the targets here, so it costs no extra ops and no host read.
-// Contract: memkern/ops/cross_entropy.py.
+// memkern::cross_entropy_rows_ and memkern::cross_entropy_block_grad_ on CPU, on the per-row
+// math the CUDA kernels run (csrc/cuda/kernels/cross_entropy_math.h): the online softmax over
+// a row's tiles, its merge across lanes, the loss, the gradient element. The CPU takes 8 lanes
+// per row (independent accumulators, so the exponentials of neighbouring tiles overlap); a GPU
+// takes one lane per thread. The target range check reads the targets here, so it costs no
+// extra ops and no host read. Contracts: memkern/ops/cross_entropy.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/_log_softmax.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/exp.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <tuple>
 
+#include "../cross_entropy_checks.h"
+#include "../cuda/kernels/cross_entropy_math.h"
 #include "flat_math.h"
 
 namespace memkern::cpu {
 namespace {
 
-template <typename T>
-inline T from_acc(double x) { return x; }
-template <typename T>
-inline T from_acc(float x) { return from_float<T>(x); }
+namespace ce = memkern::cross_entropy;
+namespace checks = memkern::cross_entropy_checks;
 
-// Rows [begin, end): the loss from the row's log-softmax, and (when grad is given: the exp of
-// the log-softmax, i.e. the softmax) the gradient written over the logits, in the reference's
-// order of roundings: softmax - eps / V, then - (1 - eps) at the target, then * row_scale.
-template <typename scalar_t, typename acc_t>
-void rows_range(scalar_t* z, const acc_t* logp, const acc_t* grad, const int64_t* target,
-                const acc_t* row_scale, acc_t* loss, int64_t V, int64_t ignore_index, acc_t eps,
-                int64_t begin, int64_t end) {
-  const acc_t keep = acc_t(1) - eps, spread = eps / acc_t(V);
-  for (int64_t r = begin; r < end; ++r) {
-    const int64_t t = target[r];
-    scalar_t* row = z + r * V;
-    if (t == ignore_index) {
-      loss[r] = acc_t(0);
-      if (grad != nullptr) {
-        for (int64_t c = 0; c < V; ++c) row[c] = scalar_t(0);
-      }
-      continue;
-    }
-    const acc_t* lp = logp + r * V;
-    acc_t row_loss = -keep * lp[t];
-    if (eps > acc_t(0)) {
-      acc_t sum = 0;
-      for (int64_t c = 0; c < V; ++c) sum += lp[c];
-      row_loss -= eps * (sum / acc_t(V));
-    }
-    loss[r] = row_loss;
-    if (grad == nullptr) continue;
-    const acc_t* g = grad + r * V;
-    const acc_t scale = row_scale == nullptr ? acc_t(1) : row_scale[r];
-    for (int64_t c = 0; c < V; ++c) {
-      acc_t v = g[c];
-      if (eps > acc_t(0)) v -= spread;
-      if (c == t) v += -keep;
-      if (row_scale != nullptr) v *= scale;
-      row[c] = from_acc<scalar_t>(v);
-    }
+constexpr int kLanes = 8;
+
+// Logits per tile: one 16-byte vector, as on the GPU.
+template <typename scalar_t>
+constexpr int kTile = static_cast<int>(16 / sizeof(scalar_t));
+
+// A logit in the math type, soft-capped when Capped (a template flag, so that the loops without
+// a cap hold no call of tanh and vectorise); its slope in *slope.
+template <bool Capped, typename scalar_t, typename acc_t>
+inline acc_t logit(scalar_t v, acc_t cap, acc_t* slope) {
+  if constexpr (Capped) {
+    return ce::capped(widen(v), cap, slope);
+  } else {
+    *slope = acc_t(1);
+    return widen(v);
   }
 }
 
-at::Tensor cross_entropy_rows_cpu(at::Tensor& logits, const at::Tensor& target,
-                                  const std::optional<at::Tensor>& row_scale,
-                                  int64_t ignore_index, double label_smoothing,
-                                  bool compute_grad) {
-  const char* op = "memkern.ops.cross_entropy_rows_";
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), op,
-              ": logits must be a contiguous 2-D [n, V] tensor, got shape ", logits.sizes());
-  const int64_t n = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(target.scalar_type() == at::kLong && target.dim() == 1 && target.size(0) == n &&
-                  target.is_contiguous() && target.is_cpu(),
-              op, ": target must be a contiguous int64 CPU tensor of shape (", n, ",), got ",
-              target.scalar_type(), " of shape ", target.sizes());
-  const bool wide = logits.scalar_type() == at::kDouble;
-  const auto acc_type = wide ? at::kDouble : at::kFloat;
-  const bool scaled = row_scale.has_value() && row_scale->defined();
-  if (scaled) {
-    TORCH_CHECK(row_scale->scalar_type() == acc_type && row_scale->dim() == 1 &&
-                    row_scale->size(0) == n && row_scale->is_contiguous() && row_scale->is_cpu(),
-                op, ": row_scale must be a contiguous ", acc_type, " CPU tensor of shape (", n,
-                ",), got ", row_scale->scalar_type(), " of shape ", row_scale->sizes());
+// The online softmax normaliser of one row, over kLanes lanes merged in order at the end: the
+// head tile (when the row starts unaligned) goes to lane 0, then full tile b of the rest to
+// lane b % kLanes — a loop over the lanes for each round of kLanes tiles, which the compiler
+// vectorises across the lanes (their state kept as three arrays) — and the tail tile to the
+// next lane in turn.
+template <bool Capped, typename scalar_t, typename acc_t>
+MEMKERN_VECTOR_CLONES ce::Online<acc_t> row_normaliser(const scalar_t* row, int64_t V, acc_t cap) {
+  constexpr int Tile = kTile<scalar_t>;
+  const ce::RowTiles<Tile> tiles{V, ce::head_of(reinterpret_cast<uintptr_t>(row),
+                                                sizeof(scalar_t))};
+  acc_t max[kLanes], sum[kLanes], total[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    const ce::Online<acc_t> start = ce::online_start<acc_t>();
+    max[l] = start.max, sum[l] = start.sum, total[l] = start.total;
   }
-  TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op, ": label_smoothing=",
-              label_smoothing, " must be in [0, 1]");
-  const int64_t* t = target.data_ptr<int64_t>();
-  for (int64_t r = 0; r < n; ++r) {  // before any row is written: a bad call changes nothing
+  acc_t slope;
+  const auto add = [&](int l, const acc_t (&z)[Tile], int k) {
+    ce::Online<acc_t> lane{max[l], sum[l], total[l]};
+    ce::online_add(lane, z, k);
+    max[l] = lane.max, sum[l] = lane.sum, total[l] = lane.total;
+  };
+  const auto add_tile = [&](int64_t tile, int l) {
+    const scalar_t* first = row + tiles.first(tile);
+    const int k = tiles.size(tile);
+    acc_t z[Tile] = {};
+    for (int j = 0; j < k; ++j) z[j] = logit<Capped>(first[j], cap, &slope);
+    add(l, z, k);
+  };
+  int64_t i = 0;
+  if (tiles.head > 0) add_tile(i++, 0);
+  const int64_t rounds = (tiles.n - tiles.head) / (kLanes * Tile);
+  for (int64_t round = 0; round < rounds; ++round, i += kLanes) {
+    const scalar_t* first = row + tiles.first(i);
+    for (int l = 0; l < kLanes; ++l) {
+      acc_t z[Tile];
+#pragma GCC unroll 16
+      for (int j = 0; j < Tile; ++j) z[j] = logit<Capped>(first[l * Tile + j], cap, &slope);
+      add(l, z, Tile);
+    }
+  }
+  for (int l = 0; i < tiles.count(); ++i, ++l) add_tile(i, l);
+  ce::Online<acc_t> row_stats{max[0], sum[0], total[0]};
+  for (int l = 1; l < kLanes; ++l) ce::online_merge(row_stats, {max[l], sum[l], total[l]});
+  return row_stats;
+}
+
+// What the two ops share: the row settings of one call.
+template <typename acc_t>
+struct RowMath {
+  int64_t num_classes;
+  int64_t ignore_index;
+  acc_t eps;
+  acc_t cap;
+
+  acc_t keep() const { return acc_t(1) - eps; }
+  acc_t spread() const { return eps / static_cast<acc_t>(num_classes); }
+};
+
+// Columns [0, n) of a row whose column c is class `offset + c`: the gradient written over the
+// logits, from the row's normaliser (max, log_sum) — or (lse, 0) for a saved log-sum-exp.
+template <bool Capped, typename scalar_t, typename acc_t>
+MEMKERN_VECTOR_CLONES void write_grad_row(scalar_t* row, int64_t n, int64_t offset,
+                                          int64_t target, acc_t max, acc_t log_sum, acc_t scale,
+                                          const RowMath<acc_t>& math) {
+  const acc_t keep = math.keep(), spread = math.spread(), cap = math.cap;
+  for (int64_t c = 0; c < n; ++c) {
+    acc_t slope;
+    const acc_t z = logit<Capped>(row[c], cap, &slope);
+    const acc_t hit = offset + c == target ? keep : acc_t(0);
+    row[c] = narrow<scalar_t>(
+        ce::grad_value(ce::log_prob(z, max, log_sum), hit, spread, scale, slope));
+  }
+}
+
+// The row functions with the cap flag chosen once per call.
+template <typename scalar_t, typename acc_t>
+ce::Online<acc_t> normaliser(const scalar_t* row, int64_t V, acc_t cap) {
+  return cap > acc_t(0) ? row_normaliser<true>(row, V, cap) : row_normaliser<false>(row, V, cap);
+}
+
+template <typename scalar_t, typename acc_t>
+void write_grad(scalar_t* row, int64_t n, int64_t offset, int64_t target, acc_t max,
+                acc_t log_sum, acc_t scale, const RowMath<acc_t>& math) {
+  if (math.cap > acc_t(0)) {
+    write_grad_row<true>(row, n, offset, target, max, log_sum, scale, math);
+  } else {
+    write_grad_row<false>(row, n, offset, target, max, log_sum, scale, math);
+  }
+}
+
+template <typename scalar_t>
+void zero_row(scalar_t* row, int64_t n) {
+  std::fill(row, row + n, scalar_t(0));
+}
+
+// The check both ops make on the CPU before writing anything: every target is ignore_index or
+// a class.
+void check_targets(const char* op, const int64_t* t, int64_t n, int64_t V, int64_t ignore_index) {
+  for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK_VALUE(t[r] == ignore_index || (t[r] >= 0 && t[r] < V), op, ": target[", r,
                       "] = ", t[r], " is not a class index in [0, ", V,
                       ") nor ignore_index=", ignore_index);
   }
-  at::Tensor loss = at::empty({n}, logits.options().dtype(acc_type));
-  if (n == 0) return loss;
-  // torch's vectorised log_softmax and exp (one pass each); the rest is the loop below.
-  const bool in_acc = logits.scalar_type() == acc_type;
-  const at::Tensor logp = at::_log_softmax(in_acc ? logits : logits.to(acc_type), 1, false);
-  at::Tensor grad;
-  if (compute_grad) {
-    grad = in_acc ? logits : at::empty_like(logp);
-    at::exp_out(grad, logp);
-  }
-  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(V, 1));
-  auto run = [&](auto tag, auto acc_tag) {
-    using scalar_t = decltype(tag);
-    using acc_t = decltype(acc_tag);
-    auto* z = static_cast<scalar_t*>(logits.data_ptr());
-    const auto* lp = static_cast<const acc_t*>(logp.data_ptr());
-    const acc_t* g = compute_grad ? static_cast<const acc_t*>(grad.data_ptr()) : nullptr;
-    const acc_t* rs = scaled ? static_cast<const acc_t*>(row_scale->data_ptr()) : nullptr;
-    auto* out = static_cast<acc_t*>(loss.data_ptr());
-    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-      rows_range<scalar_t, acc_t>(z, lp, g, t, rs, out, V, ignore_index, acc_t(label_smoothing),
-                                  begin, end);
-    });
-  };
+}
+
+// Calls f(scalar_t{}) for the logits' dtype (checks::logits accepted it).
+template <typename F>
+void dispatch_logits(const at::Tensor& logits, const F& f) {
   switch (logits.scalar_type()) {
-    case at::kDouble: run(double{}, double{}); break;
-    case at::kFloat: run(float{}, float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}, float{}); break;
-    case at::kHalf: run(c10::Half{}, float{}); break;
-    default:
-      TORCH_CHECK(false, op, ": logits have dtype ", logits.scalar_type(),
-                  "; expected float32, bfloat16, float16 or float64");
+    case at::kDouble: return f(double{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: return f(float{});
   }
-  return loss;
+}
+
+std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_cpu(
+    at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& row_scale,
+    int64_t ignore_index, double label_smoothing, bool compute_grad, double softcap) {
+  const bool scaled = checks::rows_op(logits, target, row_scale, label_smoothing, softcap);
+  const int64_t n = logits.size(0), V = logits.size(1);
+  const auto acc = checks::acc_dtype(logits);
+  const int64_t* t = target.const_data_ptr<int64_t>();
+  check_targets(checks::kRowsOp, t, n, V, ignore_index);  // before any row is written
+  at::Tensor loss = at::empty({n}, logits.options().dtype(acc));
+  at::Tensor lse = at::empty({n}, logits.options().dtype(acc));
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(V, 1));
+  dispatch_logits(logits, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using acc_t = acc_type<scalar_t>;
+    auto* z = static_cast<scalar_t*>(logits.data_ptr());
+    const acc_t* rs = scaled ? row_scale->const_data_ptr<acc_t>() : nullptr;
+    acc_t* loss_out = loss.data_ptr<acc_t>();
+    acc_t* lse_out = lse.data_ptr<acc_t>();
+    const RowMath<acc_t> math{V, ignore_index, acc_t(label_smoothing), acc_t(softcap)};
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* row = z + r * V;
+        if (t[r] == ignore_index) {
+          loss_out[r] = lse_out[r] = acc_t(0);
+          if (compute_grad) zero_row(row, V);
+          continue;
+        }
+        const ce::Online<acc_t> stats = normaliser(row, V, math.cap);
+        const acc_t row_lse = ce::online_lse(stats);
+        acc_t slope;
+        const acc_t z_t = ce::capped(widen(row[t[r]]), math.cap, &slope);
+        loss_out[r] = ce::row_loss(row_lse, true, z_t, stats.total, V, math.eps);
+        lse_out[r] = row_lse;
+        if (compute_grad) {
+          write_grad(row, V, 0, t[r], stats.max, ce::log_of(stats.sum),
+                         rs == nullptr ? acc_t(1) : rs[r], math);
+        }
+      }
+    });
+  });
+  return {loss, lse};
+}
+
+void cross_entropy_block_grad_cpu(at::Tensor& logits, const at::Tensor& lse,
+                                  const at::Tensor& target, const at::Tensor& row_scale,
+                                  int64_t class_offset, int64_t num_classes,
+                                  int64_t ignore_index, double label_smoothing, double softcap) {
+  checks::block_grad_op(logits, lse, target, row_scale, class_offset, num_classes,
+                        label_smoothing, softcap);
+  const int64_t n = logits.size(0), width = logits.size(1);
+  const int64_t* t = target.const_data_ptr<int64_t>();
+  check_targets(checks::kBlockGradOp, t, n, num_classes, ignore_index);
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1));
+  dispatch_logits(logits, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using acc_t = acc_type<scalar_t>;
+    auto* z = static_cast<scalar_t*>(logits.data_ptr());
+    const acc_t* l = lse.const_data_ptr<acc_t>();
+    const acc_t* rs = row_scale.const_data_ptr<acc_t>();
+    const int64_t rs_stride = row_scale.stride(0);
+    const RowMath<acc_t> math{num_classes, ignore_index, acc_t(label_smoothing), acc_t(softcap)};
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* row = z + r * width;
+        if (t[r] == ignore_index) {
+          zero_row(row, width);
+        } else {
+          write_grad(row, width, class_offset, t[r], l[r], acc_t(0), rs[r * rs_stride], math);
+        }
+      }
+    });
+  });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(memkern, CPU, m) { m.impl("cross_entropy_rows_", &cross_entropy_rows_cpu); }
+TORCH_LIBRARY_IMPL(memkern, CPU, m) {
+  m.impl("cross_entropy_rows_", &cross_entropy_rows_cpu);
+  m.impl("cross_entropy_block_grad_", &cross_entropy_block_grad_cpu);
+}
 
 }  // namespace memkern::cpu

@@ -18,7 +18,7 @@ __all__ = ["ALL", "adamw8bit_step_", "adamw_step_", "force", "l2_norm", "sgd8bit
 
 # The ops behind memkern.nn (the layers' fused math), registered as memkern.ops._registry.Op.
 from memkern.ops.activation import act_backward, act_forward  # noqa: E402
-from memkern.ops.cross_entropy import cross_entropy_rows_  # noqa: E402
+from memkern.ops.cross_entropy import cross_entropy_block_grad_, cross_entropy_rows_  # noqa: E402
 from memkern.ops.dropout import dropout  # noqa: E402
 from memkern.ops.dropout_layer import dropout_layer  # noqa: E402
 from memkern.ops.linear import linear  # noqa: E402
@@ -34,9 +34,10 @@ from memkern.ops.swiglu import swiglu_backward, swiglu_forward  # noqa: E402
 from memkern.ops.swiglu_layer import swiglu_layer  # noqa: E402
 
 NN_OPS = (act_forward, act_backward, swiglu_forward, swiglu_backward, dropout, norm_forward,
-          norm_backward, cross_entropy_rows_, linear_cross_entropy_forward,
-          linear_cross_entropy_backward)
-__all__ += ["NN_OPS", "act_backward", "act_forward", "cross_entropy_rows_", "dropout",
+          norm_backward, cross_entropy_rows_, cross_entropy_block_grad_,
+          linear_cross_entropy_forward, linear_cross_entropy_backward)
+__all__ += ["NN_OPS", "act_backward", "act_forward", "cross_entropy_block_grad_",
+            "cross_entropy_rows_", "dropout",
             "dropout_layer", "linear", "linear_cross_entropy_backward",
             "linear_cross_entropy_forward", "linear_cross_entropy_layer", "mlp_layer",
             "norm_backward", "norm_forward", "norm_layer", "swiglu_backward", "swiglu_forward",

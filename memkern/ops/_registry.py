@@ -47,8 +47,9 @@ class Op:
 
     ``compiled_kernels``: whether ``csrc/`` registers CPU and CUDA kernels for it (True; a
     tuple of device types, e.g. ``("cpu",)``, where it registers only those; the CUDA ones
-    exist in a build with the CUDA kernels); where it does not, the reference serves ``CPU``
-    and the Triton kernel ``CUDA``. ``triton`` is the dotted path
+    exist in a build with the CUDA kernels; ``"composite"``: one C++ implementation for every
+    device, made of other ops — the linear cross-entropy's loops); where it does not, the
+    reference serves ``CPU`` and the Triton kernel ``CUDA``. ``triton`` is the dotted path
     of the Triton implementation (None: there is none, the reference runs).
 
     ``backend="cpu"``/``"cuda"`` go through ``torch.ops.memkern.<name>`` (the dispatcher
@@ -67,7 +68,7 @@ class Op:
         fake: Callable[..., Any],
         reference: Callable[..., Any],
         triton: str | None,
-        compiled_kernels: bool | tuple[str, ...],
+        compiled_kernels: bool | str | tuple[str, ...],
     ) -> None:
         self.name = name
         self.check = check
@@ -77,16 +78,18 @@ class Op:
         LIBRARY.define(name + schema)
         self.op = getattr(torch.ops.memkern, name).default
         torch.library.register_fake(f"memkern::{name}", fake, lib=LIBRARY)
-        kernels = ("cpu", "cuda") if compiled_kernels is True else tuple(compiled_kernels or ())
+        composite = compiled_kernels == "composite"
+        kernels = (("cpu", "cuda") if compiled_kernels is True or composite
+                   else tuple(compiled_kernels or ()))
         has_cpu = "cpu" in kernels and compiled.has_cpu
         # The callable of each backend, resolved once (the Python path runs on every call).
         # "planned:<device>": what runs on that device while memkern.profile plans a step on
         # fake tensors: a kernel is its fake implementation (its outputs), a composite op its
         # reference (every op it runs, so its intermediate buffers are seen).
-        has_gpu_kernel = triton is not None or "cuda" in kernels
+        has_gpu_kernel = not composite and (triton is not None or "cuda" in kernels)
         self._impl = {"triton": self.triton, "reference": reference, "cuda": self.op,
                       "cpu": self.op if has_cpu else reference,
-                      "planned:cpu": self.op if has_cpu else reference,
+                      "planned:cpu": self.op if has_cpu and not composite else reference,
                       "planned:cuda": self.op if has_gpu_kernel else reference}
         if not has_cpu:
             LIBRARY.impl(name, reference, "CPU")

@@ -1,59 +1,137 @@
 """``memkern::linear_cross_entropy_forward`` / ``memkern::linear_cross_entropy_backward``: the
-cross-entropy of ``x @ weight.T + bias`` computed in chunks of tokens, so that no
-``[tokens, classes]`` tensor ever exists — only one ``[chunk, classes]`` block at a time.
+cross-entropy of ``x @ weight.T + bias`` computed one block of logits at a time, so that no
+``[tokens, classes]`` tensor ever exists.
 
-Each chunk: ``z = x_c @ W.T (+ b)`` (one GEMM into a reused block), the fused row op
-:mod:`memkern.ops.cross_entropy` (loss rows, then the gradient written over ``z``; on the CPU
-in sub-blocks of :data:`ROW_OP_BYTES` that stay in the last-level cache), then
-``dx_c = z @ W`` and ``dW += z.T @ x_c`` (``db += z.sum(0)``): three GEMMs in all, as the
-unfused computation, and one ``[chunk, V]`` block (plus the row op's scratch) alive at a time.
+Forward, in chunks of tokens: ``z = x_c @ W.T (+ b)`` (one GEMM into a reused ``[chunk, V]``
+block), the fused row op :func:`memkern.ops.cross_entropy.cross_entropy_rows_` (loss and
+log-sum-exp of each row, then the gradient written over ``z``), then ``dx_c = z @ W`` — each
+row's input gradient complete in one GEMM — and, for ``grad_weight``/``grad_bias``,
+``dW += z.T @ x_c`` / ``db += z.sum(0)`` accumulated across chunks.
 
-Arguments (both ops)
-    x               contiguous ``[N, H]`` float32/bfloat16/float16 (float64: reference).
+Backward, in blocks of classes: ``z = x @ W[c0:c1].T (+ b)`` (one GEMM of all tokens into a
+reused ``[N, width]`` block), :func:`memkern.ops.cross_entropy.cross_entropy_block_grad_` (the
+gradient from the forward's log-sum-exp, scaled per row), then ``dW[c0:c1] = z.T @ x`` and
+``db[c0:c1] = z.sum(0)`` — each class's weight gradient complete in one GEMM, written once in
+the weight's dtype, with no accumulator.
+
+Arguments
+    x               contiguous ``[N, H]`` float32/bfloat16/float16/float64.
     weight          contiguous ``[V, H]``, same dtype as ``x``; ``bias`` optional ``[V]``.
     target          int64 ``[N]``.
     ignore_index, label_smoothing   as in ``F.cross_entropy``.
-    chunk_size      tokens per chunk (>= 1).
-    grad_input / grad_weight / grad_bias   which gradients to compute.
     softcap         logit soft-capping (Gemma 2's ``final_logit_softcapping``): when > 0 the
-                    loss is that of ``softcap * tanh(z / softcap)``; 0 (default) is none. The
-                    capped logits are formed in the block in place; the float32 (float64)
-                    ``tanh`` of one row-op sub-block is kept as scratch for the chain-rule
-                    factor ``1 - tanh^2``.
+                    loss is that of ``softcap * tanh(z / softcap)``, applied by the row ops on
+                    the fly; 0 (default) is none.
+    chunk_size      tokens per forward chunk (>= 1); ``vocab_block``: classes per backward
+                    block (>= 1). :func:`block_sizes` gives the defaults.
 
-``linear_cross_entropy_forward(...) -> (loss, dx, dweight, dbias)``: ``loss`` is the float32
-(float64) ``[N]`` per-token loss (0 at ignored tokens); the gradients are those of
-``loss.sum()`` (``dx`` in ``x``'s dtype, ``dweight``/``dbias`` float32 (float64) accumulators),
-each empty (``[0]``) when not requested.
+``linear_cross_entropy_forward(x, weight, bias, target, ignore_index, label_smoothing,
+chunk_size, grad_input, grad_weight, grad_bias, softcap=0.0) -> (loss, lse, dx, dweight,
+dbias)``: float32 (float64) ``[N]`` per-token loss and log-sum-exp (both 0 at ignored tokens);
+the gradients of ``loss.sum()``: ``dx`` in ``x``'s dtype, ``dweight``/``dbias`` accumulated in
+the weight's dtype, which must then be float32/float64 (16-bit weights take their gradient from
+the backward op); each empty (``[0]``) when not requested.
 
-``linear_cross_entropy_backward(grad_loss, ...) -> (dx, dweight, dbias)``: the gradients of
-``(grad_loss * loss).sum()`` for a float32 (float64) ``[N]`` ``grad_loss`` (the
-``reduction="none"`` backward: logits are recomputed chunk by chunk).
+``linear_cross_entropy_backward(grad_loss, x, weight, bias, target, lse, ignore_index,
+label_smoothing, vocab_block, grad_weight, grad_bias, softcap=0.0) -> (dweight, dbias)``: the
+weight and bias gradients of ``(grad_loss * loss).sum()``, in the weight's / bias's dtype;
+``lse`` is the forward's. ``grad_loss`` is float32 (float64): ``[N]``, one factor per token
+(any stride), or ``[]``, one factor for every token (``mean``/``sum``). It is folded into each
+block's logits gradient — except a single factor with float16 inputs, which is applied to each
+block's weight and bias gradients in float32 before their one rounding to float16: a float16
+logits gradient times a small factor (``1 / tokens``) would underflow (bfloat16 has float32's
+range).
 
-Both run as one composite implementation on every device (the GEMMs are torch's; the row op
-picks its backend), so under ``torch.compile`` the whole chunk loop is one opaque node.
+Both run as one C++ implementation on every device when the extension is built
+(csrc/autograd/linear_cross_entropy.cpp, the twin of the loops below; the GEMMs are torch's, the
+row ops pick their kernel by device), so under ``torch.compile`` each is one opaque node.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 from memkern import backend
+from memkern._extension import compiled
 from memkern.ops import _checks
 from memkern.ops._registry import Op
-from memkern.ops.cross_entropy import cross_entropy_rows_
+from memkern.ops.cross_entropy import cross_entropy_block_grad_, cross_entropy_rows_
 
-ROW_OP_BYTES = 8 << 20
-"""On the CPU, logits bytes per call of the row op (its float32 scratch is as large again),
-so that both stay in the last-level cache. On the GPU the row op takes the whole chunk."""
+MIN_BLOCK_BYTES = 8 << 20
+"""The smallest logits block :func:`block_sizes` picks (small inputs still get few chunks)."""
+ROW_ALIGN = 64
+"""Forward chunks hold a multiple of this many tokens (when they hold that many at all)."""
+CLASS_ALIGN = 128
+"""Backward blocks hold a multiple of this many classes (when they hold that many at all)."""
+CHUNK_ENV = "MEMKERN_LCE_CHUNK"
+"""Environment variable: tokens per forward chunk, replacing :func:`block_sizes`' choice."""
+VOCAB_BLOCK_ENV = "MEMKERN_LCE_VOCAB_BLOCK"
+"""Environment variable: classes per backward block, replacing :func:`block_sizes`' choice."""
 
-_ARGS = (
-    "Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index, float label_smoothing, "
-    "int chunk_size, bool grad_input, bool grad_weight, bool grad_bias, float softcap=0.0"
-)
 
 
-def _check(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, grad_input=True,
-           grad_weight=True, grad_bias=True, softcap=0.0, *, op="linear_cross_entropy_forward"):
+def _same_rule_in_cpp() -> None:
+    """The C++ twin of :func:`block_sizes` (csrc/autograd/linear_cross_entropy.h) must use these
+    constants: an extension built from other sources would size the blocks differently."""
+    if not compiled.has_cpu:
+        return
+    from memkern import _C
+    ours = (MIN_BLOCK_BYTES, ROW_ALIGN, CLASS_ALIGN, CHUNK_ENV, VOCAB_BLOCK_ENV)
+    theirs = (_C.LCE_MIN_BLOCK_BYTES, _C.LCE_ROW_ALIGN, _C.LCE_CLASS_ALIGN, _C.LCE_CHUNK_ENV,
+              _C.LCE_VOCAB_BLOCK_ENV)
+    if ours != theirs:
+        raise ImportError(f"memkern._C sizes the linear cross-entropy's blocks with {theirs}, "
+                          f"memkern.ops.linear_cross_entropy with {ours}: the extension was built "
+                          "from other sources; rebuild it (pip install --no-build-isolation -e .)")
+
+
+_same_rule_in_cpp()
+
+
+def _aligned(count: int, align: int, most: int) -> int:
+    """``count`` rounded down to a multiple of ``align`` (when at least ``align``), in [1, most]."""
+    if count >= align:
+        count -= count % align
+    return max(1, min(count, most))
+
+
+def _env_size(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    if not value:
+        return None
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"{name}={value!r}: set it to a positive number of "
+                         + ("tokens" if name == CHUNK_ENV else "classes") + ", or unset it")
+    return size
+
+
+def block_sizes(n_tokens: int, n_classes: int, hidden: int, element_size: int,
+                weight_grad: bool, split: bool) -> tuple[int, int]:
+    """``(chunk_size, vocab_block)``: tokens per forward chunk, classes per backward block.
+
+    The backward's ``[N, vocab_block]`` block holds about as many bytes as ``x`` (at least
+    :data:`MIN_BLOCK_BYTES`). The forward's ``[chunk_size, V]`` block may hold as many bytes as
+    what the call holds anyway at its peak besides ``dx``: with ``split`` (the weight gradient
+    computed in the backward) that block plus the weight gradient; otherwise (accumulated in the
+    forward) the larger of the two. ``weight_grad``: whether the weight needs a gradient.
+    :data:`CHUNK_ENV` / :data:`VOCAB_BLOCK_ENV` replace either choice.
+    """
+    row_bytes = max(n_classes, 1) * element_size
+    base = max(MIN_BLOCK_BYTES, n_tokens * hidden * element_size)
+    weight_bytes = n_classes * hidden * element_size if weight_grad else 0
+    forward = base + weight_bytes if split else max(base, weight_bytes)
+    chunk = _env_size(CHUNK_ENV) or _aligned(forward // row_bytes, ROW_ALIGN, max(n_tokens, 1))
+    vocab = (_env_size(VOCAB_BLOCK_ENV)
+             or _aligned(base // (max(n_tokens, 1) * element_size), CLASS_ALIGN, max(n_classes, 1)))
+    return chunk, vocab
+
+
+def _check(x, weight, bias, target, ignore_index, label_smoothing, size, *, op, softcap):
     _checks.tensor(op, "x", x)
     _checks.tensor(op, "weight", weight)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -75,8 +153,9 @@ def _check(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, g
             + (f"{target.dtype} of shape {tuple(target.shape)}" if isinstance(target, torch.Tensor) else repr(target))
         )
     _checks.same_device(op, "target", target, x, "x")
-    if chunk_size < 1:
-        raise ValueError(f"memkern.ops.{op}: chunk_size={chunk_size} must be >= 1")
+    name = "chunk_size" if op == "linear_cross_entropy_forward" else "vocab_block"
+    if size < 1:
+        raise ValueError(f"memkern.ops.{op}: {name}={size} must be >= 1")
     if not (0.0 <= label_smoothing <= 1.0):
         raise ValueError(f"memkern.ops.{op}: label_smoothing={label_smoothing} must be in [0, 1]")
     if not (softcap >= 0.0 and softcap < float("inf")):
@@ -85,91 +164,78 @@ def _check(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, g
     return x.device
 
 
-def _check_backward(grad_loss, x, weight, bias, target, *rest):
-    op = "linear_cross_entropy_backward"
-    device = _check(x, weight, bias, target, *rest, op=op)
-    cd = _checks.compute_dtype(x.dtype)
-    if not isinstance(grad_loss, torch.Tensor) or grad_loss.dtype != cd or tuple(grad_loss.shape) != (x.shape[0],):
+def _check_forward(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
+                   grad_input, grad_weight, grad_bias, softcap=0.0):
+    op = "linear_cross_entropy_forward"
+    device = _check(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, op=op,
+                    softcap=softcap)
+    if (grad_weight or grad_bias) and x.dtype not in (torch.float32, torch.float64):
         raise ValueError(
-            f"memkern.ops.{op}: grad_loss must be a {cd} tensor of shape ({x.shape[0]},), got "
-            + (f"{grad_loss.dtype} of shape {tuple(grad_loss.shape)}" if isinstance(grad_loss, torch.Tensor) else repr(grad_loss))
+            f"memkern.ops.{op}: grad_weight/grad_bias accumulate across chunks in the weight's "
+            f"dtype, which must be float32 or float64, not {x.dtype}; compute 16-bit weight "
+            "gradients with linear_cross_entropy_backward"
         )
-    _checks.same_device(op, "grad_loss", grad_loss, x, "x")
     return device
 
 
-def _grads_like(x, weight, bias, grad_input, grad_weight, grad_bias):
+def _check_backward(grad_loss, x, weight, bias, target, lse, ignore_index, label_smoothing,
+                    vocab_block, grad_weight, grad_bias, softcap=0.0):
+    op = "linear_cross_entropy_backward"
+    device = _check(x, weight, bias, target, ignore_index, label_smoothing, vocab_block, op=op,
+                    softcap=softcap)
     cd = _checks.compute_dtype(x.dtype)
+    for name, t, shapes in (("grad_loss", grad_loss, ((x.shape[0],), ())),
+                            ("lse", lse, ((x.shape[0],),))):
+        if not isinstance(t, torch.Tensor) or t.dtype != cd or tuple(t.shape) not in shapes:
+            got = (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                   else repr(t))
+            raise ValueError(f"memkern.ops.{op}: {name} must be a {cd} tensor of shape "
+                             f"{' or '.join(str(s) for s in shapes)}, got {got}")
+        _checks.same_device(op, name, t, x, "x")
+    return device
+
+
+def _forward_outputs(x, weight, bias, grad_input, grad_weight, grad_bias):
+    cd = _checks.compute_dtype(x.dtype)
+    N = x.shape[0]
     dx = torch.empty_like(x) if grad_input else x.new_empty((0,))
-    dw = weight.new_empty(weight.shape, dtype=cd) if grad_weight else weight.new_empty((0,), dtype=cd)
-    db = (weight.new_empty((weight.shape[0],), dtype=cd) if (grad_bias and bias is not None)
-          else weight.new_empty((0,), dtype=cd))
-    return dx, dw, db
+    dw = torch.empty_like(weight) if grad_weight else weight.new_empty((0,))
+    db = (weight.new_empty((weight.shape[0],)) if (grad_bias and bias is not None)
+          else weight.new_empty((0,)))
+    return x.new_empty((N,), dtype=cd), x.new_empty((N,), dtype=cd), dx, dw, db
+
+
+def _backward_outputs(weight, bias, grad_weight, grad_bias):
+    dw = torch.empty_like(weight) if grad_weight else weight.new_empty((0,))
+    db = torch.empty_like(bias) if (grad_bias and bias is not None) else weight.new_empty((0,))
+    return dw, db
 
 
 def _fake_forward(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb,
                   softcap=0.0):
-    loss = x.new_empty((x.shape[0],), dtype=_checks.compute_dtype(x.dtype))
-    return (loss, *_grads_like(x, weight, bias, gi, gw, gb))
+    return _forward_outputs(x, weight, bias, gi, gw, gb)
 
 
-def _fake_backward(grad_loss, x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb,
-                   softcap=0.0):
-    return _grads_like(x, weight, bias, gi, gw, gb)
+def _fake_backward(grad_loss, x, weight, bias, target, lse, ignore_index, label_smoothing,
+                   vocab_block, gw, gb, softcap=0.0):
+    return _backward_outputs(weight, bias, gw, gb)
 
 
-def _addmm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """``acc (=|+=) a @ b`` with ``acc`` possibly wider (float32) than ``a``/``b`` (16-bit)."""
-    if acc.dtype == a.dtype:
-        if first:
-            torch.mm(a, b, out=acc)
-        else:
-            acc.addmm_(a, b)
-        return
-    if backend.device_type(acc.device) == "cuda":
-        try:  # cuBLAS accumulates 16-bit products straight into a float32 output
-            if first:
-                torch.mm(a, b, out_dtype=acc.dtype, out=acc)
-            else:
-                torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-            return
-        except (RuntimeError, TypeError):
-            pass
-    # CPU (whose 16-bit GEMMs are emulated anyway): widen the chunk operands, which are small
-    if first:
-        torch.mm(a.to(acc.dtype), b.to(acc.dtype), out=acc)
-    else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
-
-
-def _softcap_(z: torch.Tensor, tanh: torch.Tensor, cap: float) -> torch.Tensor:
-    """``z <- cap * tanh(z / cap)`` in place; returns ``tanh(z / cap)`` (in ``tanh``, the
-    compute dtype, so 16-bit logits are capped from a float32 tanh)."""
-    tanh.copy_(z).div_(cap).tanh_()
-    torch.mul(tanh, cap, out=z)
-    return tanh
-
-
-def chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
-            grad_input, grad_weight, grad_bias, softcap=0.0, grad_loss=None):
-    """The chunk loop shared by both ops (``grad_loss`` given: the recompute backward)."""
-    N = x.shape[0]
-    V = weight.shape[0]
+def forward_impl(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
+                 grad_input, grad_weight, grad_bias, softcap=0.0):
+    """The forward chunk loop (csrc/autograd/linear_cross_entropy.cpp: ``forward_chunks``)."""
+    N, V = x.shape[0], weight.shape[0]
     cd = _checks.compute_dtype(x.dtype)
     grad_bias = grad_bias and bias is not None
     compute_grad = grad_input or grad_weight or grad_bias
-    loss = x.new_empty((N,), dtype=cd)
-    dx, dw, db = _grads_like(x, weight, bias, grad_input, grad_weight, grad_bias)
+    loss, lse, dx, dw, db = _forward_outputs(x, weight, bias, grad_input, grad_weight, grad_bias)
     if grad_bias:
         db.zero_()
     if grad_weight and N == 0:
         dw.zero_()
     chunk = max(1, min(chunk_size, N))
     block = x.new_empty((chunk, V))
-    sub = (chunk if backend.device_type(x.device) == "cuda"
-           else max(1, min(chunk, ROW_OP_BYTES // (4 * max(V, 1)))))
     wt = weight.t()
-    tanh = x.new_empty((sub, V), dtype=cd) if softcap > 0.0 else None
     for start in range(0, N, chunk):
         stop = min(N, start + chunk)
         xc = x[start:stop]
@@ -178,59 +244,90 @@ def chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
             torch.addmm(bias, xc, wt, out=z)
         else:
             torch.mm(xc, wt, out=z)
-        # the row op on sub-blocks that stay in the last-level cache (with its float32 scratch)
-        for s0 in range(start, stop, sub):
-            s1 = min(stop, s0 + sub)
-            zs = z[s0 - start:s1 - start]
-            if tanh is not None:
-                th = _softcap_(zs, tanh[: s1 - s0], softcap)
-            rows = cross_entropy_rows_(
-                zs, target[s0:s1], None if grad_loss is None else grad_loss[s0:s1], ignore_index,
-                label_smoothing, compute_grad)
-            if s1 - s0 == N:  # one block for all tokens (the usual GPU case): no copy
-                loss = rows
-            else:
-                loss[s0:s1] = rows
-            if tanh is not None and compute_grad:  # chain rule through the cap: 1 - tanh^2
-                zs.mul_(th.square_().neg_().add_(1.0))
+        rows_loss, rows_lse = cross_entropy_rows_(z, target[start:stop], None, ignore_index,
+                                                  label_smoothing, compute_grad, softcap)
+        if stop - start == N:  # one chunk for all tokens: no copy
+            loss, lse = rows_loss, rows_lse
+        else:
+            loss[start:stop] = rows_loss
+            lse[start:stop] = rows_lse
         if grad_input:
             torch.mm(z, weight, out=dx[start:stop])
         if grad_weight:
-            _addmm_acc_(dw, z.t(), xc, first=start == 0)
+            if start == 0:
+                torch.mm(z.t(), xc, out=dw)
+            else:
+                dw.addmm_(z.t(), xc)
         if grad_bias:
             db.add_(z.sum(0, dtype=cd))
-    return loss, dx, dw, db
+    return loss, lse, dx, dw, db
 
 
-def forward_impl(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb,
-                 softcap=0.0):
-    return chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb,
-                   softcap)
+def _float_gemm(a, b):
+    """``a @ b`` in float32 from float16 ``a``, ``b``: cuBLAS's 16-bit-in, float32-out GEMM
+    on a GPU; the operands widened on the CPU, which has none."""
+    if backend.device_type(a.device) == "cuda":
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
 
 
-def backward_impl(grad_loss, x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb,
-                  softcap=0.0):
-    _, dx, dw, db = chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
-                            gi, gw, gb, softcap, grad_loss=grad_loss)
-    return dx, dw, db
+def backward_impl(grad_loss, x, weight, bias, target, lse, ignore_index, label_smoothing,
+                  vocab_block, grad_weight, grad_bias, softcap=0.0):
+    """The backward block loop (csrc/autograd/linear_cross_entropy.cpp: ``backward_blocks``)."""
+    N, V = x.shape[0], weight.shape[0]
+    grad_bias = grad_bias and bias is not None
+    dw, db = _backward_outputs(weight, bias, grad_weight, grad_bias)
+    if not (grad_weight or grad_bias):
+        return dw, db
+    # float16 and one factor: applied to each block's float32 dW, db; else folded into dZ
+    scale_after = grad_loss.dim() == 0 and x.dtype == torch.float16
+    row_scale = torch.ones_like(grad_loss) if scale_after else grad_loss
+    row_scale = row_scale.expand(N)
+    width = max(1, min(vocab_block, V))
+    block = x.new_empty((N * width,))  # flat: a narrower last block is contiguous too
+    for c0 in range(0, V, width):
+        c1 = min(V, c0 + width)
+        z = block[: N * (c1 - c0)].view(N, c1 - c0)
+        wt = weight[c0:c1].t()
+        if bias is not None:
+            torch.addmm(bias[c0:c1], x, wt, out=z)
+        else:
+            torch.mm(x, wt, out=z)
+        cross_entropy_block_grad_(z, lse, target, row_scale, c0, V, ignore_index,
+                                  label_smoothing, softcap)
+        if grad_weight:
+            if scale_after:
+                torch.mul(_float_gemm(z.t(), x), grad_loss, out=dw[c0:c1])
+            else:
+                torch.mm(z.t(), x, out=dw[c0:c1])
+        if grad_bias:
+            if scale_after:
+                torch.mul(z.sum(0, dtype=grad_loss.dtype), grad_loss, out=db[c0:c1])
+            else:
+                torch.sum(z, 0, out=db[c0:c1])
+    return dw, db
 
 
 linear_cross_entropy_forward = Op(
     "linear_cross_entropy_forward",
-    f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)",
-    check=_check,
+    "(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index, "
+    "float label_smoothing, int chunk_size, bool grad_input, bool grad_weight, bool grad_bias, "
+    "float softcap=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    check=_check_forward,
     fake=_fake_forward,
     reference=forward_impl,
     triton=None,
-    compiled_kernels=False,
+    compiled_kernels="composite",
 )
 
 linear_cross_entropy_backward = Op(
     "linear_cross_entropy_backward",
-    f"(Tensor grad_loss, {_ARGS}) -> (Tensor, Tensor, Tensor)",
+    "(Tensor grad_loss, Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor lse, "
+    "int ignore_index, float label_smoothing, int vocab_block, bool grad_weight, "
+    "bool grad_bias, float softcap=0.0) -> (Tensor, Tensor)",
     check=_check_backward,
     fake=_fake_backward,
     reference=backward_impl,
     triton=None,
-    compiled_kernels=False,
+    compiled_kernels="composite",
 )

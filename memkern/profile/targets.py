@@ -23,14 +23,12 @@ those differences, and the planner applies them:
   attention the key/value gradients of every query head before their sum), freed when it
   returns.
 
-The CPU target has the exact allocator; of memkern's C++ CPU kernels only the fused
-cross-entropy row op allocates scratch beyond its outputs (float32 blocks as large as its
-logits), which the planner adds while it runs.
+The CPU target has the exact allocator; memkern's C++ CPU kernels allocate nothing beyond
+their outputs.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -50,12 +48,6 @@ GEMMS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.b
 
 _ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _HALF = (torch.float16, torch.bfloat16)
-
-
-@functools.cache
-def _rows_op():
-    """The fused cross-entropy row op (looked up on first use: memkern.ops defines it)."""
-    return torch.ops.memkern.cross_entropy_rows_.default
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -93,16 +85,9 @@ class Target:
     def workspaces(self, func, args, kwargs) -> list[int]:
         """Bytes ``func`` allocates and frees inside itself on the target (besides its outputs):
         on a GPU, flash attention's backward scratch (16-bit inputs; the stand-in's attention
-        op saves and returns what the GPU's flash kernels do); on the CPU, the fused
-        cross-entropy row op's (csrc/cpu/cross_entropy.cpp: the float32 log-softmax of the
-        block, and for 16-bit logits the float32 copy it is taken from, then the gradient)."""
-        if self.name == "cpu":
-            if func is not _rows_op():
-                return []
-            logits = args[0]
-            widened = logits.element_size() < 4
-            return [logits.numel() * max(logits.element_size(), 4) * (2 if widened else 1)]
-        if func is not _ATTENTION_BACKWARD or args[1].dtype not in _HALF:
+        op saves and returns what the GPU's flash kernels do). (The fused cross-entropy row
+        ops allocate nothing inside: an online softmax over the logits in place.)"""
+        if self.name == "cpu" or func is not _ATTENTION_BACKWARD or args[1].dtype not in _HALF:
             return []
         q, k = args[1], args[2]
         b, h, t, d = q.shape

@@ -1,25 +1,36 @@
 """Cross-entropy of a linear layer's output without ever holding the ``[tokens, classes]`` logits.
 
-The tokens are processed in chunks (:mod:`memkern.ops.linear_cross_entropy`): only one
-``[chunk, classes]`` block of logits exists at a time, in forward and in backward.
+The logits exist one block at a time (:mod:`memkern.ops.linear_cross_entropy`): the forward
+walks chunks of tokens (each chunk's ``[chunk, V]`` logits, their loss, log-sum-exp and
+gradient, and the input gradient ``dx`` of those tokens); where the weight gradient is not
+accumulated in the forward, the backward walks blocks of classes (each ``[N, width]`` block of
+logits recomputed, its gradient from the saved log-sum-exp, and the weight gradient of those
+classes in one GEMM). Two ways, chosen by dtype and reduction (:func:`splits`):
 
-What is saved for backward:
+* **gradients in the forward** (float32/float64 inputs, ``reduction="mean"``/``"sum"``): the
+  loss is a scalar, so its gradients are known up to one factor; the forward computes ``dx``,
+  ``dweight`` and ``dbias`` of the summed loss — three GEMMs, no recomputation — accumulating
+  ``dweight`` across chunks in the weight's own dtype. Saved: those gradients (the size of the
+  inputs, and the weight gradient that backward must produce anyway). The backward scales them
+  in place.
+* **split** (16-bit inputs, where a weight gradient accumulated across chunks would either round
+  every partial sum or need a float32 copy twice its size; and ``reduction="none"``): the
+  forward computes the loss and ``dx`` of the summed loss; the backward scales ``dx`` (per token
+  for ``"none"``) and recomputes the logits one block of classes at a time for the weight and
+  bias gradients — four GEMMs, each gradient written once, no accumulator. Saved per token:
+  ``dx`` (``H`` values in ``x``'s dtype) and the float32 log-sum-exp (one value); plus ``x``,
+  the weight, bias and target themselves (the inputs, not copies).
 
-* ``reduction="mean"``/``"sum"``: the loss is a scalar, so its gradient is known up to one
-  factor (the incoming gradient, divided by the token count or ``num_items``). The forward
-  computes the gradients of the summed loss while each logits block is at hand — three GEMMs
-  in all, no recomputation — and keeps ``dx`` ([tokens, hidden]) and the float32 ``dweight``
-  (``dbias``), the size of the inputs, never of the logits. The backward scales them in place.
-  (So ``backward`` can run only once through this graph: ``retain_graph=True`` twice raises.)
-* ``reduction="none"``: ``x``, ``weight``, ``bias``, ``target``; the backward recomputes the
-  logits chunk by chunk with the per-token incoming gradient folded in.
+Never saved: anything of size ``[tokens, classes]``, nor (split) of size ``[classes, hidden]``.
+``backward`` runs once through a graph (the gradients computed in the forward are handed
+over in place): ``retain_graph=True`` and a second backward raises.
 
 No host synchronisation: the number of non-ignored tokens and ``num_items`` stay on the device.
 
 Host time per call: with the extension built, on the default backend, the call runs as the
 ``memkern::linear_cross_entropy`` op (:mod:`memkern.ops.linear_cross_entropy_layer`: this
-algorithm, chunk loop and autograd, in C++), except 16-bit inputs on a GPU; the Python Function
-below serves the rest (a forced backend, ``torch.compile``, saved-tensor recording, no
+algorithm, loops and autograd, in C++ — on the GPU too, 16-bit inputs included); the Python
+Function below serves the rest (a forced backend, ``torch.compile``, saved-tensor recording, no
 extension).
 """
 from __future__ import annotations
@@ -28,26 +39,18 @@ import torch
 
 from memkern import backend, ops
 from memkern._extension import compiled
+from memkern.ops.linear_cross_entropy import block_sizes
 from memkern.ops.linear_cross_entropy_layer import linear_cross_entropy_entry
 from memkern.profile.saved import note_saved, recording
 
 REDUCTIONS = ("mean", "sum", "none")
-CHUNK_BYTES_CPU = 64 << 20
-"""Upper bound of one logits block on the CPU."""
 
 
-def default_chunk_size(n_tokens: int, n_classes: int, hidden: int, device: torch.device) -> int:
-    """Tokens per chunk. CPU: a logits block no larger than the weight (whose gradient is held
-    anyway), between 8 and 64 MiB. GPU: a block as large as the input, ``ceil(N / ceil(V / H))``
-    rounded up to a power of two, at least 256 rows."""
-    if backend.device_type(device) == "cpu":
-        block = min(max(n_classes * hidden * 4, 8 << 20), CHUNK_BYTES_CPU)
-        rows = block // (4 * max(n_classes, 1))
-    else:
-        ratio = -(-n_classes // max(hidden, 1))
-        rows = 1 << max(0, (-(-n_tokens // max(ratio, 1)) - 1).bit_length())
-        rows = max(rows, 256)
-    return int(max(1, min(rows, max(n_tokens, 1))))
+def splits(reduction: str, dtype: torch.dtype) -> bool:
+    """Whether the weight gradient is computed in the backward (by blocks of classes) rather
+    than accumulated across chunks of tokens in the forward: for 16-bit inputs and for
+    ``reduction="none"`` (whose per-token incoming gradient the forward cannot know)."""
+    return reduction == "none" or dtype in (torch.float16, torch.bfloat16)
 
 
 def _in_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -60,91 +63,101 @@ def _in_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, num_items, reduction, ignore_index,
-                label_smoothing, chunk_size, softcap):
+                label_smoothing, chunk_size, vocab_block, softcap):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        ctx.cfg = (reduction, ignore_index, label_smoothing, chunk_size, softcap, x.dtype,
-                   weight.dtype, None if bias is None else bias.dtype)
+        need_b = need_b and bias is not None
+        split = splits(reduction, x.dtype)
+        in_forward_w, in_forward_b = (False, False) if split else (need_w, need_b)
+        ctx.cfg = (reduction, ignore_index, label_smoothing, vocab_block, softcap)
+        loss, lse, dx, dw, db = ops.linear_cross_entropy_forward(
+            x, weight, bias, target, ignore_index, label_smoothing, chunk_size, need_x,
+            in_forward_w, in_forward_b, softcap)
+        divisor = None
         if reduction == "none":
-            loss, *_ = ops.linear_cross_entropy_forward(
-                x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
-                False, False, False, softcap)
-            ctx.save_for_backward(x, weight, bias, target)
-            return _in_dtype(loss, x.dtype)
-        loss, dx, dw, db = ops.linear_cross_entropy_forward(
-            x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
-            need_x, need_w, need_b, softcap)
-        total = loss.sum()
-        if num_items is not None:
-            denom = num_items.to(total.dtype) if isinstance(num_items, torch.Tensor) else float(num_items)
-            out = total / denom
-            divisor = denom
-        elif reduction == "mean":
-            count = (target != ignore_index).sum(dtype=total.dtype)
-            out = total / count  # NaN when every token is ignored, as F.cross_entropy
-            divisor = count.clamp(min=1.0)  # ... whose gradient is then 0
+            out = loss
         else:
-            out = total
-            divisor = None
+            total = loss.sum()
+            if num_items is not None:
+                divisor = (num_items.to(total.dtype) if isinstance(num_items, torch.Tensor)
+                           else float(num_items))
+                out = total / divisor
+            elif reduction == "mean":
+                count = (target != ignore_index).sum(dtype=total.dtype)
+                out = total / count  # NaN when every token is ignored, as F.cross_entropy
+                divisor = count.clamp(min=1.0)  # ... whose gradient is then 0
+            else:
+                out = total
         # Kept as attributes, not save_for_backward: the backward hands them over to autograd
         # without another reference, so AccumulateGrad can take them without a copy.
-        ctx.grads = [dx if need_x else None, dw if need_w else None, db if need_b else None]
+        ctx.grads = [dx if need_x else None, dw if in_forward_w else None,
+                     db if in_forward_b else None]
         ctx.divisor = divisor
         note_saved(*ctx.grads)
+        ctx.recompute = split and (need_w or need_b)
+        if ctx.recompute:
+            ctx.save_for_backward(x, weight, bias, target, lse)
         return _in_dtype(out, x.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        reduction, ignore_index, label_smoothing, chunk_size, softcap, x_dtype, w_dtype, b_dtype = ctx.cfg
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if reduction == "none":
-            x, weight, bias, target = ctx.saved_tensors
-            cd = torch.promote_types(x.dtype, torch.float32)
-            dx, dw, db = ops.linear_cross_entropy_backward(
-                grad_loss.reshape(-1).to(cd).contiguous(), x, weight, bias, target, ignore_index,
-                label_smoothing, chunk_size, need_x, need_w, need_b, softcap)
-            return (dx if need_x else None, dw.to(w_dtype) if need_w else None,
-                    db.to(b_dtype) if need_b else None, None, None, None, None, None, None, None)
+        reduction, ignore_index, label_smoothing, vocab_block, softcap = ctx.cfg
+        need_w, need_b = ctx.needs_input_grad[1:3]
         if ctx.grads is None:
             raise RuntimeError(
                 "memkern linear_cross_entropy: backward ran twice through the same graph. Its "
-                "gradients are computed in forward and handed over on the first backward; "
-                "recompute the loss for a second backward (or use reduction='none')."
+                "input gradient (and, for float32 inputs, every gradient) is computed in "
+                "forward and handed over on the first backward; recompute the loss for a "
+                "second backward."
             )
         dx, dw, db = ctx.grads
         ctx.grads = None
-        scale = grad_loss.reshape(()).to(torch.promote_types(grad_loss.dtype, torch.float32))
-        if ctx.divisor is not None:
-            scale = scale / ctx.divisor
+        # the incoming gradient in float32 (float64): per token for "none", else one number
+        # (which the backward op applies to dW, db in float32: no float16 underflow)
+        scale = grad_loss.to(torch.promote_types(grad_loss.dtype, torch.float32))
+        if reduction == "none":
+            rows = scale.reshape(-1)
+            scale = rows[:, None]
+        else:
+            scale = scale.reshape(())
+            if ctx.divisor is not None:
+                scale = scale / ctx.divisor
+            rows = scale
         ctx.divisor = None
-        out = []
-        for g, dtype in ((dx, x_dtype), (dw, w_dtype), (db, b_dtype)):
-            if g is None:
-                out.append(None)
-                continue
-            g = g.mul_(scale)  # a 0-dim tensor: multiplied in float32 even for 16-bit g
-            out.append(g if g.dtype == dtype else g.to(dtype))
-            del g
-        dx = dw = db = None
-        return (*out, None, None, None, None, None, None, None)
+        # scaled in place: a 0-dim (or [N, 1]) float32 factor, multiplied in float32 even
+        # for a 16-bit dx; fused dw, db have the weight's float32/float64 dtype
+        if dx is not None:
+            dx = dx.mul_(scale)
+        if dw is not None:
+            dw = dw.mul_(scale)
+        if db is not None:
+            db = db.mul_(scale)
+        if ctx.recompute:
+            x, weight, bias, target, lse = ctx.saved_tensors
+            need_b = need_b and bias is not None
+            dw, db = ops.linear_cross_entropy_backward(
+                rows, x, weight, bias, target, lse, ignore_index, label_smoothing, vocab_block,
+                need_w, need_b, softcap)
+            dw, db = dw if need_w else None, db if need_b else None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
-def _cpp_autograd(x: torch.Tensor) -> bool:
-    """Whether the call runs as ``memkern::linear_cross_entropy`` (this algorithm with its chunk
-    loop and autograd in C++): extension built, default backend, outside ``torch.compile`` and
-    saved-tensor recording (which counts the gradients kept by the Python Function), and not
-    16-bit on a GPU (the Python Function accumulates those GEMMs in float32 with cuBLAS)."""
+def _cpp_autograd() -> bool:
+    """Whether the call runs as ``memkern::linear_cross_entropy`` (this algorithm with its loops
+    and autograd in C++, on any device): extension built, default backend, outside
+    ``torch.compile`` and saved-tensor recording (which counts what the Python Function keeps),
+    and not while planning for a GPU on fake CPU tensors (the C++ loops follow the tensors'
+    device; the Python ones the planned device)."""
     return (compiled.has_cpu and backend.requested() is None and not recording()
-            and (backend.device_type(x.device) == "cpu" or x.dtype in (torch.float32, torch.float64))
-            and not torch.compiler.is_compiling())
+            and backend.planned() in (None, "cpu") and not torch.compiler.is_compiling())
 
 
 def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          bias: torch.Tensor | None = None, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0,
                          num_items: int | torch.Tensor | None = None, *,
-                         softcap: float | None = None,
-                         chunk_size: int | None = None) -> torch.Tensor:
-    """``F.cross_entropy(input @ weight.T + bias, target, ...)`` computed in chunks of tokens.
+                         softcap: float | None = None, chunk_size: int | None = None,
+                         vocab_block: int | None = None) -> torch.Tensor:
+    """``F.cross_entropy(input @ weight.T + bias, target, ...)``, never holding the logits.
 
     ``input`` ``[..., H]``, ``weight`` ``[V, H]``, ``target`` ``[...]`` (int64 class indices).
     ``num_items``: divide the summed loss by this count (an int, or a device tensor — no host
@@ -152,20 +165,21 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
     normalisation across micro-batches. Not allowed with ``reduction="none"``.
     ``softcap``: logit soft-capping — the loss of ``softcap * tanh(logits / softcap)`` (Gemma 2's
     ``final_logit_softcapping``); None or 0: none.
-    ``chunk_size``: tokens per chunk (default: :func:`default_chunk_size`).
+    ``chunk_size``: tokens per forward chunk; ``vocab_block``: classes per backward block
+    (defaults: :func:`memkern.ops.linear_cross_entropy.block_sizes`, which the environment
+    variables ``MEMKERN_LCE_CHUNK`` / ``MEMKERN_LCE_VOCAB_BLOCK`` override). What is saved for
+    backward and what is recomputed: this module's docstring.
     """
     if (linear_cross_entropy_entry is not None and input.dim()
             and (num_items is None or isinstance(num_items, torch.Tensor))
             and backend.requested() is None and not recording()
             and backend.planned() in (None, "cpu")  # the entry decides by the real device
             and not torch.compiler.is_compiling()):
-        hidden = input.shape[-1]
-        if chunk_size is None:
-            chunk_size = default_chunk_size(input.numel() // max(hidden, 1), weight.shape[0],
-                                            hidden, input.device)
         loss = linear_cross_entropy_entry(input, weight, target, bias, ignore_index, reduction,
                                           label_smoothing, num_items,
-                                          0.0 if softcap is None else softcap, chunk_size)
+                                          0.0 if softcap is None else softcap,
+                                          -1 if chunk_size is None else chunk_size,
+                                          -1 if vocab_block is None else vocab_block)
         if loss is not None:
             return loss
     where = "memkern.nn.functional.linear_cross_entropy"
@@ -180,6 +194,9 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
     if not (0.0 <= softcap < float("inf")):
         raise ValueError(f"{where}: softcap={softcap} must be a finite number >= 0 (None or 0: "
                          "no soft-capping)")
+    for name, size in (("chunk_size", chunk_size), ("vocab_block", vocab_block)):
+        if size is not None and size < 1:
+            raise ValueError(f"{where}: {name}={size} must be >= 1 (None: the default)")
     if weight.dim() != 2 or input.shape[-1:] != weight.shape[1:]:
         raise ValueError(
             f"{where}: input {tuple(input.shape)} must end with the weight's in_features "
@@ -202,17 +219,21 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
                          "keep it on the input's device")
     x = input.reshape(-1, input.shape[-1]).contiguous()
     t = target.reshape(-1).contiguous()
-    if chunk_size is None:
-        chunk_size = default_chunk_size(x.shape[0], weight.shape[0], x.shape[1], x.device)
     w, b = weight.contiguous(), None if bias is None else bias.contiguous()
-    if _cpp_autograd(x):
+    if chunk_size is None or vocab_block is None:
+        default_chunk, default_block = block_sizes(
+            x.shape[0], w.shape[0], x.shape[1], x.element_size(),
+            w.requires_grad and torch.is_grad_enabled(), splits(reduction, x.dtype))
+        chunk_size = chunk_size or default_chunk
+        vocab_block = vocab_block or default_block
+    if _cpp_autograd():
         tensor_items = num_items if isinstance(num_items, torch.Tensor) else None
         divisor = None if num_items is None or tensor_items is not None else float(num_items)
         loss = ops.linear_cross_entropy_layer(
             x, w, b, t, tensor_items, divisor, reduction, int(ignore_index),
-            float(label_smoothing), int(chunk_size), softcap)
+            float(label_smoothing), int(chunk_size), int(vocab_block), softcap)
     else:
         loss = LinearCrossEntropyFunction.apply(
             x, w, b, t, num_items, reduction, int(ignore_index), float(label_smoothing),
-            int(chunk_size), softcap)
+            int(chunk_size), int(vocab_block), softcap)
     return loss.view(target.shape) if reduction == "none" else loss

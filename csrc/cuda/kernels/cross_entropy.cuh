@@ -1,0 +1,235 @@
+// Device code of memkern::cross_entropy_rows_ and memkern::cross_entropy_block_grad_ (contracts:
+// memkern/ops/cross_entropy.py) on the per-row math of cross_entropy_math.h, which the CPU
+// kernels run too. Torch-free; included by cross_entropy_launch.cu only.
+//
+// Rows: one block of kRowThreads threads per row; thread j is lane j of the row's tile walk
+// (cross_entropy_math.h), its tiles one aligned 16-byte load each. Pass 1 keeps each thread's
+// online normaliser, merged across the block (warp shuffles, then one warp); pass 2 writes the
+// gradient, each thread walking its tiles backwards so that the last ones read — the likeliest
+// still in L2 — are read again first. A row is read twice and written once; an ignored row is
+// only written (zeros). Block gradient: one block per row, elementwise from the row's
+// log-sum-exp. 64-bit indexing throughout.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common.cuh"
+#include "cross_entropy_math.h"
+
+namespace memkern::device::cross_entropy {
+
+namespace ce = memkern::cross_entropy;
+
+constexpr int kRowThreads = 512;
+constexpr int kWarps = kRowThreads / 32;
+
+// The math type: float for float32/bfloat16/float16 logits, double for float64.
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// Logits per tile: one 16-byte vector.
+template <typename T>
+constexpr int kTile = static_cast<int>(16 / sizeof(T));
+
+template <typename T>
+__device__ __forceinline__ acc_t<T> widen(T x) {
+  if constexpr (std::is_same_v<T, double>) {
+    return x;
+  } else {
+    return to_float(x);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T narrow(acc_t<T> x) {
+  if constexpr (std::is_same_v<T, double>) {
+    return x;
+  } else {
+    return from_float<T>(x);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ ce::RowTiles<kTile<T>> row_tiles(const T* row, int64_t n) {
+  return {n, ce::head_of(reinterpret_cast<uintptr_t>(row), sizeof(T))};
+}
+
+// The logits of tile i, soft-capped, in the math type; returns how many.
+template <typename T>
+__device__ __forceinline__ int load_tile(const T* row, const ce::RowTiles<kTile<T>>& tiles,
+                                         int64_t i, acc_t<T> cap, acc_t<T>* z) {
+  using A = acc_t<T>;
+  constexpr int Tile = kTile<T>;
+  const int64_t first = tiles.first(i);
+  A slope;
+  if (tiles.full(i)) {
+    const Vec<T, Tile> v = load<Tile>(row, first);
+#pragma unroll
+    for (int j = 0; j < Tile; ++j) z[j] = ce::capped(widen(v.v[j]), cap, &slope);
+    return Tile;
+  }
+  const int k = tiles.size(i);
+  for (int j = 0; j < k; ++j) z[j] = ce::capped(widen(row[first + j]), cap, &slope);
+  return k;
+}
+
+// What writing a row's gradient needs besides its logits: its normaliser (max, log_sum) — or
+// (lse, 0) for a saved log-sum-exp — and the row's settings.
+template <typename A>
+struct GradRow {
+  int64_t target;
+  int64_t class_offset;  // the class of the row's column 0
+  A max;
+  A log_sum;
+  A keep;    // 1 - eps
+  A spread;  // eps / V
+  A scale;
+  A cap;
+};
+
+// Tile i of `row` overwritten with its gradient.
+template <typename T>
+__device__ __forceinline__ void write_grad_tile(T* row, const ce::RowTiles<kTile<T>>& tiles,
+                                                int64_t i, const GradRow<acc_t<T>>& g) {
+  using A = acc_t<T>;
+  constexpr int Tile = kTile<T>;
+  const int64_t first = tiles.first(i);
+  const int64_t column = g.class_offset + first;
+  if (tiles.full(i)) {
+    Vec<T, Tile> v = load<Tile>(row, first);
+#pragma unroll
+    for (int j = 0; j < Tile; ++j) {
+      A slope;
+      const A z = ce::capped(widen(v.v[j]), g.cap, &slope);
+      const A hit = column + j == g.target ? g.keep : A(0);
+      v.v[j] = narrow<T>(
+          ce::grad_value(ce::log_prob(z, g.max, g.log_sum), hit, g.spread, g.scale, slope));
+    }
+    store<Tile>(row, first, v);
+    return;
+  }
+  const int k = tiles.size(i);
+  for (int j = 0; j < k; ++j) {
+    A slope;
+    const A z = ce::capped(widen(row[first + j]), g.cap, &slope);
+    const A hit = column + j == g.target ? g.keep : A(0);
+    row[first + j] = narrow<T>(
+        ce::grad_value(ce::log_prob(z, g.max, g.log_sum), hit, g.spread, g.scale, slope));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void zero_tile(T* row, const ce::RowTiles<kTile<T>>& tiles,
+                                          int64_t i) {
+  constexpr int Tile = kTile<T>;
+  const int64_t first = tiles.first(i);
+  if (tiles.full(i)) {
+    Vec<T, Tile> v;
+#pragma unroll
+    for (int j = 0; j < Tile; ++j) v.v[j] = narrow<T>(acc_t<T>(0));
+    store<Tile>(row, first, v);
+    return;
+  }
+  const int k = tiles.size(i);
+  for (int j = 0; j < k; ++j) row[first + j] = narrow<T>(acc_t<T>(0));
+}
+
+template <typename A>
+__device__ __forceinline__ ce::Online<A> shuffle_xor(const ce::Online<A>& a, int offset) {
+  return {__shfl_xor_sync(0xffffffffu, a.max, offset), __shfl_xor_sync(0xffffffffu, a.sum, offset),
+          __shfl_xor_sync(0xffffffffu, a.total, offset)};
+}
+
+template <typename A>
+__device__ __forceinline__ void warp_merge(ce::Online<A>& a) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) ce::online_merge(a, shuffle_xor(a, offset));
+}
+
+// The normaliser of the whole block's lanes, in thread 0.
+template <typename A>
+__device__ __forceinline__ ce::Online<A> block_merge(ce::Online<A> a, ce::Online<A>* shared) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  warp_merge(a);
+  if (lane == 0) shared[warp] = a;
+  __syncthreads();
+  if (warp == 0) {
+    a = lane < kWarps ? shared[lane] : ce::online_start<A>();
+    warp_merge(a);
+  }
+  return a;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kRowThreads)
+    rows_kernel(T* logits, int64_t n, int64_t V, const int64_t* target,
+                const acc_t<T>* row_scale, acc_t<T>* loss, acc_t<T>* lse, int64_t ignore_index,
+                acc_t<T> eps, acc_t<T> cap, bool compute_grad) {
+  using A = acc_t<T>;
+  constexpr int Tile = kTile<T>;
+  __shared__ ce::Online<A> warp_stats[kWarps];
+  __shared__ A row_max, row_log_sum;
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    T* row = logits + r * V;
+    const int64_t t = target[r];
+    const ce::RowTiles<Tile> tiles = row_tiles(row, V);
+    const int64_t count = tiles.count();
+    if (t == ignore_index) {  // the same branch for the whole block
+      if (threadIdx.x == 0) loss[r] = lse[r] = A(0);
+      if (compute_grad) {
+        for (int64_t i = threadIdx.x; i < count; i += kRowThreads) zero_tile(row, tiles, i);
+      }
+      continue;
+    }
+    ce::Online<A> acc = ce::online_start<A>();
+#pragma unroll 2  // two tiles' loads in flight per thread
+    for (int64_t i = threadIdx.x; i < count; i += kRowThreads) {
+      A z[Tile] = {};
+      const int k = load_tile(row, tiles, i, cap, z);
+      ce::online_add(acc, z, k);
+    }
+    acc = block_merge(acc, warp_stats);
+    if (threadIdx.x == 0) {
+      const A l = ce::online_lse(acc);
+      const bool in_range = t >= 0 && t < V;  // never read outside the row
+      A slope;
+      const A z_t = in_range ? ce::capped(widen(row[t]), cap, &slope) : A(0);
+      loss[r] = ce::row_loss(l, in_range, z_t, acc.total, V, eps);
+      lse[r] = l;
+      row_max = acc.max;
+      row_log_sum = ce::log_of(acc.sum);
+    }
+    __syncthreads();  // row_max/log_sum are read before any thread reaches the next barrier
+    if (compute_grad && threadIdx.x < count) {
+      const GradRow<A> g{t, 0, row_max, row_log_sum, A(1) - eps, eps / static_cast<A>(V),
+                         row_scale == nullptr ? A(1) : row_scale[r], cap};
+      const int64_t last = threadIdx.x + (count - 1 - threadIdx.x) / kRowThreads * kRowThreads;
+      for (int64_t i = last; i >= 0; i -= kRowThreads) write_grad_tile(row, tiles, i, g);
+    }
+  }
+}
+
+template <typename T>
+__global__ void block_grad_kernel(T* logits, int64_t n, int64_t width, const acc_t<T>* lse,
+                                  const int64_t* target, const acc_t<T>* row_scale,
+                                  int64_t scale_stride, int64_t class_offset,
+                                  int64_t num_classes, int64_t ignore_index, acc_t<T> eps,
+                                  acc_t<T> cap) {
+  using A = acc_t<T>;
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    T* row = logits + r * width;
+    const int64_t t = target[r];
+    const ce::RowTiles<kTile<T>> tiles = row_tiles(row, width);
+    const int64_t count = tiles.count();
+    if (t == ignore_index) {
+      for (int64_t i = threadIdx.x; i < count; i += blockDim.x) zero_tile(row, tiles, i);
+      continue;
+    }
+    const GradRow<A> g{t, class_offset, lse[r], A(0), A(1) - eps,
+                       eps / static_cast<A>(num_classes), row_scale[r * scale_stride], cap};
+    for (int64_t i = threadIdx.x; i < count; i += blockDim.x) write_grad_tile(row, tiles, i, g);
+  }
+}
+
+}  // namespace memkern::device::cross_entropy

@@ -1,0 +1,319 @@
+"""The cross-entropy row ops (memkern/ops/cross_entropy.py): ``cross_entropy_rows_`` and
+``cross_entropy_block_grad_`` on every backend — reference, C++ CPU, Triton (interpreted on the
+CPU; compiled on a GPU, marked cuda) and CUDA C++ (cuda) — against ``F.cross_entropy`` and its
+autograd in float64 on the very (rounded) logits each kernel saw.
+
+The C++ CPU kernels run the per-row math the CUDA kernels run
+(csrc/cuda/kernels/cross_entropy_math.h): the online softmax over a row's tiles of 16 bytes,
+each of 8 lanes (on the GPU: 512 threads) taking every 8th tile, the lanes merged at the end.
+So the CPU cases below are sized for >= 3 tiles per lane (V = 203: 51 float32 tiles of 4 plus a
+head, 6 per lane; V = 1031: 32 per lane), with the row's maximum, +inf, NaN in a later tile of
+a lane than its first, rows starting at unaligned addresses (a head tile), and the first
+tiles all -inf (the sum must stay 0, not NaN, until a finite logit arrives); the GPU cases are
+sized the same way for 512 threads (V = 50257: 12 bfloat16 tiles of 8 per thread).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memkern import backend, ops
+from compare import rel_err
+
+DTYPES = [pytest.param(d, id=str(d).removeprefix("torch."))
+          for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)]
+# Against float64 on the very logits: float32 math (a few float32 ulps of the loss; the
+# gradient rounded once to the logits' dtype).
+TOL = {torch.float64: 1e-13, torch.float32: 3e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+needs_cpu_kernels = pytest.mark.skipif(not backend.runs_on("cpu", torch.device("cpu")),
+                                       reason="the compiled extension is not built")
+needs_triton = pytest.mark.skipif(not backend.runs_on("triton", torch.device("cpu")),
+                                  reason="triton is not importable / TRITON_INTERPRET not set")
+# (backend, device): each compiled kernel where it runs; the reference everywhere
+KERNELS = [pytest.param("reference", "cpu", id="reference"),
+           pytest.param("cpu", "cpu", marks=needs_cpu_kernels, id="cpu"),
+           pytest.param("cuda", "cuda", marks=pytest.mark.cuda, id="cuda"),
+           pytest.param("triton", "cuda", marks=pytest.mark.cuda, id="triton-cuda")]
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _oracle(z, t, ignore_index, smoothing, scale, cap):
+    """Loss, log-sum-exp and gradient (times ``scale`` per row) of F.cross_entropy on the
+    (capped) logits, in float64. The cap's derivative is 1 / cosh(z / cap)^2 (autograd's
+    1 - tanh^2 of a rounded tanh loses float64's precision where tanh saturates)."""
+    z64 = z.double()
+    capped = (cap * torch.tanh(z64 / cap) if cap else z64.clone()).requires_grad_()
+    per_row = F.cross_entropy(capped, t, reduction="none", ignore_index=ignore_index,
+                              label_smoothing=smoothing)
+    (grad,) = torch.autograd.grad(per_row, capped, scale.double())
+    if cap:
+        grad = grad * torch.cosh(z64 / cap).pow(-2)
+    lse = torch.logsumexp(capped.detach(), 1).masked_fill(t == ignore_index, 0.0)
+    return per_row.detach(), lse, grad
+
+
+def _close(got, want, tol):
+    """Within ``tol`` of the float64 oracle, plus what rounding the oracle itself to ``got``'s
+    dtype costs (a gradient of 1e-26 is 0 in float16)."""
+    return rel_err(got, want) < tol + rel_err(want.to(got.dtype), want)
+
+
+def _rows(backend_name, *args):
+    with backend.force(backend_name):
+        return ops.cross_entropy_rows_(*args)
+
+
+def _special_rows(z, tile):
+    """Rows whose extremes fall in a later tile of a lane than its first (8 lanes of tiles of
+    ``tile`` logits, or 512 on a GPU: index V - 3 is in a lane's last tile either way)."""
+    V = z.shape[1]
+    z[1, V - 3] = 60.0  # the row's max, far above the rest: a missing rescale shows at once
+    z[2, V - 3] = float("inf")
+    z[3, V // 2 + tile] = float("nan")
+    z[4, : V - 2 * tile] = float("-inf")  # every lane's first tiles -inf, then finite ones
+    z[5, :] = float("-inf")  # all -inf: NaN, as torch
+    z[6, 0] = 50.0  # the max in the head / first tile, the rest far below
+    z[6, 1:] -= 30.0
+    return [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("cap", [0.0, 7.0], ids=["nocap", "softcap"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.3])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend_name,device", KERNELS)
+@pytest.mark.parametrize("V", [203, 1031, pytest.param(50257, marks=pytest.mark.cuda)])
+def test_rows_match_float64_torch(V, backend_name, device, dtype, smoothing, cap):
+    if device != "cuda" and V == 50257:
+        pytest.skip("GPU-sized rows")
+    if backend_name == "triton" and dtype == torch.float64:
+        pytest.skip("the Triton kernel takes 16/32-bit logits")
+    z = (torch.randn(13, V, device=device) * 3).to(dtype)
+    t = torch.randint(0, V, (13,), device=device)
+    t[[0, 7, 12]] = -7  # ignored: first, middle, last
+    t[1] = V - 3  # the target at the late maximum
+    t[4] = V - 1  # a finite logit after the -inf ones
+    special = _special_rows(z, 16 // z.element_size())
+    scale = torch.randn(13, dtype=_acc(dtype), device=device)
+    loss_ref, lse_ref, grad_ref = _oracle(z, t, -7, smoothing, scale, cap)
+    out = z.clone()
+    loss, lse = _rows(backend_name, out, t, scale, -7, smoothing, True, cap)
+    assert loss.dtype == lse.dtype == _acc(dtype) and out.dtype == dtype
+    tol = TOL[dtype] * (3 if backend_name == "triton" else 1)
+    ordinary = [r for r in range(13) if r not in special]
+    assert rel_err(loss[ordinary], loss_ref[ordinary]) < tol
+    assert rel_err(lse[ordinary], lse_ref[ordinary]) < tol
+    assert rel_err(out[ordinary], grad_ref[ordinary]) < tol
+    # +inf and all -inf rows: NaN like torch, or finite once capped (to +-cap)
+    finite, nan = ([1, 4, 6, 2, 5], [3]) if cap else ([1, 4, 6], [2, 3, 5])
+    for r in finite:  # a late maximum, leading -inf tiles, a far first maximum
+        if torch.isinf(loss_ref[r]):  # smoothing's mean of -inf logits: inf, as torch
+            assert loss[r] == loss_ref[r], r
+        else:
+            assert abs(loss[r] - loss_ref[r]) < tol * max(1.0, abs(loss_ref[r])), r
+        assert _close(out[r], grad_ref[r], tol), r
+    for r in nan:  # +inf, NaN, all -inf
+        assert torch.isnan(loss[r]) and torch.isnan(loss_ref[r]), r
+        assert torch.equal(torch.isnan(out[r]), torch.isnan(grad_ref[r])), r
+    assert torch.equal(out[[0, 7, 12]], torch.zeros(3, V, dtype=dtype, device=device))
+    assert torch.equal(loss[[0, 7, 12]], torch.zeros(3, dtype=loss.dtype, device=device))
+    untouched = z.clone()
+    loss2, _ = _rows(backend_name, untouched, t, None, -7, smoothing, False, cap)
+    assert torch.equal(untouched.isnan(), z.isnan())
+    assert torch.equal(untouched[~z.isnan()], z[~z.isnan()])
+    assert torch.equal(loss2.isnan(), loss.isnan())
+
+
+@pytest.mark.parametrize("cap", [0.0, 5.0], ids=["nocap", "softcap"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend_name,device", KERNELS)
+@pytest.mark.parametrize("stride", [1, 0], ids=["per-row-scale", "one-scale"])
+def test_block_grad_assembles_the_float64_gradient(stride, backend_name, device, dtype,
+                                                   smoothing, cap):
+    """The gradient of 9 rows of 263 classes written block by block (widths 100, 100, 63; 1,
+    then 262; the targets of some rows in each block and at its edges) from the rows' lse."""
+    if backend_name == "triton" and dtype == torch.float64:
+        pytest.skip("the Triton kernel takes 16/32-bit logits")
+    V = 263
+    z = (torch.randn(9, V, device=device) * 3).to(dtype)
+    t = torch.tensor([0, 99, 100, 199, 200, 262, -1, 150, 37], device=device)
+    scale = torch.randn(9, dtype=_acc(dtype), device=device)
+    if stride == 0:
+        scale = scale[:1].expand(9)
+    _, lse_ref, grad_ref = _oracle(z, t, -1, smoothing, scale, cap)
+    with backend.force("reference"):  # the lse of the very rounded logits, in float32
+        _, lse = ops.cross_entropy_rows_(z.clone(), t, None, -1, smoothing, False, cap)
+    for widths in ((100, 100, 63), (1, 262)):
+        got = torch.empty_like(z)
+        c0 = 0
+        for w in widths:
+            block = z[:, c0:c0 + w].contiguous()
+            with backend.force(backend_name):
+                ops.cross_entropy_block_grad_(block, lse, t, scale, c0, V, -1, smoothing, cap)
+            got[:, c0:c0 + w] = block
+            c0 += w
+        assert rel_err(got, grad_ref) < TOL[dtype] * (3 if backend_name == "triton" else 1)
+        assert torch.equal(got[6], torch.zeros(V, dtype=dtype, device=device))
+    assert rel_err(lse[t != -1], lse_ref[t != -1]) < TOL[dtype]
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("op", ["rows", "block"])
+def test_cpu_bad_target_raises_before_writing(op):
+    z = torch.randn(5, 11)
+    out = z.clone()
+    t = torch.tensor([3, -100, 10, 11, 0])
+    with pytest.raises(ValueError, match=r"target\[3\] = 11 is not a class index in \[0, 11\) "
+                                         r"nor ignore_index=-100"):
+        with backend.force("cpu"):
+            if op == "rows":
+                ops.cross_entropy_rows_(out, t, None, -100, 0.0, True)
+            else:
+                ops.cross_entropy_block_grad_(out, torch.zeros(5), t, torch.ones(5), 0, 11, -100,
+                                              0.0)
+    assert torch.equal(out, z)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("backend_name",
+                         ["reference", pytest.param("cpu", marks=needs_cpu_kernels)])
+def test_rows_when_the_target_probability_underflows(dtype, backend_name):
+    """Logits so spread that softmax(z)[t] underflows to 0 for most rows (loss in the
+    hundreds): the loss is still exact, the gradient softmax - onehot."""
+    z = (torch.randn(9, 257) * 300).to(dtype)
+    t = torch.randint(0, 257, (9,))
+    loss_ref, _, grad_ref = _oracle(z, t, -100, 0.0, torch.ones(9), 0.0)
+    assert loss_ref.max().item() > 100
+    out = z.clone()
+    loss, _ = _rows(backend_name, out, t, None, -100, 0.0, True)
+    tol = 1e-6 if dtype == torch.float32 else 1e-14
+    assert rel_err(loss, loss_ref) < tol and rel_err(out, grad_ref) < tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend_name", ["cuda", "triton"])
+def test_gpu_out_of_range_targets_are_never_read(backend_name):
+    """A target outside [0, V) (not ignore_index) is not checked on the GPU (a host sync) and
+    never indexes the row: loss lse - eps * mean(z), no one-hot term in the gradient."""
+    V = 4099
+    z = torch.randn(4, V, device="cuda") * 2
+    t = torch.tensor([-5, V, 10**12, 17], device="cuda")
+    out = z.clone()
+    loss, lse = _rows(backend_name, out, t, None, -100, 0.1, True)
+    torch.cuda.synchronize()
+    zd = z.double()
+    want_lse = torch.logsumexp(zd, 1)
+    assert rel_err(lse, want_lse) < 1e-6
+    assert rel_err(loss[:3], (want_lse - 0.1 * zd.mean(1))[:3]) < 1e-6
+    soft = torch.softmax(zd, 1) - 0.1 / V
+    assert rel_err(out[:3], soft[:3]) < 1e-5
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: ops.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 5]), None, -100, 0.0,
+                                     True), r"target\[1\] = 5"),
+    (lambda: ops.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 2], dtype=torch.int32),
+                                     None, -100, 0.0, True), "target must be an int64"),
+    (lambda: ops.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 2]), None, -100, 0.0, True,
+                                     -1.0), "softcap=-1.0"),
+    (lambda: ops.cross_entropy_block_grad_(torch.randn(2, 5), torch.zeros(2), torch.tensor([1, 2]),
+                                           torch.ones(2), 3, 7, -100, 0.0),
+     r"classes \[3, 8\) but num_classes=7"),
+    (lambda: ops.cross_entropy_block_grad_(torch.randn(2, 5), torch.zeros(2, dtype=torch.float64),
+                                           torch.tensor([1, 2]), torch.ones(2), 0, 5, -100, 0.0),
+     "lse must be a contiguous torch.float32"),
+])
+def test_errors_name_the_argument(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+@needs_cpu_kernels
+def test_cpu_kernels_check_direct_calls():
+    """torch.ops.memkern.* bypasses the Python checks: the C++ kernels make them too."""
+    with pytest.raises(RuntimeError, match="row_scale must be a contiguous Float"):
+        torch.ops.memkern.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 2]),
+                                              torch.ones(2, dtype=torch.float64), -100, 0.0, True)
+    with pytest.raises(RuntimeError, match=r"classes \[0, 5\) but num_classes=4"):
+        torch.ops.memkern.cross_entropy_block_grad_(torch.randn(2, 5), torch.zeros(2),
+                                                    torch.tensor([1, 2]), torch.ones(2), 0, 4,
+                                                    -100, 0.0)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_triton_interpreted_matches_float64(dtype):
+    """The Triton kernels (the GPU path without the CUDA build) under the interpreter: rows over
+    tiles of 4096 classes (V = 9001: three tiles, the max and a NaN in the last), and blocks."""
+    V = 9001
+    z = (torch.randn(5, V) * 3).to(dtype)
+    z[1, V - 2] = 40.0
+    z[2, V - 10] = float("nan")
+    t = torch.tensor([3, V - 2, 5, -100, 8000])
+    scale = torch.randn(5)
+    loss_ref, lse_ref, grad_ref = _oracle(z, t, -100, 0.1, scale, 6.0)
+    out = z.clone()
+    loss, lse = _rows("triton", out, t, scale, -100, 0.1, True, 6.0)
+    ok = [0, 1, 3, 4]
+    tol = 3 * TOL[dtype]
+    assert rel_err(loss[ok], loss_ref[ok]) < tol and rel_err(out[ok], grad_ref[ok]) < tol
+    assert torch.isnan(loss[2]) and torch.isnan(out[2]).all()
+    block = z[:, 4000:9001].contiguous()
+    with backend.force("triton"):
+        ops.cross_entropy_block_grad_(block, lse, t, scale, 4000, V, -100, 0.1, 6.0)
+    assert rel_err(block[ok], grad_ref[ok, 4000:]) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_triton, id="interpreted"),
+                                    pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")])
+def test_triton_rows_over_several_tiles(device, dtype, smoothing):
+    """A vocabulary of three Triton tiles (the last one short), so the online softmax rescales
+    its running sum twice, against F.cross_entropy in float64 on the very (rounded) logits. Per
+    row, in a later tile: the row's max (the first tiles' sum must be rescaled to it), the
+    target, an inf or a NaN (the row is NaN, as in torch); a row whose whole first tile is
+    -inf (masked classes: exp(-inf - -inf) must not turn the sum into NaN); an ignored row."""
+    from memkern.kernels.cross_entropy import MAX_BLOCK_V
+
+    V = 2 * MAX_BLOCK_V + 77
+    rows = 7
+    z = (torch.randn(rows, V) * 3).to(dtype)
+    t = torch.randint(0, V, (rows,))
+    last = 2 * MAX_BLOCK_V  # the first column of the third tile
+    z[1, last + 40] = 30.0  # the max, far above the first tiles' (their exps shrink ~e^-20)
+    z[2, MAX_BLOCK_V + 9] = 25.0  # the max in the second tile, the target in the third
+    t[2] = last + 3
+    z[3, last + 70] = math.inf
+    z[4, last + 1] = math.nan
+    z[5, :MAX_BLOCK_V] = -math.inf
+    t[5] = MAX_BLOCK_V + 100
+    t[6] = -100
+    scale = torch.randn(rows)
+    zr = z.double().requires_grad_()
+    per_row = F.cross_entropy(zr, t, reduction="none", label_smoothing=smoothing)
+    (grad,) = torch.autograd.grad(per_row, zr, scale.double())
+    out = z.to(device, copy=True)
+    loss, _ = _rows("triton", out, t.to(device), scale.to(device), -100, smoothing, True)
+    loss, out = loss.cpu(), out.cpu()
+    per_row = per_row.detach()
+    finite, nan = per_row.isfinite(), per_row.isnan()  # 3, 4: NaN; 5 with smoothing: inf
+    assert finite[[0, 1, 2, 6]].all() and nan[[3, 4]].all()
+    assert rel_err(loss[finite], per_row[finite]) < 1e-6
+    assert torch.equal(loss.isnan(), nan)
+    assert torch.equal(loss[~finite & ~nan], per_row[~finite & ~nan].float())
+    kept = [0, 1, 2, 5, 6]
+    assert _close(out[kept], grad[kept], 2 * TOL[dtype])
+    for r in (3, 4):
+        assert torch.equal(out[r].isnan(), grad[r].isnan()), r
+    assert torch.equal(out[6], torch.zeros_like(out[6]))
