@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # memkern on a GPU machine, decisive answers first, inside a time budget: build with the CUDA
-# kernels, the cuda-marked tests in parallel, compute-sanitizer (memcheck) over the tests of the
-# CUDA C++ kernels, GPT-2 small eager and compiled, host time per layer call, the kernels, the
-# layers at real shapes; then, budget permitting, the rest of the benchmark suite. Every step
+# kernels, the cuda-marked tests in parallel, GPT-2 small eager (with CPU offload), the layers
+# at real shapes (the linear cross-entropy against Liger-Kernel), host time per layer call, the
+# optimizer kernels, GPT-2 small compiled, compute-sanitizer (memcheck) over the tests of the
+# CUDA C++ kernels; then, budget permitting, the rest of the benchmark suite. Every step
 # runs under its own time limit and is skipped, with a line saying so, when the budget left is
 # shorter than it needs. A summary table comes last.
 #
@@ -90,6 +91,29 @@ step cuda-tests 300 150 "grep -E '(passed|failed|error)' \"$out/cuda-tests.log\"
   env MEMKERN_REQUIRE_EXT=cuda "$python" -m pytest -q -p no:cacheprovider "${parallel[@]}" \
   -m cuda tests
 
+# The GPU targets of issues 23, 24 and 29, each printed with its target by the benchmark
+# itself, most decisive first: the GPT-2 small step (with offload), the layers at real shapes
+# (the linear cross-entropy against Liger-Kernel among them), host time per layer call, the
+# optimizer kernels; then compiled GPT-2, the fp32 host times and the sanitizer.
+gpt2=(--device cuda --size gpt2-small --batch 8 --steps 12 --quiet)
+step gpt2-eager 200 90 "grep -E '^memkern-full ' \"$out/gpt2-eager.log\" | head -1" -- \
+  "$python" -m memkern.cli bench "${gpt2[@]}" \
+  --configs torch-amp,memkern-full,memkern-full-8bit,memkern-full-offload \
+  --json "$out/bench-gpt2-small.json"
+step modules 240 90 "grep -E 'RMSNorm 768' \"$out/modules.log\" | head -1" -- \
+  "$python" benchmarks/bench_modules.py --device cuda --save "$out/modules.json"
+step overhead-bfloat16 200 90 "grep -E 'memkern-full / torch-amp' \"$out/overhead-bfloat16.log\"" -- \
+  "$python" benchmarks/bench_overhead.py --device cuda --dtype bfloat16 --reps 5 \
+  --calls 100 --save "$out/overhead-bfloat16.json"
+step kernels 120 45 "grep -E 'speed-up' \"$out/kernels.log\" | head -1" -- \
+  "$python" benchmarks/bench_kernels.py --device cuda --save "$out/kernels.json"
+step gpt2-compiled 240 120 "grep -E '^memkern-full' \"$out/gpt2-compiled.log\" | head -1" -- \
+  "$python" -m memkern.cli bench "${gpt2[@]}" --compile \
+  --configs torch-amp-compiled,memkern-full --json "$out/bench-gpt2-small-compiled.json"
+step overhead-float32 200 90 "grep -E 'memkern-full / torch-amp' \"$out/overhead-float32.log\"" -- \
+  "$python" benchmarks/bench_overhead.py --device cuda --dtype float32 --reps 5 \
+  --calls 100 --save "$out/overhead-float32.json"
+
 # The tests of the CUDA C++ kernels (flat-buffer ops, layer ops, cross-entropy); Triton's
 # kernels are JIT-compiled by Triton itself and checked by the suite.
 sanitized=()
@@ -108,32 +132,14 @@ else
   rows+=("$(printf '%-18s %-8s %6s   %s' sanitizer MISSING - "compute-sanitizer not found (PATH, \$CUDA_HOME/bin)")")
 fi
 
-# Issue 23's GPU targets, each printed with its target by the benchmark itself.
-gpt2=(--device cuda --size gpt2-small --batch 8 --steps 6 --quiet)
-step gpt2-eager 150 70 "grep -E '^memkern-full ' \"$out/gpt2-eager.log\" | head -1" -- \
-  "$python" -m memkern.cli bench "${gpt2[@]}" \
-  --configs torch-amp,memkern-full,memkern-full-8bit --json "$out/bench-gpt2-small.json"
-step gpt2-compiled 240 120 "grep -E '^memkern-full' \"$out/gpt2-compiled.log\" | head -1" -- \
-  "$python" -m memkern.cli bench "${gpt2[@]}" --compile \
-  --configs torch-amp-compiled,memkern-full --json "$out/bench-gpt2-small-compiled.json"
-for dtype in float32 bfloat16; do
-  step "overhead-$dtype" 200 90 "grep -E 'memkern-full / torch-amp' \"$out/overhead-$dtype.log\"" -- \
-    "$python" benchmarks/bench_overhead.py --device cuda --dtype "$dtype" --reps 5 \
-    --calls 100 --save "$out/overhead-$dtype.json"
-done
-step kernels 120 45 "grep -E 'speed-up' \"$out/kernels.log\" | head -1" -- \
-  "$python" benchmarks/bench_kernels.py --device cuda --save "$out/kernels.json"
-step modules 180 60 "grep -E 'RMSNorm 768' \"$out/modules.log\" | head -1" -- \
-  "$python" benchmarks/bench_modules.py --device cuda --save "$out/modules.json"
-
 # The rest of the benchmark suite, budget permitting.
+step hf 300 150 "tail -n 1 \"$out/hf.log\"" -- \
+  "$python" benchmarks/bench_hf.py --device cuda --size 160m --save "$out/hf.json"
+step front-end 180 90 "tail -n 1 \"$out/front-end.log\"" -- \
+  "$python" benchmarks/bench_front_end.py --device cuda --save "$out/front-end.json"
 step gpt2-others 240 120 "grep -E '^memkern-full-ckpt ' \"$out/gpt2-others.log\" | head -1" -- \
   "$python" -m memkern.cli bench "${gpt2[@]}" \
   --configs torch-amp-compiled-budget,memkern-full-ckpt --json "$out/bench-gpt2-small-others.json"
-step front-end 180 90 "tail -n 1 \"$out/front-end.log\"" -- \
-  "$python" benchmarks/bench_front_end.py --device cuda --save "$out/front-end.json"
-step hf 300 150 "tail -n 1 \"$out/hf.log\"" -- \
-  "$python" benchmarks/bench_hf.py --device cuda --size 160m --save "$out/hf.json"
 step 8bit-step 240 120 "tail -n 1 \"$out/8bit-step.log\"" -- \
   "$python" benchmarks/bench_8bit_state.py --device cuda --sections step,bytes \
   --save "$out/8bit-step.json"
