@@ -119,16 +119,8 @@ cudaError_t launch_step(int64_t n, DType grads_dtype, const void* params, DType 
 
 device::AdamWConstants adamw_constants(double lr, double beta1, double beta2, double eps,
                                        double weight_decay) {
-  device::AdamWConstants constants{};
-  constants.lr = lr;
-  constants.beta1 = beta1;
-  constants.beta2 = beta2;
-  constants.weight_decay_factor = static_cast<float>(1.0 - lr * weight_decay);
-  constants.exp_avg_weight = static_cast<float>(1.0 - beta1);
-  constants.beta2_f32 = static_cast<float>(beta2);
-  constants.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  constants.eps = static_cast<float>(eps);
-  return constants;
+  const math::AdamWHyper hyper{lr, beta1, beta2, eps, weight_decay};
+  return device::AdamWConstants{hyper, math::adamw_coefficients(hyper, 1.0f)};
 }
 
 device::SGDConstants sgd_constants(double lr, double momentum, double dampening,

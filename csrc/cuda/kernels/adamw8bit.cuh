@@ -23,8 +23,8 @@ __global__ void adamw8bit_step_kernel(float* master, int8_t* m_codes, float* m_a
   if (step_skipped(found_inf)) {
     return;
   }
-  __shared__ AdamWStepScalars s;
-  adamw_step_scalars(step, c, &s);
+  // update_lane_elements hands over gradients already multiplied
+  const math::AdamWCoefficients s = adamw_block_coefficients(step, 1.0f, c);
   const float multiplier = grad_multiplier_value(grad_multiplier);
   for_each_warp_qblock(n, [&](int64_t b, int64_t first, int lane) {
     const float m_scale = m_absmax[b];
@@ -36,7 +36,7 @@ __global__ void adamw8bit_step_kernel(float* master, int8_t* m_codes, float* m_a
                          [&](int64_t i, int k, float w, float g) {
                            m[k] = dequantize(m_codes[i], m_scale);
                            v[k] = dequantize(v_codes[i], v_scale);
-                           return adamw_element(w, m[k], v[k], g, s, c);
+                           return math::adamw_element(w, m[k], v[k], g, s);
                          });
     quantize_block(m, valid, m_codes, m_absmax + b, first, lane);
     quantize_block(v, valid, v_codes, v_absmax + b, first, lane);
