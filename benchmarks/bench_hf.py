@@ -12,7 +12,8 @@ downloaded) trains with ``model(input_ids=x, labels=x).loss``, backward and an A
 
 Peak of a training step: the bytes the training state holds before the step (parameters,
 optimizer state) plus the step's peak allocation above that (CPU: the profiler's allocation
-trace; GPU: ``torch.cuda.max_memory_allocated``). Peak of forward + backward (the issue's CPU
+trace; GPU: ``torch.cuda.max_memory_allocated``); next to it, what ``memkern.profile``'s
+planner predicts for the same measure (on fake tensors, in seconds, on the CPU). Peak of forward + backward (the issue's CPU
 measure): the parameters plus the peak allocation of ``model(...).loss.backward()``. Time: median step after warm-up; plain, memkern and
 memkern-full alternate step by step in one process, so their ratios share the machine's load;
 on a shared CPU the process CPU time (also reported) is the steadier measure of the work.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import statistics
@@ -62,7 +64,8 @@ TARGET_CPU_PEAK = 0.5
 TARGET_GPU_PEAK_VS_LIGER = 0.9
 
 
-def build(family: str, size: dict, device: torch.device):
+def model_config(family: str, size: dict):
+    """The transformers config of ``family`` at ``size`` (built from it, nothing downloaded)."""
     import transformers
 
     s = size
@@ -71,28 +74,45 @@ def build(family: str, size: dict, device: torch.device):
                       intermediate_size=s["mlp"], vocab_size=s["vocab"],
                       max_position_embeddings=s["seq"], bos_token_id=0, eos_token_id=0)
     if family == "gpt2":
-        cfg = transformers.GPT2Config(n_embd=s["width"], n_layer=s["layers"], n_head=s["heads"],
-                                      n_inner=s["mlp"], vocab_size=s["vocab"], n_positions=s["seq"],
-                                      bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
-        model = transformers.GPT2LMHeadModel(cfg)
-    elif family == "gemma2":
-        cfg = transformers.Gemma2Config(**common_cfg, head_dim=s["width"] // s["heads"],
-                                        final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
-                                        attn_implementation="eager")
-        model = transformers.Gemma2ForCausalLM(cfg)
-    else:
-        cls = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
-        cfg = getattr(transformers, cls + "Config")(**common_cfg, attn_implementation="sdpa")
-        model = getattr(transformers, cls + "ForCausalLM")(cfg)
-    return model.to(device=device, dtype=getattr(torch, s["dtype"])).train()
+        return transformers.GPT2Config(n_embd=s["width"], n_layer=s["layers"], n_head=s["heads"],
+                                       n_inner=s["mlp"], vocab_size=s["vocab"],
+                                       n_positions=s["seq"], bos_token_id=0, eos_token_id=0,
+                                       attn_implementation="sdpa")
+    if family == "gemma2":
+        return transformers.Gemma2Config(**common_cfg, head_dim=s["width"] // s["heads"],
+                                         final_logit_softcapping=30.0,
+                                         attn_logit_softcapping=50.0, attn_implementation="eager")
+    cls = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
+    return getattr(transformers, cls + "Config")(**common_cfg, attn_implementation="sdpa")
+
+
+def build(family: str, size: dict, device: torch.device):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(model_config(family, size))
+    return model.to(device=device, dtype=getattr(torch, size["dtype"])).train()
+
+
+PATCHES = {"plain": None, "memkern": {}, "memkern-full": {"recompute": "full"}}
+
+
+def planned_peak(family: str, name: str, size: dict, device: torch.device) -> float:
+    """What memkern.profile's planner says this script will measure for configuration
+    ``name`` (parameters + optimizer state + the step's peak above its start), in bytes."""
+    from memkern.profile import hf_workload, plan_training_step
+
+    plan = plan_training_step(hf_workload(
+        model_config(family, size), batch=size["batch"], seq=size["seq"],
+        dtype=getattr(torch, size["dtype"]), patch=PATCHES[name],
+        optimizer="adamw-fused" if device.type == "cuda" else "adamw"),
+        device="cuda" if device.type == "cuda" else "cpu")
+    return plan.held["parameters"] + plan.held["optimizer state"] + plan.step_peak_above_start
 
 
 def make_configuration(name: str, base, family: str, device: torch.device):
     model = copy.deepcopy(base)
-    if name == "memkern":
-        mk.patch(model)
-    elif name == "memkern-full":
-        mk.patch(model, recompute="full")
+    if PATCHES.get(name) is not None:
+        mk.patch(model, **PATCHES[name])
     elif name == "liger":
         from liger_kernel import transformers as liger
 
@@ -141,8 +161,10 @@ def measure(family: str, names: list[str], size: dict, device: torch.device, rep
         forward_backward, step = make_steps(model, opt, ids)
         first_loss = float(step())  # also creates the optimizer state
         sync()
+        gc.collect()  # garbage freed during a measurement would lower its peak
         fwd_bwd = allocation_stats(forward_backward, device=device)
         opt.zero_grad(set_to_none=True)
+        gc.collect()
         stats = allocation_stats(step, device=device)
         runs[name] = dict(step=step, held=state_bytes(model, opt), step_peak=stats.peak,
                           fwd_bwd_peak=state_bytes(model) + fwd_bwd.peak,
@@ -263,7 +285,11 @@ def main(argv=None) -> None:
             r["cpu_time_vs_plain"] = r["median_step_cpu_seconds"] / plain["median_step_cpu_seconds"]
             if "liger" in fam:
                 r["peak_vs_liger"] = r["peak_bytes"] / fam["liger"]["peak_bytes"]
-            print(f"{name:>13}: step peak {r['peak_bytes'] / 2**20:7.1f} MiB ({r['peak_vs_plain']:.2f}x "
+            planned = ""
+            if name in PATCHES:
+                r["planned_peak_bytes"] = planned_peak(family, name, size, device)
+                planned = f" (planned {r['planned_peak_bytes'] / 2**20:.1f})"
+            print(f"{name:>13}: step peak {r['peak_bytes'] / 2**20:7.1f} MiB{planned} ({r['peak_vs_plain']:.2f}x "
                   f"plain)  fwd+bwd peak {r['forward_backward_peak_bytes'] / 2**20:7.1f} MiB "
                   f"({r['forward_backward_peak_vs_plain']:.2f}x)  step {1e3 * r['median_step_seconds']:8.1f} ms ({r['time_vs_plain']:.2f}x "
                   f"plain; process CPU time {r['cpu_time_vs_plain']:.2f}x)  first loss {r['first_loss']:.4f}",

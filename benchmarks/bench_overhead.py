@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import memkern as mk  # noqa: E402
-from memkern.bench.configs import CONFIGS, build  # noqa: E402
+from memkern.bench.configs import DEFAULT_CONFIGS, build  # noqa: E402
 from memkern.bench.model import GPTConfig  # noqa: E402
 
 ROWS, WIDTH, CLASSES = 8, 64, 1000
@@ -135,7 +135,7 @@ def step_seconds(device: torch.device, reps: int, calls: int) -> dict[str, float
     x = torch.randint(0, TINY.vocab, (TINY_BATCH, TINY.seq), generator=gen).to(device)
     y = torch.randint(0, TINY.vocab, (TINY_BATCH, TINY.seq), generator=gen).to(device)
     steps = {}
-    for name in CONFIGS:
+    for name in DEFAULT_CONFIGS:
         setup = build(name, TINY, device)
         steps[name] = (lambda s=setup: s.train_step(x, y))
     secs = per_call_seconds(list(steps.values()), reps=reps, calls=max(1, calls // 10),

@@ -80,6 +80,12 @@ std::optional<NormRecipe> input_recipe(py::handle x_obj, const at::Tensor& x) {
   return held.cast<const WeakNormRecipe&>().lock().value_or(NormRecipe{});
 }
 
+// Whether autocast is on for `device` (false for a device type autocast does not know, such as
+// meta, where asking would throw).
+bool autocast_on(c10::DeviceType device) {
+  return at::autocast::is_autocast_available(device) && at::autocast::is_autocast_enabled(device);
+}
+
 bool one_dtype(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias) {
   return weight.scalar_type() == x.scalar_type() &&
          (!bias.has_value() || !bias->defined() || bias->scalar_type() == x.scalar_type());
@@ -101,7 +107,7 @@ bool gemm_layer_call(const at::Tensor& x,
       return false;
     }
   }
-  return !at::autocast::is_autocast_enabled(x.device().type());
+  return !autocast_on(x.device().type());
 }
 
 // A GEMM layer's input when the layer's C++ autograd serves the call: the tensor `x_obj` is
@@ -249,7 +255,7 @@ py::object norm(py::handle x_obj, py::handle normalized_shape, const OptTensor& 
     return py::none();
   }
   if (x->sizes().slice(x->dim() - dims) != at::IntArrayRef(shape) || !shape_is(weight, shape) ||
-      !shape_is(bias, shape) || at::autocast::is_autocast_enabled(x->device().type())) {
+      !shape_is(bias, shape) || autocast_on(x->device().type())) {
     return py::none();
   }
   const bool native = !rms && native_layer_norm_ok(*x, weight, bias);

@@ -31,5 +31,6 @@ __all__ += ["GradBuffer", "LossScaler", "amp", "optim"]
 # Layers (memkern.nn), recompute policies, patching, memory accounting.
 from memkern import nn, profile  # noqa: E402
 from memkern.nn import checkpoint, patch  # noqa: E402
+from memkern.profile.fit import FitReport, MemoryBudgetError, fit  # noqa: E402
 
-__all__ += ["checkpoint", "nn", "patch", "profile"]
+__all__ += ["FitReport", "MemoryBudgetError", "checkpoint", "fit", "nn", "patch", "profile"]

@@ -18,6 +18,11 @@ By default a CUDA tensor goes to cuda → triton → reference and a CPU tensor 
 reference, taking the first one present. ``MEMKERN_BACKEND=<name>`` (or the :func:`force`
 context manager) asks for one; when it cannot run on the tensor's device the default order
 is used instead and a warning says so once.
+
+While :mod:`memkern.profile` plans a training step for a device (:func:`planning_for`), fake
+CPU tensors stand in for that device's: :func:`select` then names the planned device's
+choice, and memkern's device-dependent algorithms read the device type from
+:func:`device_type`.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ NAMES = ("cuda", "triton", "cpu", "reference")
 ENV_VAR = "MEMKERN_BACKEND"
 _DEFAULT_ORDER = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "reference")}
 _forced: list[str] = []
+_planned: list[str] = []
 
 # os.environ.get encodes the key and decodes the value on every call (about 1 µs), and the
 # backend is looked up on every op and layer call. On POSIX, os.environ keeps its variables
@@ -121,7 +127,11 @@ def _warn_unusable(name: str, device_type: str, chosen: str) -> None:
 
 
 def select(device: torch.device) -> str:
-    """The backend that runs an op whose tensors live on ``device``."""
+    """The backend that runs an op whose tensors live on ``device``; while planning
+    (:func:`planning_for`), ``"planned:<device type>"``: the planned device's implementation
+    (:class:`memkern.ops._registry.Op` knows which it is)."""
+    if _planned:
+        return "planned:" + _planned[-1]
     # Called on every op call: only the inputs of the choice are read here (two environment
     # lookups), the choice itself is computed once per distinct input.
     forced = _forced[-1] if _forced else None
@@ -152,3 +162,29 @@ def force(name: str) -> Iterator[None]:
         yield
     finally:
         _forced.pop()
+
+
+def planned() -> str | None:
+    """The device type a training step is being planned for (:func:`planning_for`), or None."""
+    return _planned[-1] if _planned else None
+
+
+def device_type(device: torch.device) -> str:
+    """The device type memkern's algorithm choices (chunk sizes, code paths) follow for tensors
+    on ``device``: its own, or the planned device's while planning."""
+    return _planned[-1] if _planned else device.type
+
+
+@contextlib.contextmanager
+def planning_for(device_type: str) -> Iterator[None]:
+    """Inside the block, memkern runs as on a ``device_type`` device ("cuda" or "cpu") though
+    its tensors are fake CPU tensors (:mod:`memkern.profile.plan`, which measures what the step
+    would allocate there)."""
+    if device_type not in _DEFAULT_ORDER:
+        raise ValueError(f"planning_for(device_type={device_type!r}): expected one of "
+                         f"{tuple(_DEFAULT_ORDER)}")
+    _planned.append(device_type)
+    try:
+        yield
+    finally:
+        _planned.pop()

@@ -12,6 +12,8 @@ Commands:
     memkern bench    train a small GPT under plain torch, torch AMP and memkern
                      configurations and print their memory and speed side by side
     memkern report   predicted per-rank memory of each configuration and world size
+    memkern plan     a training step's device memory planned on fake tensors: the peak and
+                     what it is made of, for a GPU or the CPU, without one
 
 Under torchrun (WORLD_SIZE > 1) every rank trains and rank 0 prints.
 Documentation: docs/ in the repository (start with docs/index.md).
@@ -27,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from memkern.bench.configs import BASELINE, CONFIGS
+from memkern.bench.configs import BASELINE, CONFIGS, DEFAULT_CONFIGS
 from memkern.bench.model import SIZES, GPTConfig
 
 
@@ -174,8 +176,11 @@ def _parser() -> argparse.ArgumentParser:
                                                  "one timed)"), default=20,
                        help=f"optimizer steps per configuration, >= {MIN_STEPS} (default: 20); "
                        "the first, the profiled one and a few warm-up steps are not timed")
-    bench.add_argument("--configs", type=_config_list, default=list(CONFIGS),
-                       help=f"comma-separated subset of: {', '.join(CONFIGS)}")
+    bench.add_argument("--configs", type=_config_list, default=list(DEFAULT_CONFIGS),
+                       help=f"comma-separated subset of: {', '.join(CONFIGS)} (default: all "
+                       "but memkern-fit)")
+    bench.add_argument("--memory-budget", metavar="BYTES",
+                       help="memkern-fit's device memory budget, e.g. 3GiB or 2500MiB")
     bench.add_argument("--plot", metavar="PATH", type=_chart_file,
                        help="write a bar chart of memory by component per configuration "
                        "(PNG, or another format by the file's suffix)")
@@ -195,6 +200,16 @@ def _parser() -> argparse.ArgumentParser:
     model_flags(report, batch=8)
     report.add_argument("--world-sizes", type=_int_list, default=[1, 2, 4, 8],
                         help="comma-separated world sizes (default: 1,2,4,8)")
+    from memkern.profile import plan_command
+
+    plan = sub.add_parser(
+        "plan", help="plan a training step's device memory on fake tensors",
+        description="Run one whole training step (forward, backward, optimizer step) of a "
+        "memkern bench configuration or a transformers causal LM on fake tensors, computing "
+        "nothing, and print its peak device memory and what the peak is made of, with the CUDA "
+        "caching allocator's rounding: a plan for a GPU made without one.")
+    plan_command.add_arguments(plan, sorted(SIZES), _config_list, _at_least(1), _output_file,
+                               _chart_file)
     return parser
 
 
@@ -265,7 +280,7 @@ def _bench(args: argparse.Namespace) -> int:
     for i, name in enumerate(args.configs):
         rows.append(run(name, cfg, corpus, steps=args.steps, batch=args.batch, device=device,
                         seed=args.seed, progress=rank0 and not args.quiet,
-                        compile=args.compile))
+                        compile=args.compile, memory_budget=args.memory_budget))
     if not rank0:
         return 0
     _print_bench(rows, cfg, args, device)
@@ -339,6 +354,14 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        from memkern.profile import plan_command
+
+        try:
+            return plan_command.run(args)
+        except ValueError as exc:
+            print(f"memkern plan: error: {exc}", file=sys.stderr)
+            return 2
     try:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             import torch.distributed as dist

@@ -347,3 +347,39 @@ def assert_codes_close(actual: torch.Tensor, expected: torch.Tensor, what: str) 
     assert int(diff.max()) <= 1, f"{what}: a code is off by {int(diff.max())}"
     assert int((diff != 0).sum()) <= max(1, actual.numel() // 100), (
         f"{what}: {int((diff != 0).sum())}/{actual.numel()} codes differ by one")
+
+
+def check_8bit_step(op: str, backend: str, dev, dtype: torch.dtype, state: list[torch.Tensor],
+                    step: torch.Tensor, hyper: tuple, moment_names: tuple[str, ...],
+                    magnitudes, *, with_optionals: bool, it: int) -> None:
+    """One call of 8-bit step op ``op`` on ``backend`` (``state``: master, then codes and
+    absmax per moment named in ``moment_names``; updated in place) against its reference run
+    on a float64 copy of the state, the float64 oracle of the quantized algorithm: master and
+    absmax within rounding of ``magnitudes(master, moments, grads, step, grad_multiplier)``
+    (float64 values before the step: the master's and each moment's per-element magnitudes),
+    codes up to a boundary flip, the step counter, and the params written from the master."""
+    from memkern import ops
+
+    n = state[0].numel()
+    g, params, mult_t, found_inf = step_inputs(n, dtype, dev, with_optionals)
+    oracle = oracle_state(state)
+    moments = [dequantize64(codes, absmax) for codes, absmax in zip(oracle[1::2], oracle[2::2])]
+    step_before, oracle_step = step.item(), step.cpu().clone()
+    mag_master, *mag_moments = magnitudes(oracle[0].clone(), moments, f64(g), oracle_step.clone(),
+                                          cpu_clone(mult_t))
+    kernel = getattr(ops, op)
+
+    with ops.force(backend):
+        kernel(*state, g.to(dev, copy=True), params, step, mult_t, found_inf, *hyper)
+    kernel.reference(*oracle, f64(g), None, oracle_step, cpu_clone(mult_t), cpu_clone(found_inf),
+                     *hyper)
+
+    what = f"{op} {dtype} n={n} step {step_before:.0f} {hyper} (call {it})"
+    assert_close64(state[0], oracle[0], f"{what}: master", magnitude=mag_master)
+    for k, (name, mag) in enumerate(zip(moment_names, mag_moments)):
+        assert_codes_close(state[1 + 2 * k], oracle[1 + 2 * k], f"{what}: {name} codes")
+        assert_close64(state[2 + 2 * k], oracle[2 + 2 * k], f"{what}: {name}_absmax",
+                       magnitude=block_max(mag))
+    assert step.item() == step_before + 1 == oracle_step.item()
+    if params is not None:  # written from the float32 master in the same pass: bit-exact
+        assert_bits_equal(params, state[0].to(dtype), f"{what}: params")

@@ -1,8 +1,10 @@
-"""The small model, gradient streams and stepping helper that the 8-bit optimizer tests
-(test_optim_8bit.py, test_optim_sgd8bit.py) share."""
+"""The small model, gradient streams, stepping helper and state reader that the 8-bit
+optimizer tests (test_optim_8bit.py, test_optim_sgd8bit.py) share."""
 from __future__ import annotations
 
 import torch
+
+from memkern.kernels.state8bit import QBLOCK, num_blocks
 
 
 class Net(torch.nn.Module):
@@ -48,3 +50,16 @@ def exact_gradients(model: Net) -> list[torch.Tensor]:
     of two of them and divisions by a power of two are exact in float32."""
     return [torch.randint(-2**10, 2**10, p.shape).float() * 2.0 ** -int(torch.randint(10, 22, ()))
             for p in model.parameters()]
+
+
+def stored_state(opt, p: torch.Tensor, key: str):
+    """``("8bit", codes, absmax)`` or ``("32bit", flat)``: ``p``'s slice of its segment's
+    state ``key`` (the blocks of a parameter start on a block boundary of its segment)."""
+    seg = next(s for s in opt.segments if any(q is p for q in s.params))
+    offset = seg.offsets[[q is p for q in seg.params].index(True)]
+    n = p.numel()
+    if seg.quantized:
+        codes, absmax = seg.quantized_state[key]
+        assert offset % QBLOCK == 0
+        return "8bit", codes[offset:offset + n], absmax[offset // QBLOCK:][:num_blocks(n)]
+    return "32bit", seg.state[key][offset:offset + n]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flat_oracle as fo
-from flat_oracle import assert_bits_equal, assert_close64, f64, scalar
+from flat_oracle import scalar
 from memkern import ops
 from memkern.kernels.state8bit import QBLOCK, num_blocks
 
@@ -21,43 +21,21 @@ BACKEND_CASES = fo.cases(with_sizes=False)
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in fo.GRAD_DTYPES]
 
 
-def run(backend: str, *args) -> None:
-    with ops.force(backend):
-        ops.adamw8bit_step_(*args)
-
-
 def random_state(n: int, dev) -> list[torch.Tensor]:
     """master, m codes, m absmax, v codes, v absmax."""
     return fo.quantized_state(n, (torch.int8, torch.uint8), dev)
 
 
 def step_and_check(backend, dev, dtype, state, step, hyper, *, with_optionals, it):
-    n = state[0].numel()
-    g, params, mult_t, found_inf = fo.step_inputs(n, dtype, dev, with_optionals)
-    oracle = fo.oracle_state(state)
-    before_m = fo.dequantize64(oracle[1], oracle[2])
-    before_v = fo.dequantize64(oracle[3], oracle[4])
-    before_master = oracle[0].clone()
-    oracle_step, step_before = step.cpu().clone(), step.item()
+    def magnitudes(master, moments, g, step_before, multiplier):
+        m, v = moments
+        _, _, new_v = ops.adamw.update(master, m, v, g, step_before, multiplier,
+                                       *hyper.values())
+        return fo.adamw_magnitudes(master, m, v, g, step_before, multiplier, hyper, new_v)
 
-    run(backend, *state, g.to(dev, copy=True), params, step, mult_t, found_inf, *hyper.values())
-    ops.adamw8bit_step_.reference(*oracle, f64(g), None, oracle_step, fo.cpu_clone(mult_t),
-                                  fo.cpu_clone(found_inf), *hyper.values())
-
-    what = f"adamw8bit_step_ {dtype} n={n} step {step_before:.0f} {hyper} (call {it})"
-    _, _, new_v = ops.adamw.update(before_master, before_m, before_v, f64(g), oracle_step - 1,
-                                   fo.cpu_clone(mult_t), *hyper.values())
-    mag_master, mag_m, mag_v = fo.adamw_magnitudes(before_master, before_m, before_v, f64(g),
-                                           scalar(step_before, "cpu"), fo.cpu_clone(mult_t),
-                                           hyper, new_v)
-    assert_close64(state[0], oracle[0], f"{what}: master", magnitude=mag_master)
-    fo.assert_codes_close(state[1], oracle[1], f"{what}: exp_avg codes")
-    fo.assert_codes_close(state[3], oracle[3], f"{what}: exp_avg_sq codes")
-    assert_close64(state[2], oracle[2], f"{what}: exp_avg_absmax", magnitude=fo.block_max(mag_m))
-    assert_close64(state[4], oracle[4], f"{what}: exp_avg_sq_absmax", magnitude=fo.block_max(mag_v))
-    assert step.item() == step_before + 1 == oracle_step.item()
-    if params is not None:  # written from the float32 master in the same pass: bit-exact
-        assert_bits_equal(params, state[0].to(dtype), f"{what}: params")
+    fo.check_8bit_step("adamw8bit_step_", backend, dev, dtype, state, step,
+                       tuple(hyper.values()), ("exp_avg", "exp_avg_sq"), magnitudes,
+                       with_optionals=with_optionals, it=it)
 
 
 @pytest.mark.parametrize("optionals", ["all", "none"])

@@ -1,5 +1,6 @@
 """LossScaler: torch.amp.GradScaler's trajectory, hysteresis, min_scale, the floor warning,
 unscaling a GradBuffer in one kernel per flat buffer, and checkpoints."""
+import math
 import warnings
 
 import pytest
@@ -27,31 +28,79 @@ def grad_scaler_trajectory(overflows, **settings):
     return scales, trackers
 
 
+def hysteresis_trajectory(overflows, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                          growth_interval=2000, hysteresis=1):
+    """The scale, growth tracker and hysteresis allowance after each update under Megatron-LM's
+    DynamicGradScaler.update (its rule, transcribed), with GradScaler's products (float64,
+    rounded to float32) and its growth kept only when finite."""
+    scale, tracker, allowance = init_scale, 0, hysteresis
+    scales, trackers, allowances = [], [], []
+    for overflow in overflows:
+        if overflow:
+            tracker = 0
+            allowance -= 1
+            if allowance <= 0:
+                scale = float(torch.tensor(scale * backoff_factor, dtype=torch.float32))
+        else:
+            tracker += 1
+            if tracker == growth_interval:
+                tracker = 0
+                allowance = hysteresis
+                grown = float(torch.tensor(scale * growth_factor, dtype=torch.float32))
+                scale = grown if math.isfinite(grown) else scale
+        scales.append(scale)
+        trackers.append(tracker)
+        allowances.append(max(allowance, 0))
+    return scales, trackers, allowances
+
+
 def loss_scaler_trajectory(overflows, scaler):
     w = torch.nn.Parameter(torch.ones(3))
-    scales, trackers = [], []
+    scales, trackers, allowances = [], [], []
     for overflow in overflows:
         w.grad = None
         loss = (w * (float("inf") if overflow else 1.0)).sum()
         scaler.scale(loss).backward()
         found_inf = scaler.unscale_([w.grad])
         scaler.update(found_inf)
+        state = scaler.state_dict()
         scales.append(scaler.get_scale())
-        trackers.append(scaler.state_dict()["_growth_tracker"])
-    return scales, trackers
+        trackers.append(state["_growth_tracker"])
+        allowances.append(state["_hysteresis_tracker"])
+    return scales, trackers, allowances
 
 
-@pytest.mark.parametrize("settings", [
+SETTINGS = [
     dict(init_scale=2.0**10, growth_interval=3),
     dict(init_scale=1000.0, growth_factor=1.7, backoff_factor=0.3, growth_interval=2),
-])
+]
+# Scripted: a burst at the start (calibration), growth phases, isolated and paired overflows,
+# and runs of three (which spend an allowance of up to three), then random ones.
+SCRIPT = [1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0,
+          1, 1, 1, 0, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
 def test_trajectory_equals_grad_scaler(settings):
-    # Scripted: a burst at the start (calibration), growth phases, isolated and paired overflows.
-    overflows = [1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0]
-    overflows += torch.rand(40).lt(0.3).tolist()
-    want = grad_scaler_trajectory(overflows, **settings)
+    overflows = SCRIPT + torch.rand(40).lt(0.3).tolist()
+    want, want_trackers = grad_scaler_trajectory(overflows, **settings)
     got = loss_scaler_trajectory(overflows, mk.LossScaler(**settings, min_scale=1e-30))
-    assert got == want  # bit-identical scales and growth trackers
+    assert got[:2] == (want, want_trackers)  # bit-identical scales and growth trackers
+    # the hysteresis oracle at hysteresis=1 is GradScaler: it is tied to torch here
+    assert hysteresis_trajectory(overflows, **settings)[:2] == (want, want_trackers)
+
+
+@pytest.mark.parametrize("hysteresis", [2, 3])
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_trajectory_with_hysteresis_equals_megatron_rule(settings, hysteresis):
+    """hysteresis > 1 has no torch counterpart: the oracle is Megatron-LM's rule, which the
+    test above ties to GradScaler at hysteresis=1."""
+    overflows = SCRIPT + torch.rand(60).lt(0.4).tolist()
+    want = hysteresis_trajectory(overflows, **settings, hysteresis=hysteresis)
+    got = loss_scaler_trajectory(
+        overflows, mk.LossScaler(**settings, min_scale=1e-30, hysteresis=hysteresis))
+    assert got == want  # scales bit for bit, growth trackers, allowances left
+    assert len(set(want[0])) > 3  # the scale both grew and backed off
 
 
 def run_updates(scaler, overflows):

@@ -38,7 +38,7 @@ def bench_json(tmp_path_factory):
 def test_bench_runs_and_writes_json_and_png(bench_json):
     data, stdout = bench_json
     rows = {r["config"]: r for r in data["rows"]}
-    assert set(rows) == set(cli.CONFIGS)
+    assert set(rows) == set(cli.DEFAULT_CONFIGS)
     for r in rows.values():
         assert len(r["losses"]) == 4 and all(torch.isfinite(torch.tensor(r["losses"])))
         assert r["peak_bytes"] > 0 and r["step_seconds"] > 0 and r["num_params"] > 0

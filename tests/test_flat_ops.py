@@ -32,6 +32,11 @@ NON_FINITE = [pytest.param(math.nan, id="nan"), pytest.param(math.inf, id="inf")
               pytest.param(-math.inf, id="-inf")]
 N_MULTI_PROGRAM = 3 * 1024 + 5
 """Spans several Triton programs, so first/middle/last land in different ones."""
+N_L2_BLOCKS = 2 * 2**16 + 3 * 1024 + 5
+"""l2_norm's loops, three trips or more with "last" in a later one: three of the C++ kernel's
+65536-element blocks, the last one partial with four 1024-element folds ("last" in the fourth);
+17 programs of the Triton kernel's first stage, each summing eight 1024-element steps (the
+last program four, "last" in the fourth)."""
 
 
 def run(backend: str, op, *args):
@@ -121,7 +126,7 @@ def test_l2_norm(backend, device, n, dtype):
 @pytest.mark.parametrize("backend,device", BACKEND_CASES)
 def test_l2_norm_non_finite(backend, device, dtype, value, position):
     dev = fo.need(backend, device)
-    g = torch.randn(N_MULTI_PROGRAM, dtype=torch.float64).to(dtype)
+    g = torch.randn(N_L2_BLOCKS, dtype=torch.float64).to(dtype)
     if value == "nan+inf":  # NaN wins, wherever the inf is
         fo.inject(g, position, math.nan)
         g[(g.numel() // 2 + 1) if position != "middle" else -1] = math.inf
@@ -136,6 +141,29 @@ def test_l2_norm_non_finite(backend, device, dtype, value, position):
         assert out == math.inf, out
     ref = torch.linalg.vector_norm(g.double()).item()
     assert math.isnan(ref) == math.isnan(out) and (math.isnan(ref) or ref == out)
+
+
+@pytest.mark.parametrize("value", [1.0, math.inf, math.nan], ids=["finite", "inf", "nan"])
+def test_triton_l2_norm_finish_over_several_steps(value):
+    """The Triton kernel's second stage alone, on partials (squared sums) that take three of
+    its BLOCK-element steps, with the largest partial, or an inf or a NaN, in the third:
+    sqrt of their float64 sum (by hand: math.fsum)."""
+    fo.need("triton", "cpu")
+    from memkern.kernels import _common
+    from memkern.kernels.l2_norm import _finish_kernel
+
+    partials = torch.rand(2 * _common.BLOCK + 77, dtype=torch.float64).to(torch.float32)
+    partials[2 * _common.BLOCK + 40] = 1e4 if value == 1.0 else value
+    out = torch.empty((), dtype=torch.float32)
+    _finish_kernel[(1,)](partials, out, partials.numel(), BLOCK=_common.BLOCK,
+                         num_warps=_common.NUM_WARPS)
+    got, expected = out.item(), math.sqrt(math.fsum(partials.double().tolist()))
+    if math.isnan(value):
+        assert math.isnan(got)
+    elif math.isinf(value):
+        assert got == math.inf
+    else:
+        assert abs(got - expected) <= 1e-6 * expected, (got, expected)
 
 
 # --------------------------------------------------------------------------------------------

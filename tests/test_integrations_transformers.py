@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig,  # noqa: E402
                           LlamaForCausalLM, Trainer, TrainingArguments)
+from transformers.utils import is_accelerate_available  # noqa: E402
 
 import memkern as mk  # noqa: E402
 from memkern.integrations.transformers import MemkernTrainer  # noqa: E402
@@ -88,7 +89,15 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
+NO_ACCELERATE = ("transformers' Trainer and TrainingArguments need accelerate, which is not "
+                 "installed here (or older than transformers requires): pip install -U accelerate")
+
+
 def arguments(out, steps=STEPS, batch=BATCH, **overrides) -> TrainingArguments:
+    """The runs' TrainingArguments; skips the test without accelerate, as transformers then
+    refuses to build them."""
+    if not is_accelerate_available():
+        pytest.skip(NO_ACCELERATE)
     settings = dict(max_steps=steps, per_device_train_batch_size=batch,
                     gradient_accumulation_steps=WINDOW, learning_rate=3e-3, weight_decay=0.01,
                     max_grad_norm=0.5, lr_scheduler_type="linear", warmup_steps=3,
@@ -268,6 +277,23 @@ def test_runs_without_transformers_installed_elsewhere():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=dict(os.environ), timeout=300)
     assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_skips_with_the_reason_without_accelerate():
+    """In a process where accelerate cannot be imported, the tests that build a Trainer are
+    skipped with the reason and the others still run: no ImportError."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['accelerate'] = None; import pytest; "
+            "sys.exit(pytest.main(sys.argv[1:]))")
+    tests = "test_bad_settings_are_named or test_model_is_required"
+    proc = subprocess.run([sys.executable, "-c", code, "-q", "-rs", "-p", "no:cacheprovider",
+                           __file__, "-k", tests], capture_output=True, text=True,
+                          cwd=os.path.dirname(__file__), timeout=300)
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 0 and "1 passed" in summary and "skipped" in summary, proc.stdout
+    assert "need accelerate, which is not installed" in proc.stdout
 
 
 def test_fp16_overflow_skips_hold_the_scheduler(tmp_path):

@@ -83,6 +83,29 @@ def test_matches_unfused_float64(reduction, smoothing, bias, chunk):
         assert rel_err(a, r) < 1e-12
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_nan_and_inf_in_later_chunks_propagate_like_torch(bias):
+    """Six chunks of 4 tokens: a NaN input row in the third chunk and an inf one in the fifth.
+    Their losses and dx rows are NaN, as torch's; dW (accumulated over the chunks) and db are
+    NaN as torch's are; every other row's loss and dx is the float64 unfused one."""
+    x, w, b, t = _data(23, 13, 37, bias=bias, ignore=(0,))
+    x.data[9, 4] = float("nan")
+    x.data[17, 2] = float("inf")
+    ref = F.cross_entropy(F.linear(x, w, b), t, reduction="none")
+    got = lce(x, w, t, b, reduction="none", chunk_size=4)
+    bad = torch.zeros(23, dtype=torch.bool)
+    bad[[9, 17]] = True
+    assert ref[bad].isnan().all() and torch.equal(got.isnan(), ref.isnan())
+    assert rel_err(got[~bad], ref[~bad]) < 1e-13
+    g = torch.rand_like(ref) + 0.5
+    got_grads, ref_grads = _grads(got, (x, w, b), g), _grads(ref, (x, w, b), g)
+    for a, r in zip(got_grads, ref_grads):
+        assert torch.equal(a.isnan(), r.isnan())
+    assert ref_grads[0][bad].isnan().all() and not ref_grads[0][~bad].isnan().any()
+    assert rel_err(got_grads[0][~bad], ref_grads[0][~bad]) < 1e-12
+    assert all(r.isnan().all() for r in ref_grads[1:])
+
+
 @pytest.mark.parametrize("chunk", [None, 97], ids=["default-chunk", "chunk97"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["float32", "bfloat16", "float16"])
@@ -246,12 +269,12 @@ def test_softcap_matches_float64_reference(reduction, smoothing, chunk):
 
 
 def test_softcap_over_cpu_sub_blocks_and_num_items():
-    # V large enough that the CPU row op runs on sub-blocks smaller than the chunk (the tanh
-    # scratch is one sub-block, reused)
+    # V large enough that the CPU row op runs on four sub-blocks of the chunk (the tanh
+    # scratch is one sub-block, reused), an ignored token in the first and in the third
     from memkern.ops.linear_cross_entropy import ROW_OP_BYTES
-    v = 70001
-    assert ROW_OP_BYTES // (4 * v) < 57
-    x, w, b, t = _data(57, 3, v, bias=False, ignore=(3,))
+    v = 110411
+    assert ROW_OP_BYTES // (4 * v) == 18
+    x, w, b, t = _data(57, 3, v, bias=False, ignore=(3, 40))
     x.data.mul_(6.0)
     n = torch.tensor(61)
     ref = F.cross_entropy(_capped(x, w, None, 2.0), t, reduction="sum") / 61

@@ -228,6 +228,26 @@ def test_philox_reference_known_answer():
 
 
 @pytest.mark.skipif(not backend.runs_on("cpu", torch.device("cpu")), reason="memkern._C not built")
+def test_cpu_dropout_equals_the_reference_over_three_of_its_chunks():
+    """The reference draws its mask in chunks of _REFERENCE_CHUNK counters (4 elements each);
+    over three of them (the last one short) it must still be the C++ kernel's mask, which
+    computes each element's counter directly: a counter restarting at a chunk boundary would
+    repeat the first chunk's mask. A NaN and an inf in the third chunk stay where they are
+    kept and become 0 where they are dropped."""
+    from memkern.ops.dropout import _REFERENCE_CHUNK
+
+    numel = 2 * 4 * _REFERENCE_CHUNK + 4 * 77 + 3
+    x = torch.randn(numel)
+    x[numel - 5], x[numel - 100] = math.nan, math.inf
+    seed = torch.randint(0, 1 << 62, (), dtype=torch.int64)
+    y = torch.ops.memkern.dropout(x, seed, 0.37)
+    want = ops.dropout.reference(x, seed, 0.37)
+    assert torch.equal(y.view(torch.int32), want.view(torch.int32))
+    third = slice(2 * 4 * _REFERENCE_CHUNK, numel)
+    assert not torch.equal(y[third][:1000] != 0, y[:1000] != 0)  # not the first chunk's mask
+
+
+@pytest.mark.skipif(not backend.runs_on("cpu", torch.device("cpu")), reason="memkern._C not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
                          ids=str)
 @pytest.mark.parametrize("numel", [1, 7, 1023, 65537])
@@ -359,6 +379,51 @@ def test_triton_cross_entropy_rows_matches_reference(device, dtype, smoothing):
         assert torch.equal(a[2], torch.zeros_like(a[2]))
 
 
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_cross_entropy_rows_over_several_tiles(device, dtype, smoothing):
+    """A vocabulary of three tiles (the last one short), so the online softmax rescales its
+    running sum twice, against F.cross_entropy in float64 on the very (rounded) logits. Per
+    row, in a later tile: the row's max (the first tiles' sum must be rescaled to it), the
+    target, an inf or a NaN (the row is NaN, as in torch); a row whose whole first tile is
+    -inf (masked classes: exp(-inf - -inf) must not turn the sum into NaN); an ignored row."""
+    from memkern.kernels.cross_entropy import MAX_BLOCK_V
+
+    V = 2 * MAX_BLOCK_V + 77
+    rows = 7
+    z = (torch.randn(rows, V) * 3).to(dtype)
+    t = torch.randint(0, V, (rows,))
+    last = 2 * MAX_BLOCK_V  # the first column of the third tile
+    z[1, last + 40] = 30.0  # the max, far above the first tiles' (their exps shrink ~e^-20)
+    z[2, MAX_BLOCK_V + 9] = 25.0  # the max in the second tile, the target in the third
+    t[2] = last + 3
+    z[3, last + 70] = math.inf
+    z[4, last + 1] = math.nan
+    z[5, :MAX_BLOCK_V] = -math.inf
+    t[5] = MAX_BLOCK_V + 100
+    t[6] = -100
+    scale = torch.randn(rows)
+    zr = z.double().requires_grad_()
+    per_row = F.cross_entropy(zr, t, reduction="none", label_smoothing=smoothing)
+    (grad,) = torch.autograd.grad(per_row, zr, scale.double())
+    out = z.to(device, copy=True)
+    loss = _triton(ops.cross_entropy_rows_, out, t.to(device), scale.to(device), -100,
+                   smoothing, True)
+    loss, out = loss.cpu(), out.cpu()
+    per_row = per_row.detach()
+    finite, nan = per_row.isfinite(), per_row.isnan()  # 3, 4: NaN; 5 with smoothing: inf
+    assert finite[[0, 1, 2, 6]].all() and nan[[3, 4]].all()
+    assert rel_err(loss[finite], per_row[finite]) < 1e-6
+    assert torch.equal(loss.isnan(), nan)
+    assert torch.equal(loss[~finite & ~nan], per_row[~finite & ~nan].float())
+    kept = [0, 1, 2, 5, 6]
+    assert rel_err(out[kept], grad[kept]) <= TRITON_TOL[dtype] * 2
+    for r in (3, 4):
+        assert torch.equal(out[r].isnan(), grad[r].isnan()), r
+    assert torch.equal(out[6], torch.zeros_like(out[6]))
+
+
 # ----------------------------------------------------------------------------------------------
 # the C++ CPU norm kernels (csrc/cpu/norm.cpp) vs float64 math
 
@@ -448,6 +513,36 @@ def test_cpu_norm_kernels_keep_a_non_finite_value_in_its_row(rms):
     dx_ok, _, _ = torch.ops.memkern.norm_backward(dy[~bad], x[~bad], w, mean_ok, rstd_ok, rms)
     assert torch.equal(y[~bad], y_ok) and torch.equal(rstd[~bad], rstd_ok)
     assert torch.equal(dx[~bad], dx_ok)
+
+
+NORM_BACKWARD_KERNELS = [pytest.param("cpu", marks=needs_cpu_kernels, id="cpp"),
+                         pytest.param("triton", marks=needs_triton, id="triton-interpreted")]
+
+
+@pytest.mark.parametrize("kernel", NORM_BACKWARD_KERNELS)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_norm_backward_sums_a_later_rows_non_finite_gradient(kernel, rms):
+    """The weight and bias gradients are sums over rows in a loop: the C++ kernel's tasks of
+    32 rows, the Triton kernel's programs of 5 rows (70 rows on the CPU). A NaN and an inf in
+    dy, each in a later trip of both loops (row 67: the third task, its fourth row; the
+    Triton program of rows 65-69, its third), reach their columns of dw and db as in float64
+    autograd, and only their own rows of dx; everything else is as finite as the oracle."""
+    x, w, b, dy = _norm_inputs(70, 67, torch.float32, "same-dtype", rms)
+    dy[67, 7], dy[48, 2] = float("nan"), float("inf")
+    with backend.force(kernel):
+        y, mean, rstd = ops.norm_forward(x, w, b, 1e-5, rms)
+        dx, dw, db = ops.norm_backward(dy, x, w, mean, rstd, rms)
+    _, _, _, (dx64, dw64, db64) = _norm64(x, w, b, 1e-5, rms, dy)
+    for name, got, want in (("dw", dw, dw64), ("db", db, dy.double().sum(0))):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), name
+        assert want[7].isnan() and want[2].isinf() and want.isfinite().sum() == 65, name
+        finite = want.isfinite()
+        assert torch.equal(got[~finite & ~want.isnan()], want[~finite & ~want.isnan()].float())
+        assert rel_err(got[finite], want[finite]) < 1e-5, name
+    bad = torch.zeros(70, dtype=torch.bool)
+    bad[[48, 67]] = True
+    assert not dx[bad].isfinite().any(), "the two rows hold no finite value"
+    assert rel_err(dx[~bad], dx64[~bad]) < 1e-5
 
 
 @needs_cpu_kernels

@@ -1,7 +1,7 @@
 """``state_precision="8bit"`` on FusedAdamW and ShardedOptimizer (single process; the
 distributed cases are in test_optim_distributed.py): the fused optimizer against per-parameter
-float64 runs of the quantized algorithm and against torch.optim.AdamW, the size threshold,
-memory; and for FusedAdamW and FusedSGD alike (the rest of SGD's: test_optim_sgd8bit.py):
+float64 runs of the quantized algorithm and against torch.optim.AdamW, memory; and for
+FusedAdamW and FusedSGD alike (the rest of SGD's: test_optim_sgd8bit.py): the size threshold,
 state dicts, training against torch, skipped steps and loss scaling with accumulation and
 clipping on ShardedOptimizer, bad input, checkpoints of the other precision."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from memkern.kernels.state8bit import QBLOCK, num_blocks
 from memkern.ops import adamw8bit
 from memkern.optim.fused_adamw import MIN_8BIT_NUMEL
 from memkern.optim.grad_buffer import ALIGN
-from net8bit import apply, exact_gradients, gradient_steps, make_net
+from net8bit import apply, exact_gradients, gradient_steps, make_net, stored_state
 
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05)
@@ -24,6 +24,10 @@ SGD_HYPER = dict(lr=0.02, momentum=0.9, dampening=0.1, weight_decay=0.01)
 OPTIMIZERS = {  # name: the fused optimizer, torch's, hyper-parameters for both
     "adamw": (mk.optim.FusedAdamW, torch.optim.AdamW, HYPER),
     "sgd": (mk.optim.FusedSGD, torch.optim.SGD, SGD_HYPER),
+}
+MOMENTS = {  # name: its state kept in 8 bits, and the codes' dtype
+    "adamw": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+    "sgd": {"momentum_buffer": torch.int8},
 }
 
 
@@ -73,26 +77,37 @@ def test_fused_8bit_equals_per_parameter_float64_oracle():
         assert_equal_up_to_code_flips(p, expected, HYPER["lr"], len(grads), f"param {i}")
 
 
-def test_small_tensors_stay_32bit_and_state_dict_says_which():
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_small_tensors_stay_32bit_and_state_dict_says_which(name):
+    """Below the threshold a parameter keeps float32 state, in segments of its own; the state
+    dict says which and holds float32 moments either way, the 8-bit ones the values their
+    codes stand for."""
+    fused, _, hyper = OPTIMIZERS[name]
     model = make_net(1)
-    opt = mk.optim.FusedAdamW(model.parameters(), **HYPER, state_precision="8bit")
+    opt = fused(model.parameters(), **hyper, state_precision="8bit")
     apply(model, opt, gradient_steps(model, 2))
     for seg in opt.segments:  # each segment holds one kind only
         assert {p.numel() >= MIN_8BIT_NUMEL for p in seg.params} == {seg.quantized}
+        for key, dtype in MOMENTS[name].items():
+            if seg.quantized:
+                codes, absmax = seg.quantized_state[key]
+                assert codes.dtype == dtype and codes.numel() == seg.weights.numel()
+                assert absmax.dtype == torch.float32 and absmax.numel() == num_blocks(codes.numel())
+                assert key not in seg.state
     sd = opt.state_dict()
-    precision = [sd["state"][i]["state_precision"] for i in range(len(sd["state"]))]
     sizes = [p.numel() for p in model.parameters()]
+    precision = [sd["state"][i]["state_precision"] for i in range(len(sizes))]
     assert precision == ["8bit" if n >= MIN_8BIT_NUMEL else "32bit" for n in sizes]
     assert precision.count("8bit") == 2
     for i, p in enumerate(model.parameters()):
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert sd["state"][i][key].dtype == torch.float32 and sd["state"][i][key].shape == p.shape
-        if precision[i] == "8bit":  # kept as codes, not as float32 views
-            assert "exp_avg" not in opt.state[p]
-    quantized = [seg for seg in opt.segments if seg.quantized]
-    for seg in quantized:
-        codes, absmax = seg.quantized_state["exp_avg"]
-        assert codes.dtype == torch.int8 and absmax.numel() == num_blocks(seg.weights.numel())
+        for key in MOMENTS[name]:
+            saved = sd["state"][i][key]
+            assert saved.dtype == torch.float32 and saved.shape == p.shape
+            if precision[i] == "8bit":  # values read back from the codes, not float32 views
+                _, codes, absmax = stored_state(opt, p, key)
+                assert torch.equal(saved.reshape(-1),
+                                   adamw8bit.dequantize(codes, absmax, torch.float32))
+                assert key not in opt.state[p]
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

@@ -210,20 +210,44 @@ def scenario_memory(rank, world, seed, shared):
     return result
 
 
+HIDDEN_CHECKPOINT = 81
+"""The checkpoint scenarios' model: fc1.weight has 13 x 81 = 1053 elements, five ALIGN slots,
+so its shard boundaries differ between W=2 (at 768) and W=3 (at 512 and 1024): a piece
+loaded at W=3 starts inside a saved piece and spans two of them."""
+
+
+def owned_pieces(opt) -> dict[int, list[tuple[int, int]]]:
+    """Per parameter index, ``(first element, count)`` of the pieces of its state this rank
+    holds (as checkpoints read and write them)."""
+    return {i: [(start, flat.numel()) for flat, start in opt._state_pieces(p, "exp_avg")]
+            for i, p in enumerate(opt._params())}
+
+
+def piece_starts(rank_results: list[dict], key: str) -> dict[int, set[int]]:
+    """Per parameter index, the first elements of the pieces (:func:`owned_pieces`, recorded
+    under ``key``) that the ranks of one launch held."""
+    starts: dict[int, set[int]] = {}
+    for result in rank_results:
+        for i, pieces in result[key]["pieces"].items():
+            starts.setdefault(i, set()).update(start for start, _ in pieces)
+    return starts
+
+
 def scenario_checkpoint_save(rank, world, seed, shared):
     """Stage 2 at W=2: saves mid-window (window 9, a num_items window, after one of its two
     micro-batches) through state_dict() and save_sharded(), then trains on uninterrupted.
     Then two saves that fail midway."""
     from memkern.optim import checkpoint
 
-    model = make_model(seed)
+    model = make_model(seed, HIDDEN_CHECKPOINT)
     opt = make_optimizer(model, "adamw", zero_stage=2)
     feed(opt, model, seed, rank, world, schedule(0, 9) + [(9, 0)])
     full = opt.state_dict()
     if rank == 0:
         torch.save({"model": model.state_dict(), "opt": full}, os.path.join(shared, "full.pt"))
     opt.save_sharded(os.path.join(shared, "sharded"))
-    saved = {"state": full["state"], "window": full["memkern"]["window"]}
+    saved = {"state": full["state"], "window": full["memkern"]["window"],
+             "pieces": owned_pieces(opt)}
     feed(opt, model, seed, rank, world, schedule(9, WINDOWS)[1:])
     uninterrupted = outcome(opt, model)
 
@@ -260,7 +284,7 @@ def scenario_checkpoint_load(rank, world, seed, shared):
     rest = schedule(9, WINDOWS)[1:]
     results = {}
     for how, stage in (("state_dict", 1), ("sharded", 2)):
-        model = make_model(seed + 1)
+        model = make_model(seed + 1, HIDDEN_CHECKPOINT)
         model.load_state_dict(checkpoint["model"])
         opt = make_optimizer(model, "adamw", zero_stage=stage)
         if how == "state_dict":
@@ -269,7 +293,8 @@ def scenario_checkpoint_load(rank, world, seed, shared):
             opt.load_sharded(os.path.join(shared, "sharded"))
             reloaded = opt.state_dict()
             results["reloaded"] = {"state": reloaded["state"],
-                                   "window": reloaded["memkern"]["window"]}
+                                   "window": reloaded["memkern"]["window"],
+                                   "pieces": owned_pieces(opt)}
         assert opt.micro_batches == 1
         feed(opt, model, seed, rank, world, rest)
         results[how] = outcome(opt, model)
@@ -616,7 +641,13 @@ def test_bytes_per_parameter_match_the_memory_model(runs, world):
 
 def test_checkpoint_saved_at_two_ranks_continues_at_three(runs):
     """Saved mid-window at W=2 (stage 2), loaded at W=3 into stage 1 (full state dict) and
-    stage 2 (torch.distributed.checkpoint): the same parameters as the uninterrupted run."""
+    stage 2 (torch.distributed.checkpoint): the same parameters as the uninterrupted run. A
+    parameter straddles shard boundaries that differ between W=2 and W=3, so the sharded load
+    reads pieces from inside saved pieces and joins pieces of two of them."""
+    saved_starts = piece_starts(runs[2]["checkpoint_save"], "saved")
+    loaded_starts = piece_starts(runs[3]["checkpoint_load"], "reloaded")
+    assert any(loaded_starts[i] - saved_starts[i] and saved_starts[i] - loaded_starts[i]
+               for i in saved_starts), (saved_starts, loaded_starts)
     uninterrupted = runs[2]["checkpoint_save"][0]["uninterrupted"]
     for rank, result in enumerate(runs[3]["checkpoint_load"]):
         for how in ("state_dict", "sharded"):

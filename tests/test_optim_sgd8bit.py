@@ -1,9 +1,9 @@
 """``state_precision="8bit"`` on FusedSGD and ShardedOptimizer(optimizer="sgd") (single
 process; the distributed cases are in test_optim_distributed.py): every step of the fused
 optimizer against per-parameter float64 oracles (the op's reference for 8-bit parameters,
-torch.optim.SGD for the float32 fallback), momentum 0, LR schedulers, memory. State dicts,
-training against torch, skipped steps, accumulation with loss scaling and clipping, and bad
-input: test_optim_8bit.py, parametrized over both optimizers."""
+torch.optim.SGD for the float32 fallback), momentum 0, LR schedulers, memory. The size
+threshold, state dicts, training against torch, skipped steps, accumulation with loss scaling
+and clipping, and bad input: test_optim_8bit.py, parametrized over both optimizers."""
 from __future__ import annotations
 
 import pytest
@@ -13,27 +13,13 @@ import flat_oracle as fo
 import memkern as mk
 from flat_oracle import assert_close64, f64
 from memkern.kernels.state8bit import QBLOCK, num_blocks
-from memkern.ops import adamw8bit
 from memkern.optim.flat_state import MIN_8BIT_NUMEL
 from memkern.optim.grad_buffer import ALIGN
-from net8bit import apply, gradient_steps, make_net
+from net8bit import apply, gradient_steps, make_net, stored_state
 
 HYPER = dict(lr=0.02, momentum=0.9, dampening=0.1, weight_decay=0.01)
 HYPER_VALUES = (HYPER["lr"], HYPER["momentum"], HYPER["dampening"], HYPER["weight_decay"],
                 False)
-
-
-def stored_momentum(opt, p: torch.Tensor):
-    """``("8bit", codes, absmax)`` or ``("32bit", buffer)``: ``p``'s slice of its segment's
-    momentum state (the blocks of a parameter start on a block boundary of its segment)."""
-    seg = next(s for s in opt.segments if any(q is p for q in s.params))
-    offset = seg.offsets[[q is p for q in seg.params].index(True)]
-    n = p.numel()
-    if seg.quantized:
-        codes, absmax = seg.quantized_state["momentum_buffer"]
-        assert offset % QBLOCK == 0
-        return "8bit", codes[offset:offset + n], absmax[offset // QBLOCK:][:num_blocks(n)]
-    return "32bit", seg.state["momentum_buffer"][offset:offset + n]
 
 
 def snapshot(opt, model):
@@ -44,7 +30,8 @@ def snapshot(opt, model):
             out.append((f64(p.reshape(-1)), None, torch.zeros(1)))
             continue
         master = opt.state[p].get("master_param", p).reshape(-1)
-        out.append((f64(master), [t.cpu().clone() for t in stored_momentum(opt, p)[1:]],
+        stored = stored_state(opt, p, "momentum_buffer")[1:]
+        out.append((f64(master), [t.cpu().clone() for t in stored],
                     opt.state[p]["step"].reshape(1).cpu().clone()))
     return out
 
@@ -66,7 +53,7 @@ def test_each_step_equals_the_float64_oracles_per_parameter():
         for i, (p, g, (master, state, step)) in enumerate(zip(model.parameters(), grads, before)):
             g = f64(g.to(p.dtype).reshape(-1))
             what = f"step {t}, param {i} ({kinds[i]})"
-            kind, *stored = stored_momentum(opt, p)
+            kind, *stored = stored_state(opt, p, "momentum_buffer")
             assert kind == kinds[i]
             mag_master, mag_buf = fo.sgd_magnitudes(
                 master, torch.zeros_like(master) if state is None else
@@ -87,31 +74,6 @@ def test_each_step_equals_the_float64_oracles_per_parameter():
             assert_close64(opt.state[p]["master_param"].reshape(-1), master, f"{what}: master",
                            magnitude=mag_master)
             assert torch.equal(p.reshape(-1), opt.state[p]["master_param"].reshape(-1).to(p.dtype))
-
-
-def test_small_tensors_stay_32bit_and_state_dict_says_which():
-    model = make_net(21)
-    opt = mk.optim.FusedSGD(model.parameters(), **HYPER, state_precision="8bit")
-    apply(model, opt, gradient_steps(model, 2))
-    for seg in opt.segments:  # each segment holds one kind only
-        assert {p.numel() >= MIN_8BIT_NUMEL for p in seg.params} == {seg.quantized}
-        if seg.quantized:
-            codes, absmax = seg.quantized_state["momentum_buffer"]
-            assert codes.dtype == torch.int8 and codes.numel() == seg.weights.numel()
-            assert absmax.dtype == torch.float32 and absmax.numel() == num_blocks(codes.numel())
-            assert "momentum_buffer" not in seg.state
-    sd = opt.state_dict()
-    sizes = [p.numel() for p in model.parameters()]
-    precision = [sd["state"][i]["state_precision"] for i in range(len(sizes))]
-    assert precision == ["8bit" if n >= MIN_8BIT_NUMEL else "32bit" for n in sizes]
-    for i, p in enumerate(model.parameters()):
-        buf = sd["state"][i]["momentum_buffer"]
-        assert buf.dtype == torch.float32 and buf.shape == p.shape
-        if precision[i] == "8bit":  # values read back from the codes
-            kind, codes, absmax = stored_momentum(opt, p)
-            expected = adamw8bit.dequantize(codes, absmax, torch.float32)
-            assert torch.equal(buf.reshape(-1), expected)
-            assert "momentum_buffer" not in opt.state[p]
 
 
 def test_momentum_zero_keeps_no_state_and_steps_as_32bit():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flat_oracle as fo
-from flat_oracle import assert_bits_equal, assert_close64, f64, scalar
+from flat_oracle import scalar
 from memkern import ops
 from memkern.kernels.state8bit import QBLOCK, SIGNED_CODES, num_blocks
 
@@ -28,37 +28,17 @@ VARIANTS = {
 }
 
 
-def run(backend: str, *args) -> None:
-    with ops.force(backend):
-        ops.sgd8bit_step_(*args)
-
-
 def random_state(n: int, dev) -> list[torch.Tensor]:
     """master, momentum codes, momentum absmax."""
     return fo.quantized_state(n, (torch.int8,), dev)
 
 
 def step_and_check(backend, dev, dtype, state, step, hyper, *, with_optionals, it):
-    n = state[0].numel()
-    g, params, mult_t, found_inf = fo.step_inputs(n, dtype, dev, with_optionals)
-    oracle = fo.oracle_state(state)
-    before_buf = fo.dequantize64(oracle[1], oracle[2])
-    step_before = step.item()
-    mag_master, mag_buf = fo.sgd_magnitudes(oracle[0], before_buf, f64(g), step.cpu(),
-                                            fo.cpu_clone(mult_t), hyper)
-    oracle_step = step.cpu().clone()
+    def magnitudes(master, moments, g, step_before, multiplier):
+        return fo.sgd_magnitudes(master, moments[0], g, step_before, multiplier, hyper)
 
-    run(backend, *state, g.to(dev, copy=True), params, step, mult_t, found_inf, *hyper)
-    ops.sgd8bit_step_.reference(*oracle, f64(g), None, oracle_step, fo.cpu_clone(mult_t),
-                                fo.cpu_clone(found_inf), *hyper)
-
-    what = f"sgd8bit_step_ {dtype} n={n} step {step_before:.0f} {hyper} (call {it})"
-    assert_close64(state[0], oracle[0], f"{what}: master", magnitude=mag_master)
-    fo.assert_codes_close(state[1], oracle[1], f"{what}: momentum codes")
-    assert_close64(state[2], oracle[2], f"{what}: momentum_absmax", magnitude=fo.block_max(mag_buf))
-    assert step.item() == step_before + 1 == oracle_step.item()
-    if params is not None:  # written from the float32 master in the same pass: bit-exact
-        assert_bits_equal(params, state[0].to(dtype), f"{what}: params")
+    fo.check_8bit_step("sgd8bit_step_", backend, dev, dtype, state, step, hyper, ("momentum",),
+                       magnitudes, with_optionals=with_optionals, it=it)
 
 
 @pytest.mark.parametrize("start", ["first", "later"])

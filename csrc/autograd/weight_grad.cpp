@@ -1,6 +1,7 @@
 // See weight_grad.h.
 #include "weight_grad.h"
 
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -65,8 +66,15 @@ bool accumulation_watched(const at::Tensor& weight) {
 }
 
 // One read-only zero per dtype and device: a fresh one would be a fill launch per call.
-// Never freed (a static destructor could run after the CUDA context is gone).
-const at::Tensor& cached_zero(const at::TensorOptions& options) {
+// Never freed (a static destructor could run after the CUDA context is gone). Under a Python
+// dispatch mode (FakeTensorMode: memkern.profile's planner) or for a tensor subclass the zero
+// is made fresh: a cached one would belong to another mode, or be real among fake tensors.
+at::Tensor cached_zero(const at::Tensor& like) {
+  const at::TensorOptions options = like.options();
+  if (like.key_set().has(c10::DispatchKey::Python) ||
+      c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+    return at::zeros({}, options);
+  }
   static auto* zeros = new std::map<std::tuple<int, int, int>, at::Tensor>();
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
@@ -91,7 +99,7 @@ at::Tensor weight_grad(const at::Tensor& weight, const at::Tensor& a, const at::
   if (!accumulation_watched(weight)) {
     return {};  // the engine skips the node: no `grad += 0` pass over the gradient
   }
-  return cached_zero(grad.options()).expand(grad.sizes());
+  return cached_zero(grad).expand(grad.sizes());
 }
 
 }  // namespace memkern::autograd

@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -16,28 +17,23 @@
 namespace memkern::cpu {
 namespace {
 
-// The largest abs_bits of a block's m and v (state8bit.h).
-struct MomentAbsmaxBits {
-  int32_t m;
-  int32_t v;
-};
-
 // Dequantize, update and write back n <= kQBlock elements into m and sqrt_v (the inputs of the
-// codes); returns the block's absmax bits. Two loops, the moments then the master: one loop
-// does the same work, but its chain of dependent instructions (dequantization, moments, root,
-// division, 16-bit rounding) is longer than the core's out-of-order window can overlap: on
-// one thread of the AMD EPYC host, in cache, the op took 1.85 ns per element with bfloat16
-// params against 1.65 for the two loops (fp32 1.48 against 1.44). kLerpFromEnd is
+// codes); returns the largest abs_bits of m and of v. Two loops, the moments then the master:
+// one loop does the same work, but its chain of dependent instructions (dequantization,
+// moments, root, division, 16-bit rounding) is longer than the core's out-of-order window can
+// overlap: on one thread of the AMD EPYC host, in cache, the op took 1.85 ns per element with
+// bfloat16 params against 1.65 for the two loops (fp32 1.48 against 1.44). kLerpFromEnd is
 // c.lerp_from_end fixed at compile time: GCC vectorises these loops only without the run-time
 // select, which it does not hoist out of a loop this large by itself.
 template <bool kLerpFromEnd, typename grad_t, typename param_t>
-MEMKERN_INLINE MomentAbsmaxBits update_block(float* __restrict master,
-                                             const int8_t* __restrict m_codes,
-                                             const uint8_t* __restrict v_codes, float m_scale,
-                                             float v_scale, const grad_t* __restrict grads,
-                                             param_t* __restrict params, AdamWCoefficients c,
-                                             float* __restrict m, float* __restrict sqrt_v,
-                                             int64_t n) {
+MEMKERN_INLINE std::array<int32_t, 2> update_block(float* __restrict master,
+                                                   const int8_t* __restrict m_codes,
+                                                   const uint8_t* __restrict v_codes,
+                                                   float m_scale, float v_scale,
+                                                   const grad_t* __restrict grads,
+                                                   param_t* __restrict params,
+                                                   AdamWCoefficients c, float* __restrict m,
+                                                   float* __restrict sqrt_v, int64_t n) {
   c.lerp_from_end = kLerpFromEnd;
   int32_t m_bits = 0;
   int32_t v_bits = 0;
@@ -58,35 +54,23 @@ MEMKERN_INLINE MomentAbsmaxBits update_block(float* __restrict master,
   return {m_bits, v_bits};
 }
 
-// One quantization block: update_qblocks' BlockUpdate for AdamW (state8bit.h).
+// AdamW's part of update_qblock (state8bit.h): m staged as itself, v as its root.
 template <bool kLerpFromEnd, typename grad_t, typename param_t>
-struct AdamW8bitBlock {
+struct AdamW8bitUpdate {
   float* master;
-  int8_t* m_codes;
-  float* m_absmax;
-  uint8_t* v_codes;
-  float* v_absmax;
+  const int8_t* m_codes;
+  const float* m_absmax;
+  const uint8_t* v_codes;
+  const float* v_absmax;
   const grad_t* grads;
   param_t* params;
   AdamWCoefficients c;
 
-  // The n <= kQBlock elements of block b: the update, then both moments' codes in one loop
-  // (m's root and v's interleave with each other's other instructions).
-  MEMKERN_INLINE void operator()(int64_t b, int64_t n) const {
-    alignas(64) float m[kQBlock];
-    alignas(64) float sqrt_v[kQBlock];
-    const int64_t begin = b * kQBlock;
-    const MomentAbsmaxBits bits = update_block<kLerpFromEnd>(
-        master + begin, m_codes + begin, v_codes + begin, m_absmax[b], v_absmax[b],
-        grads + begin, params_from(params, begin), c, m, sqrt_v, n);
-    const float m_factor = signed_code_factor(bits.m, m, n, m_absmax + b);
-    const float v_factor = unsigned_code_factor(bits.v, sqrt_v, n, v_absmax + b);
-    int8_t* __restrict m_out = m_codes + begin;
-    uint8_t* __restrict v_out = v_codes + begin;
-    for (int64_t i = 0; i < n; ++i) {
-      m_out[i] = signed_code(m[i], m_factor);
-      v_out[i] = unsigned_code(sqrt_v[i], v_factor);
-    }
+  MEMKERN_INLINE std::array<int32_t, 2> operator()(int64_t b, int64_t begin, int64_t n,
+                                                   const std::array<float*, 2>& staged) const {
+    return update_block<kLerpFromEnd>(master + begin, m_codes + begin, v_codes + begin,
+                                      m_absmax[b], v_absmax[b], grads + begin,
+                                      params_from(params, begin), c, staged[0], staged[1], n);
   }
 };
 
@@ -107,12 +91,15 @@ void adamw8bit_step_cpu(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp
     using grad_t = std::decay_t<decltype(*g)>;
     using param_t = std::remove_pointer_t<decltype(p)>;
     const auto run = [&](auto lerp_from_end) {
+      auto* m_codes = static_cast<int8_t*>(exp_avg.data_ptr());
+      auto* v_codes = static_cast<uint8_t*>(exp_avg_sq.data_ptr());
+      float* m_absmax = exp_avg_absmax.data_ptr<float>();
+      float* v_absmax = exp_avg_sq_absmax.data_ptr<float>();
       parallel_update_qblocks(
           master.numel(),
-          AdamW8bitBlock<decltype(lerp_from_end)::value, grad_t, param_t>{
-              master.data_ptr<float>(), static_cast<int8_t*>(exp_avg.data_ptr()),
-              exp_avg_absmax.data_ptr<float>(), static_cast<uint8_t*>(exp_avg_sq.data_ptr()),
-              exp_avg_sq_absmax.data_ptr<float>(), g, p, c});
+          AdamW8bitUpdate<decltype(lerp_from_end)::value, grad_t, param_t>{
+              master.data_ptr<float>(), m_codes, m_absmax, v_codes, v_absmax, g, p, c},
+          QMoment<int8_t>{m_codes, m_absmax}, QMoment<uint8_t>{v_codes, v_absmax});
     };
     if (c.lerp_from_end) {
       run(std::true_type{});

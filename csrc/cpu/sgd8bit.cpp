@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstdint>
 #include <type_traits>
 
@@ -32,25 +33,21 @@ MEMKERN_INLINE void update_block(float* __restrict master, const int8_t* __restr
   }
 }
 
-// One quantization block: update_qblocks' BlockUpdate for SGD (state8bit.h).
+// SGD's part of update_qblock (state8bit.h): the momentum buffer staged as itself.
 template <typename grad_t, typename param_t>
-struct Sgd8bitBlock {
+struct Sgd8bitUpdate {
   float* master;
-  int8_t* codes;
-  float* absmax;
+  const int8_t* codes;
+  const float* absmax;
   const grad_t* grads;
   param_t* params;
   SgdCoefficients c;
 
-  // The n <= kQBlock elements of block b.
-  MEMKERN_INLINE void operator()(int64_t b, int64_t n) const {
-    alignas(64) float buf[kQBlock];
-    const int64_t begin = b * kQBlock;
+  MEMKERN_INLINE std::array<int32_t, 1> operator()(int64_t b, int64_t begin, int64_t n,
+                                                   const std::array<float*, 1>& staged) const {
     update_block(master + begin, codes + begin, absmax[b], grads + begin,
-                 params_from(params, begin), c, buf, n);
-    const float factor = signed_code_factor(absmax_bits(buf, n), buf, n, absmax + b);
-    int8_t* __restrict out = codes + begin;
-    for (int64_t i = 0; i < n; ++i) out[i] = signed_code(buf[i], factor);
+                 params_from(params, begin), c, staged[0], n);
+    return {absmax_bits(staged[0], n)};
   }
 };
 
@@ -70,11 +67,12 @@ void sgd8bit_step_cpu(at::Tensor& master, at::Tensor& momentum_buffer,
   with_grad_and_param_data(grads, params, [&](const auto* g, auto* p) {
     using grad_t = std::decay_t<decltype(*g)>;
     using param_t = std::remove_pointer_t<decltype(p)>;
+    auto* codes = static_cast<int8_t*>(momentum_buffer.data_ptr());
+    float* absmax = momentum_absmax.data_ptr<float>();
     parallel_update_qblocks(
         master.numel(),
-        Sgd8bitBlock<grad_t, param_t>{master.data_ptr<float>(),
-                                      static_cast<int8_t*>(momentum_buffer.data_ptr()),
-                                      momentum_absmax.data_ptr<float>(), g, p, c});
+        Sgd8bitUpdate<grad_t, param_t>{master.data_ptr<float>(), codes, absmax, g, p, c},
+        QMoment<int8_t>{codes, absmax});
   });
   *step.data_ptr<float>() = step_before + 1.0f;
 }

@@ -117,6 +117,25 @@ cudaError_t launch_step(int64_t n, DType grads_dtype, const void* params, DType 
   return launch_advance_step(step, found_inf, stream);
 }
 
+// The launch of an 8-bit step kernel, whose parameters are (master, state..., grads, params,
+// n, step, grad_multiplier, found_inf, constants): kernel_for(grads_tag, params_tag) names its
+// instantiation for the buffers' dtypes, `state` are its codes and absmax buffers.
+template <typename KernelFor, typename Constants, typename... State>
+cudaError_t launch_qblock_step(const KernelFor& kernel_for, float* master, const void* grads,
+                               DType grads_dtype, void* params, DType params_dtype, int64_t n,
+                               float* step, const float* grad_multiplier,
+                               const float* found_inf, const Constants& constants,
+                               cudaStream_t stream, State*... state) {
+  const auto launch = [&](auto grads_tag, auto params_tag) {
+    using G = typename decltype(grads_tag)::type;
+    using P = typename decltype(params_tag)::type;
+    return launch_elementwise(kernel_for(grads_tag, params_tag), n, stream, master, state...,
+                              static_cast<const G*>(grads), static_cast<P*>(params), n, step,
+                              grad_multiplier, found_inf, constants);
+  };
+  return launch_step(n, grads_dtype, params, params_dtype, step, found_inf, stream, launch);
+}
+
 device::AdamWConstants adamw_constants(double lr, double beta1, double beta2, double eps,
                                        double weight_decay) {
   const math::AdamWHyper hyper{lr, beta1, beta2, eps, weight_decay};
@@ -196,16 +215,14 @@ cudaError_t adamw8bit_step(float* master, int8_t* exp_avg, float* exp_avg_absmax
                            float* step, const float* grad_multiplier, const float* found_inf,
                            double lr, double beta1, double beta2, double eps,
                            double weight_decay, cudaStream_t stream) {
-  const device::AdamWConstants constants = adamw_constants(lr, beta1, beta2, eps, weight_decay);
-  const auto launch = [&](auto grads_tag, auto params_tag) {
-    using G = typename decltype(grads_tag)::type;
-    using P = typename decltype(params_tag)::type;
-    return launch_elementwise(device::adamw8bit_step_kernel<G, P>, n, stream, master, exp_avg,
-                              exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
-                              static_cast<const G*>(grads), static_cast<P*>(params), n, step,
-                              grad_multiplier, found_inf, constants);
+  const auto kernel_for = [](auto grads_tag, auto params_tag) {
+    return device::adamw8bit_step_kernel<typename decltype(grads_tag)::type,
+                                         typename decltype(params_tag)::type>;
   };
-  return launch_step(n, grads_dtype, params, params_dtype, step, found_inf, stream, launch);
+  return launch_qblock_step(kernel_for, master, grads, grads_dtype, params, params_dtype, n,
+                            step, grad_multiplier, found_inf,
+                            adamw_constants(lr, beta1, beta2, eps, weight_decay), stream,
+                            exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax);
 }
 
 cudaError_t sgd_step(float* master, float* momentum_buffer, const void* grads,
@@ -243,17 +260,14 @@ cudaError_t sgd8bit_step(float* master, int8_t* momentum_buffer, float* momentum
   if (momentum <= 0.0) {
     return cudaErrorInvalidValue;  // without momentum there is no state: sgd_step
   }
-  const device::SGDConstants constants =
-      sgd_constants(lr, momentum, dampening, weight_decay, nesterov);
-  const auto launch = [&](auto grads_tag, auto params_tag) {
-    using G = typename decltype(grads_tag)::type;
-    using P = typename decltype(params_tag)::type;
-    return launch_elementwise(device::sgd8bit_step_kernel<G, P>, n, stream, master,
-                              momentum_buffer, momentum_absmax, static_cast<const G*>(grads),
-                              static_cast<P*>(params), n, step, grad_multiplier, found_inf,
-                              constants);
+  const auto kernel_for = [](auto grads_tag, auto params_tag) {
+    return device::sgd8bit_step_kernel<typename decltype(grads_tag)::type,
+                                       typename decltype(params_tag)::type>;
   };
-  return launch_step(n, grads_dtype, params, params_dtype, step, found_inf, stream, launch);
+  return launch_qblock_step(kernel_for, master, grads, grads_dtype, params, params_dtype, n,
+                            step, grad_multiplier, found_inf,
+                            sgd_constants(lr, momentum, dampening, weight_decay, nesterov),
+                            stream, momentum_buffer, momentum_absmax);
 }
 
 }  // namespace memkern::flat_ops

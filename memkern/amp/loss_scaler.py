@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memkern import ops
+from memkern._fake import is_fake
 
 if TYPE_CHECKING:
     from memkern.optim.grad_buffer import GradBuffer
@@ -39,11 +40,15 @@ class _HostMirror:
 
     :meth:`poll` returns the newest value that has reached the host since the previous poll,
     or None when the copy in flight has not landed yet (CUDA); then it starts the next copy.
+    A fake tensor (:mod:`memkern._fake`) has no value: its poll is always None.
     """
 
     def __init__(self, src: torch.Tensor) -> None:
         self._src = src
         self._cuda = src.device.type == "cuda"
+        self._numpy = None
+        if is_fake(src):
+            return
         if src.device.type == "cpu":
             self._host = src  # already host memory: read in place
         else:
@@ -55,6 +60,8 @@ class _HostMirror:
         self._in_flight = False
 
     def poll(self) -> int | None:
+        if self._numpy is None:
+            return None
         if self._host is self._src:
             return int(self._numpy[0])
         if not self._cuda:  # another device: a plain (waiting) copy

@@ -18,6 +18,9 @@ memkern-full           memkern modules, bf16 parameters, the flat bf16 gradient 
 memkern-full-ckpt      memkern-full with every transformer block under ``memkern.checkpoint``
 memkern-full-8bit      memkern-full with ``state_precision="8bit"`` (block-wise 8-bit Adam
                        moments for parameters of >= 4096 elements)
+memkern-fit            memkern-full with each block's recomputation chosen by
+                       :func:`memkern.fit` so that the step fits ``memory_budget`` on the
+                       device (``memkern bench --memory-budget``); not in the default set
 =====================  ====================================================================
 
 ``compile=True`` puts the memkern configurations' forward under ``torch.compile`` too (their
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Callable
 
 import torch
@@ -35,7 +39,10 @@ import memkern
 from memkern.bench.model import GPT, GPTConfig
 
 CONFIGS = ("torch-fp32", "torch-amp", "torch-amp-compiled", "torch-amp-compiled-budget",
-           "memkern-modules", "memkern-full", "memkern-full-ckpt", "memkern-full-8bit")
+           "memkern-modules", "memkern-full", "memkern-full-ckpt", "memkern-full-8bit",
+           "memkern-fit")
+DEFAULT_CONFIGS = CONFIGS[:-1]
+"""What ``memkern bench`` runs by default: memkern-fit needs a memory budget."""
 BASELINE = "torch-amp"
 LR, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-3, 0.01, 1.0
 MEMORY_BUDGET = 0.5
@@ -123,13 +130,18 @@ def _compile_forward(model: GPT, memory_budget: float | None = None) -> None:
 
 
 def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0, *,
-          compile: bool = False, param_dtype: torch.dtype = torch.bfloat16) -> Setup:
+          compile: bool = False, param_dtype: torch.dtype = torch.bfloat16,
+          batch: int | None = None, memory_budget: int | str | None = None) -> Setup:
     """The configuration ``name`` on ``device``, from a model initialised with ``seed``;
     ``compile``: the memkern configurations' forward under ``torch.compile``;
     ``param_dtype``: the memkern-full configurations' parameter dtype (float32 takes bfloat16's
-    rounding out of a comparison of their optimizers)."""
+    rounding out of a comparison of their optimizers); ``batch`` and ``memory_budget``
+    (bytes, or "3GiB"): memkern-fit's step and budget."""
     if name not in CONFIGS:
         raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
+    if name == "memkern-fit" and (memory_budget is None or batch is None):
+        raise ValueError("memkern-fit needs a memory budget (memkern bench --memory-budget, "
+                         "e.g. 3GiB) and the batch size")
     torch.manual_seed(seed)
     model = GPT(cfg).to(device)
     nothing = contextlib.nullcontext
@@ -153,12 +165,21 @@ def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0, *,
 
     _memkern_modules(model, checkpoint=name == "memkern-full-ckpt")
     model.to(param_dtype)
+
+    def make_optimizer(params):
+        return memkern.optim.ShardedOptimizer(
+            params, "adamw", lr=LR, weight_decay=WEIGHT_DECAY, loss_scale="dynamic",
+            max_grad_norm=MAX_GRAD_NORM,
+            state_precision="8bit" if name == "memkern-full-8bit" else "32bit")
+
+    if name == "memkern-fit":
+        tokens = torch.zeros(batch, cfg.seq, dtype=torch.long, device=device)
+        report = memkern.fit(model, (tokens, tokens), memory_budget, optimizer=make_optimizer,
+                             device=device.type)
+        print("\n".join(str(report).splitlines()[:3]), file=sys.stderr)
     if compile:
         _compile_forward(model)
-    optimizer = memkern.optim.ShardedOptimizer(
-        model.parameters(), "adamw", lr=LR, weight_decay=WEIGHT_DECAY,
-        loss_scale="dynamic", max_grad_norm=MAX_GRAD_NORM,
-        state_precision="8bit" if name == "memkern-full-8bit" else "32bit")
+    optimizer = make_optimizer(model.parameters())
 
     def step(x: torch.Tensor, y: torch.Tensor, after_backward=None) -> torch.Tensor:
         loss = model(x, y)

@@ -1,4 +1,4 @@
-"""A PNG bar chart of memory by component for each configuration."""
+"""PNG bar charts: memory by component for each configuration."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -14,23 +14,21 @@ COMPONENTS = (
 )
 
 
-def memory_chart(rows: Sequence[Row], path: str, title: str) -> None:
-    """Stacked bars (MiB) of each row's memory components, with its measured peak marked."""
+def stacked_bars(names: Sequence[str], components: Sequence[tuple[str, Sequence[float], str]],
+                 marks: Sequence[float], mark_label: str, path: str, title: str) -> None:
+    """One stacked bar (MiB) per name: ``components`` are (label, height per name, colour);
+    ``marks`` a black tick per bar (a peak), labelled ``mark_label``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mib = 1 << 20
-    fig, ax = plt.subplots(figsize=(1.8 * len(rows) + 3, 4.5), dpi=110)
-    names = [r.config for r in rows]
-    bottoms = [0.0] * len(rows)
-    for label, field, color in COMPONENTS:
-        heights = [getattr(r, field) / mib for r in rows]
+    fig, ax = plt.subplots(figsize=(1.8 * len(names) + 3, 4.5), dpi=110)
+    bottoms = [0.0] * len(names)
+    for label, heights, color in components:
         ax.bar(names, heights, bottom=bottoms, label=label, color=color)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
-    ax.scatter(names, [r.peak_bytes / mib for r in rows], marker="_", s=900, color="black",
-               label="measured peak", zorder=3)
+    ax.scatter(names, marks, marker="_", s=900, color="black", label=mark_label, zorder=3)
     ax.set_ylabel("MiB")
     ax.set_title(title)
     ax.legend(fontsize=8, loc="upper right")
@@ -38,3 +36,12 @@ def memory_chart(rows: Sequence[Row], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def memory_chart(rows: Sequence[Row], path: str, title: str) -> None:
+    """Stacked bars (MiB) of each row's memory components, with its measured peak marked."""
+    mib = 1 << 20
+    stacked_bars([r.config for r in rows],
+                 [(label, [getattr(r, field) / mib for r in rows], color)
+                  for label, field, color in COMPONENTS],
+                 [r.peak_bytes / mib for r in rows], "measured peak", path, title)

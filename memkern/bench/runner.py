@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -79,9 +80,11 @@ def _sync(device: torch.device) -> None:
 
 
 def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: int,
-        device: torch.device, seed: int = 0, progress: bool = True, compile: bool = False) -> Row:
+        device: torch.device, seed: int = 0, progress: bool = True, compile: bool = False,
+        memory_budget: int | str | None = None) -> Row:
     """Trains configuration ``name`` for ``steps`` steps (batch × cfg.seq tokens each);
-    ``compile``: the memkern configurations compiled (their rows are named ``<name>+compile``).
+    ``compile``: the memkern configurations compiled (their rows are named ``<name>+compile``);
+    ``memory_budget``: memkern-fit's.
 
     Step 0 warms up (first allocations, lazy initialisation, compilation); step 1 is measured
     for memory (under the profiler on CPU, so it is left out of the timing); up to
@@ -89,11 +92,16 @@ def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: i
     rest is reported.
     """
     first_timed = 2 + max(0, min(EXTRA_WARMUP_STEPS, steps - 3))
+    # The previous configuration's model and optimizer sit in reference cycles until a
+    # garbage collection: collected here, not in the middle of this run, where the memory
+    # they free would lower this configuration's peak above its starting level.
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    setup = build(name, cfg, device, seed, compile=compile)
+    setup = build(name, cfg, device, seed, compile=compile, batch=batch,
+                  memory_budget=memory_budget)
     if compile and name.startswith("memkern"):
         name = f"{name}+compile"
     batches = Batches(corpus, batch, cfg.seq, seed=seed, device=device)

@@ -12,11 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from memkern.kernels import _common
-from memkern.kernels._common import load_grads_and_master, store_master_and_params
+from memkern.kernels._common import store_master_and_params
 from memkern.kernels.adamw import adamw_update, hyper_args
-from memkern.kernels.quantize8bit import block_tile, load_state, store_state
-from memkern.kernels.state8bit import QBLOCK, num_blocks
+from memkern.kernels.quantize8bit import (launch_qblock_step, load_qblocks, load_state,
+                                          store_state)
 
 
 @triton.jit
@@ -28,12 +27,9 @@ def _adamw8bit_kernel(
     HAS_PARAMS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
     LERP_SMALL_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
 ):
-    ROWS: tl.constexpr = BLOCK // QBLOCK
-    rows, offs, row_mask, valid = block_tile(n, n_blocks, found_inf_ptr, HAS_FOUND_INF, ROWS,
-                                             QBLOCK)
-
-    g, master = load_grads_and_master(grads_ptr, grad_multiplier_ptr, master_ptr, offs, valid,
-                                      HAS_MULTIPLIER)
+    rows, offs, row_mask, valid, g, master = load_qblocks(
+        master_ptr, grads_ptr, grad_multiplier_ptr, found_inf_ptr, n, n_blocks, HAS_MULTIPLIER,
+        HAS_FOUND_INF, BLOCK, QBLOCK)
     m = load_state(exp_avg_ptr, exp_avg_absmax_ptr, rows, offs, row_mask, valid, True)
     v = load_state(exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, rows, offs, row_mask, valid, False)
 
@@ -45,30 +41,13 @@ def _adamw8bit_kernel(
     store_state(v, exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, rows, offs, row_mask, valid, False)
     store_master_and_params(master, master_ptr, params_ptr, offs, valid, HAS_PARAMS)
 
+
 def adamw8bit_step_(master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, grads,
                     params, step, grad_multiplier, found_inf, lr, beta1, beta2, eps,
                     weight_decay) -> None:
-    op = "adamw8bit_step_"
-    n = master.numel()
-    blocks = num_blocks(n)
-    _common.check_step_args(op, master, grads, params, step, grad_multiplier, found_inf)
-    _common.check_buffer(op, "exp_avg", exp_avg, (torch.int8,), n)
-    _common.check_buffer(op, "exp_avg_sq", exp_avg_sq, (torch.uint8,), n)
-    _common.check_buffer(op, "exp_avg_absmax", exp_avg_absmax, _common.STATE_DTYPES, blocks)
-    _common.check_buffer(op, "exp_avg_sq_absmax", exp_avg_sq_absmax, _common.STATE_DTYPES,
-                         blocks)
-
     scalars, flags = hyper_args(lr, beta1, beta2, eps, weight_decay)
-    step_args, step_flags = _common.step_pointers(master, params, step, grad_multiplier, found_inf)
-    with _common.device_guard(master):
-        if n > 0:
-            _adamw8bit_kernel[_common.grid(n)](
-                master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, grads,
-                *step_args,
-                n, blocks, *scalars,
-                **step_flags,
-                BLOCK=_common.BLOCK, QBLOCK=QBLOCK,
-                num_warps=_common.NUM_WARPS,
-                **flags,
-            )
-        _common.advance_step_(step, found_inf)
+    launch_qblock_step(
+        "adamw8bit_step_", _adamw8bit_kernel, master,
+        [("exp_avg", exp_avg, torch.int8, "exp_avg_absmax", exp_avg_absmax),
+         ("exp_avg_sq", exp_avg_sq, torch.uint8, "exp_avg_sq_absmax", exp_avg_sq_absmax)],
+        grads, params, step, grad_multiplier, found_inf, scalars, **flags)

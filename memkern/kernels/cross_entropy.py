@@ -37,12 +37,16 @@ def _ce_kernel(z_ptr, t_ptr, s_ptr, loss_ptr, V, ignore_index, eps, eps_over_v, 
         mask = cols < V
         z = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(z, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        # Shift by 0 while every logit so far is -inf (exp(-inf - -inf) would be NaN): s is 0
+        # then, and exp(z - 0) = 0 for the -inf logits.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), axis=0)
         zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
         m = m_new
     lse = m + tl.log(s)
     z_t = tl.load(z_row + t_safe).to(tl.float32)
-    loss = lse - tl.where(in_range, one_minus_eps * z_t, 0.0) - eps * (zsum / V)
+    smoothing = tl.where(eps > 0.0, eps * (zsum / V), 0.0)  # 0, not 0 * -inf, without it
+    loss = lse - tl.where(in_range, one_minus_eps * z_t, 0.0) - smoothing
     tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
     if COMPUTE_GRAD:
         scale = tl.where(valid, 1.0, 0.0)

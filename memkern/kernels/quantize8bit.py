@@ -2,14 +2,20 @@
 map defined and justified in :mod:`memkern.ops.adamw8bit`), shared by every 8-bit optimizer
 kernel: a program holds its elements as a ``[rows, QBLOCK]`` tile, one row per quantization
 block, so a block's absmax is a row reduction in registers.
+
+An 8-bit step kernel is :func:`load_qblocks` (the tile, gradients, master), :func:`load_state`
+per moment, the optimizer's update, :func:`store_state` per moment and
+``store_master_and_params``; :func:`launch_qblock_step` checks its arguments and launches it.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from memkern.kernels._common import load_splat
-from memkern.kernels.state8bit import SIGNED_CODES, UNSIGNED_CODES
+from memkern.kernels import _common
+from memkern.kernels._common import load_grads_and_master, load_splat
+from memkern.kernels.state8bit import QBLOCK, SIGNED_CODES, UNSIGNED_CODES, num_blocks
 
 
 @triton.jit
@@ -27,6 +33,20 @@ def block_tile(n, n_blocks, found_inf_ptr, HAS_FOUND_INF: tl.constexpr, ROWS: tl
         row_mask = row_mask & (skip == 0)
         valid = valid & (skip[:, None] == 0)
     return rows, offs, row_mask, valid
+
+
+@triton.jit
+def load_qblocks(master_ptr, grads_ptr, grad_multiplier_ptr, found_inf_ptr, n, n_blocks,
+                 HAS_MULTIPLIER: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+                 BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
+    """This program's ``BLOCK`` elements as :func:`block_tile`'s ``(rows, offs, row_mask,
+    valid)`` ``[BLOCK // QBLOCK, QBLOCK]`` tile, followed by its gradients (times
+    ``*grad_multiplier`` when ``HAS_MULTIPLIER``) and float32 master weights."""
+    rows, offs, row_mask, valid = block_tile(n, n_blocks, found_inf_ptr, HAS_FOUND_INF,
+                                             BLOCK // QBLOCK, QBLOCK)
+    g, master = load_grads_and_master(grads_ptr, grad_multiplier_ptr, master_ptr, offs, valid,
+                                      HAS_MULTIPLIER)
+    return rows, offs, row_mask, valid, g, master
 
 
 # Both directions as the CPU kernel computes them (csrc/cpu/state8bit.h, where the closed form
@@ -109,3 +129,34 @@ def store_state(x, codes_ptr, absmax_ptr, rows, offs, row_mask, valid, SIGNED: t
     else:
         tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=valid)
     tl.store(absmax_ptr + rows, absmax, mask=row_mask)
+
+
+def launch_qblock_step(op: str, kernel, master: torch.Tensor,
+                       moments: list[tuple[str, torch.Tensor, torch.dtype, str, torch.Tensor]],
+                       grads: torch.Tensor, params: torch.Tensor | None, step: torch.Tensor,
+                       grad_multiplier: torch.Tensor | None, found_inf: torch.Tensor | None,
+                       scalars: tuple, **constexprs) -> None:
+    """Checks the arguments of 8-bit step op ``op`` and runs its ``kernel``, then advances
+    ``step`` (unless ``found_inf`` is set).
+
+    ``moments``: per moment ``(codes name, codes, codes dtype, absmax name, absmax)``. The
+    kernel takes ``(master, codes, absmax, ... per moment, grads, params, step,
+    grad_multiplier, found_inf, n, n_blocks, *scalars)`` and the constexprs ``HAS_PARAMS``,
+    ``HAS_MULTIPLIER``, ``HAS_FOUND_INF``, ``BLOCK``, ``QBLOCK`` and ``constexprs``."""
+    n = master.numel()
+    blocks = num_blocks(n)
+    _common.check_step_args(op, master, grads, params, step, grad_multiplier, found_inf)
+    state = []
+    for codes_name, codes, codes_dtype, absmax_name, absmax in moments:
+        _common.check_buffer(op, codes_name, codes, (codes_dtype,), n)
+        _common.check_buffer(op, absmax_name, absmax, _common.STATE_DTYPES, blocks)
+        state += [codes, absmax]
+    step_args, step_flags = _common.step_pointers(master, params, step, grad_multiplier, found_inf)
+    with _common.device_guard(master):
+        if n > 0:
+            kernel[_common.grid(n)](
+                master, *state, grads, *step_args, n, blocks, *scalars,
+                **step_flags, BLOCK=_common.BLOCK, QBLOCK=QBLOCK,
+                num_warps=_common.NUM_WARPS, **constexprs,
+            )
+        _common.advance_step_(step, found_inf)

@@ -13,10 +13,10 @@ import triton
 import triton.language as tl
 
 from memkern.kernels import _common
-from memkern.kernels._common import load_grads_and_master, load_splat, store_master_and_params
-from memkern.kernels.quantize8bit import block_tile, load_state, store_state
+from memkern.kernels._common import load_splat, store_master_and_params
+from memkern.kernels.quantize8bit import (launch_qblock_step, load_qblocks, load_state,
+                                          store_state)
 from memkern.kernels.sgd import sgd_update
-from memkern.kernels.state8bit import QBLOCK, num_blocks
 
 
 @triton.jit
@@ -27,14 +27,11 @@ def _sgd8bit_kernel(
     HAS_MULTIPLIER: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr,
     QBLOCK: tl.constexpr,
 ):
-    ROWS: tl.constexpr = BLOCK // QBLOCK
-    rows, offs, row_mask, valid = block_tile(n, n_blocks, found_inf_ptr, HAS_FOUND_INF, ROWS,
-                                             QBLOCK)
-
-    d, master = load_grads_and_master(grads_ptr, grad_multiplier_ptr, master_ptr, offs, valid,
-                                      HAS_MULTIPLIER)
+    rows, offs, row_mask, valid, d, master = load_qblocks(
+        master_ptr, grads_ptr, grad_multiplier_ptr, found_inf_ptr, n, n_blocks, HAS_MULTIPLIER,
+        HAS_FOUND_INF, BLOCK, QBLOCK)
     buf = load_state(codes_ptr, absmax_ptr, rows, offs, row_mask, valid, True)
-    first = (load_splat(step_ptr, ROWS) == 0)[:, None]
+    first = (load_splat(step_ptr, BLOCK // QBLOCK) == 0)[:, None]
 
     master, buf = sgd_update(master, buf, d, first, lr, momentum, one_minus_dampening,
                              weight_decay, True, HAS_WEIGHT_DECAY, NESTEROV)
@@ -42,31 +39,18 @@ def _sgd8bit_kernel(
     store_state(buf, codes_ptr, absmax_ptr, rows, offs, row_mask, valid, True)
     store_master_and_params(master, master_ptr, params_ptr, offs, valid, HAS_PARAMS)
 
+
 def sgd8bit_step_(master, momentum_buffer, momentum_absmax, grads, params, step,
                   grad_multiplier, found_inf, lr, momentum, dampening, weight_decay,
                   nesterov) -> None:
     op = "sgd8bit_step_"
-    n = master.numel()
-    blocks = num_blocks(n)
-    _common.check_step_args(op, master, grads, params, step, grad_multiplier, found_inf)
     if not momentum > 0.0:
         raise ValueError(f"memkern.{op} (triton): momentum must be > 0, got {momentum}; "
                          "use sgd_step_ without a momentum buffer")
-    _common.check_buffer(op, "momentum_buffer", momentum_buffer, (torch.int8,), n)
-    _common.check_buffer(op, "momentum_absmax", momentum_absmax, _common.STATE_DTYPES, blocks)
-
-    step_args, step_flags = _common.step_pointers(master, params, step, grad_multiplier, found_inf)
-    with _common.device_guard(master):
-        if n > 0:
-            _sgd8bit_kernel[_common.grid(n)](
-                master, momentum_buffer, momentum_absmax, grads, *step_args,
-                n, blocks,
-                _common.f32(lr), _common.f32(momentum), _common.f32(1.0 - dampening),
-                _common.f32(weight_decay),
-                HAS_WEIGHT_DECAY=weight_decay != 0.0,
-                NESTEROV=bool(nesterov),
-                **step_flags,
-                BLOCK=_common.BLOCK, QBLOCK=QBLOCK,
-                num_warps=_common.NUM_WARPS,
-            )
-        _common.advance_step_(step, found_inf)
+    f32 = _common.f32
+    launch_qblock_step(
+        op, _sgd8bit_kernel, master,
+        [("momentum_buffer", momentum_buffer, torch.int8, "momentum_absmax", momentum_absmax)],
+        grads, params, step, grad_multiplier, found_inf,
+        (f32(lr), f32(momentum), f32(1.0 - dampening), f32(weight_decay)),
+        HAS_WEIGHT_DECAY=weight_decay != 0.0, NESTEROV=bool(nesterov))

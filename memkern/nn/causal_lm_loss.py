@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memkern.nn.functional._common import autocast_enabled
 from memkern.nn.functional.linear_cross_entropy import linear_cross_entropy
 from memkern.nn.linear import Linear as _MemkernLinear
 
@@ -128,7 +129,7 @@ class FusedCausalLMLoss:
         target = shift_labels.to(hidden.device).reshape(-1)
         weight, bias = head.weight, head.bias
         dtype = (torch.get_autocast_dtype(hidden.device.type)
-                 if torch.is_autocast_enabled(hidden.device.type)  # as F.linear would compute
+                 if autocast_enabled(hidden.device.type)  # as F.linear would compute
                  else torch.promote_types(hidden.dtype, weight.dtype))
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.to(hidden.device)

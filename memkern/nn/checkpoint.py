@@ -34,7 +34,7 @@ import torch.utils.checkpoint as tcp
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from memkern.profile.saved import is_parameter, note_saved, recording
+from memkern.profile.saved import is_parameter, note_saved, reporting
 
 POLICIES = ("full", "selective", "offload")
 
@@ -63,7 +63,7 @@ def _selective_policy(ctx, func, *args, **kwargs):
 
 class _NoteSavedOutputs(torch.utils._python_dispatch.TorchDispatchMode):
     """Reports the outputs the selective policy keeps to :mod:`memkern.profile` recorders
-    (entered only while one records: they cannot see what checkpoint stores for itself)."""
+    (entered only while one listens: they cannot see what checkpoint stores for itself)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -74,7 +74,7 @@ class _NoteSavedOutputs(torch.utils._python_dispatch.TorchDispatchMode):
 
 def _selective_contexts():
     forward_ctx, recompute_ctx = tcp.create_selective_checkpoint_contexts(_selective_policy)
-    if not recording():
+    if not reporting():
         return forward_ctx, recompute_ctx
     stack = contextlib.ExitStack()
 
@@ -209,13 +209,13 @@ def _offload_forward(owner, forward, min_bytes, args, kwargs):
 
 
 def _full_forward(forward, args, kwargs):
-    if recording():
+    if reporting():
         note_saved(*(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)))
     return tcp.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def _selective_forward(forward, args, kwargs):
-    if recording():
+    if reporting():
         note_saved(*(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)))
     return tcp.checkpoint(forward, *args, use_reentrant=False, context_fn=_selective_contexts,
                           **kwargs)

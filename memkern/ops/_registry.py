@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from memkern import backend
+from memkern._fake import fake_mode_active
 from memkern._extension import compiled
 
 LIBRARY = torch.library.Library("memkern", "DEF")
@@ -71,8 +72,14 @@ class Op:
         kernels = ("cpu", "cuda") if compiled_kernels is True else tuple(compiled_kernels or ())
         has_cpu = "cpu" in kernels and compiled.has_cpu
         # The callable of each backend, resolved once (the Python path runs on every call).
+        # "planned:<device>": what runs on that device while memkern.profile plans a step on
+        # fake tensors: a kernel is its fake implementation (its outputs), a composite op its
+        # reference (every op it runs, so its intermediate buffers are seen).
+        has_gpu_kernel = triton is not None or "cuda" in kernels
         self._impl = {"triton": self.triton, "reference": reference, "cuda": self.op,
-                      "cpu": self.op if has_cpu else reference}
+                      "cpu": self.op if has_cpu else reference,
+                      "planned:cpu": self.op if has_cpu else reference,
+                      "planned:cuda": self.op if has_gpu_kernel else reference}
         if not has_cpu:
             LIBRARY.impl(name, reference, "CPU")
         if not ("cuda" in kernels and compiled.has_cuda):
@@ -83,9 +90,12 @@ class Op:
         return self._triton_path is not None
 
     def triton(self, *args: Any) -> Any:
-        """The Triton implementation (imports triton on first use); the reference if none."""
+        """The Triton implementation (imports triton on first use); the reference if none. Under
+        a ``FakeTensorMode`` (fake CUDA tensors) the registered op: its fake implementation."""
         if self._triton_path is None:
             return self.reference(*args)
+        if fake_mode_active():
+            return self.op(*args)
         if self._triton_fn is None:
             module, _, attr = self._triton_path.rpartition(".")
             self._triton_fn = getattr(importlib.import_module(module), attr)

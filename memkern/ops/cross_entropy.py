@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from memkern._fake import is_fake
 from memkern.ops import _checks
 from memkern.ops._registry import Op
 
@@ -58,8 +59,8 @@ def _check(logits, target, row_scale, ignore_index, label_smoothing, compute_gra
 
 def _check_target_range(logits, target, ignore_index) -> None:
     """The reference's CPU range check (6 ops and a host read; the C++ CPU kernel checks each
-    row as it reads its target, at no extra cost)."""
-    if logits.device.type == "cpu" and target.numel():
+    row as it reads its target, at no extra cost). Fake targets have no values to check."""
+    if logits.device.type == "cpu" and target.numel() and not is_fake(target):
         bad = (target != ignore_index) & ((target < 0) | (target >= logits.shape[1]))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
@@ -98,10 +99,10 @@ def reference(logits, target, row_scale, ignore_index, label_smoothing, compute_
         if eps > 0.0:
             grad.sub_(eps / V)
         grad.scatter_add_(1, t, (-(1.0 - eps) * in_range.to(cd))[:, None])
-        if row_scale is not None or logits.is_cuda:
+        if row_scale is not None or logits.device.type != "cpu" or is_fake(logits):
             scale = valid.to(cd) if row_scale is None else valid.to(cd) * row_scale
             grad.mul_(scale[:, None])
-        else:  # CPU: zero the ignored rows only (no pass over the whole block)
+        else:  # CPU: zero the ignored rows only (no pass over the whole block; a host read)
             ignored = (~valid).nonzero()[:, 0]
             if ignored.numel():
                 grad.index_fill_(0, ignored, 0.0)

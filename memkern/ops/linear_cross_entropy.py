@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from memkern import backend
 from memkern.ops import _checks
 from memkern.ops._registry import Op
 from memkern.ops.cross_entropy import cross_entropy_rows_
@@ -125,7 +126,7 @@ def _addmm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
         else:
             acc.addmm_(a, b)
         return
-    if acc.is_cuda:
+    if backend.device_type(acc.device) == "cuda":
         try:  # cuBLAS accumulates 16-bit products straight into a float32 output
             if first:
                 torch.mm(a, b, out_dtype=acc.dtype, out=acc)
@@ -165,7 +166,8 @@ def chunked(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
         dw.zero_()
     chunk = max(1, min(chunk_size, N))
     block = x.new_empty((chunk, V))
-    sub = chunk if x.is_cuda else max(1, min(chunk, ROW_OP_BYTES // (4 * max(V, 1))))
+    sub = (chunk if backend.device_type(x.device) == "cuda"
+           else max(1, min(chunk, ROW_OP_BYTES // (4 * max(V, 1)))))
     wt = weight.t()
     tanh = x.new_empty((sub, V), dtype=cd) if softcap > 0.0 else None
     for start in range(0, N, chunk):

@@ -20,7 +20,8 @@ Format: a DCP checkpoint directory with
 
 Pieces are named in per-parameter coordinates, which do not depend on the world size or the
 zero stage: a loading rank reads the metadata, finds the saved pieces that overlap the
-slices it owns now, and reads only those.
+slices it owns now, and reads only those. What a rank holds where comes from the optimizer's
+:class:`~memkern.optim.state_io.StateIO`, which is all this module sees of the optimizer.
 
 Atomicity: the checkpoint is written into ``<path>.incomplete`` (a stale one from an earlier
 failed save is removed first); once every rank has written its part and DCP its metadata,
@@ -40,80 +41,76 @@ import shutil
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from memkern.optim.sharded import ShardedOptimizer
+from memkern.optim.state_io import StateIO
 
 FORMAT = "memkern-sharded-optimizer/1"
 HEADER = "memkern.header"
 MARKER = "memkern-complete.json"
 
 
-def _barrier(opt: ShardedOptimizer) -> None:
-    if opt.world_size > 1:
-        torch.distributed.barrier(group=opt.process_group)
+def _barrier(state_io: StateIO) -> None:
+    if state_io.world_size > 1:
+        torch.distributed.barrier(group=state_io.process_group)
 
 
-def _on_rank_0(opt: ShardedOptimizer, what: str, fn: Callable[[], None]) -> None:
+def _on_rank_0(state_io: StateIO, what: str, fn: Callable[[], None]) -> None:
     """Runs ``fn`` on rank 0 and raises its error on every rank (a barrier otherwise): a file
     system step that fails on rank 0 must not leave the other ranks waiting in a collective
     that rank 0 never reaches."""
     error = None
-    if opt.rank == 0:
+    if state_io.rank == 0:
         try:
             fn()
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
-    if opt.world_size > 1:
+    if state_io.world_size > 1:
         box = [error]
         torch.distributed.broadcast_object_list(
-            box, src=torch.distributed.get_global_rank(opt.process_group, 0),
-            group=opt.process_group)
+            box, src=torch.distributed.get_global_rank(state_io.process_group, 0),
+            group=state_io.process_group)
         error = box[0]
     if error is not None:
         raise OSError(f"memkern.ShardedOptimizer.save_sharded: {what} failed on rank 0: {error}")
 
 
-def _dcp_call(opt: ShardedOptimizer, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _dcp_call(state_io: StateIO, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn`` (dcp.save or dcp.load) over the optimizer's process group; in one process
     without torch.distributed, without DCP's warning that it assumes exactly that."""
     with warnings.catch_warnings():
-        if opt.process_group is None:
+        if state_io.process_group is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        return fn(*args, process_group=opt.process_group, **kwargs)
+        return fn(*args, process_group=state_io.process_group, **kwargs)
 
 
-def _header(opt: ShardedOptimizer) -> dict[str, Any]:
+def _header(state_io: StateIO) -> dict[str, Any]:
     """Everything but the tensors; the same on every rank (collective: the item count)."""
-    params = opt._params()
+    params = state_io.params()
     keys, steps = {}, {}
-    if opt._state_ready:
+    if state_io.opt._state_ready:
         for i, p in enumerate(params):
-            seg = opt._segment_of(p)
+            seg = state_io.segment_of(p)
             keys[i], steps[i] = list(seg.state), float(seg.step)
-    num_items = opt._num_items.clone()
-    if opt._shards is not None:
-        opt._shards.all_reduce(num_items)
     return {
         "format": FORMAT,
-        "world_size": opt.world_size,
+        "world_size": state_io.world_size,
         # Optimizer.state_dict skipping the subclasses: the param groups only (no gathering).
-        "param_groups": torch.optim.Optimizer.state_dict(opt)["param_groups"],
+        "param_groups": torch.optim.Optimizer.state_dict(state_io.opt)["param_groups"],
         "shapes": [tuple(p.shape) for p in params],
         "keys": keys,
         "steps": steps,
-        "loss_scaler": opt.scaler.state_dict(),
-        "skipped_steps": opt.skipped_steps,
-        "window": {"micro_batches": opt._micro_batches, "gradients": opt._window_gradients,
-                   "mode": opt._window_mode, "num_items": float(num_items.item())},
+        "loss_scaler": state_io.scaler.state_dict(),
+        "skipped_steps": int(state_io.skipped.item()),
+        "window": state_io.window_state(),
     }
 
 
-def save_sharded(opt: ShardedOptimizer, path: str | os.PathLike) -> None:
-    """See :meth:`ShardedOptimizer.save_sharded`."""
+def save_sharded(state_io: StateIO, path: str | os.PathLike) -> None:
+    """Writes the optimizer's state, as ``state_io`` locates it, to ``path`` (collective;
+    :meth:`ShardedOptimizer.save_sharded` says what it guarantees)."""
     # Imported here: torch.distributed.checkpoint takes about a second to import.
     import torch.distributed.checkpoint as dcp
 
@@ -124,24 +121,24 @@ def save_sharded(opt: ShardedOptimizer, path: str | os.PathLike) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
 
-    _on_rank_0(opt, f"creating {staging}", fresh_staging)
-    header = _header(opt)
+    _on_rank_0(state_io, f"creating {staging}", fresh_staging)
+    header = _header(state_io)
     buffer = io.BytesIO()
     torch.save(header, buffer)
     tensors: dict[str, Any] = {HEADER: buffer.getvalue()}
-    params = opt._params()
+    params = state_io.params()
     for i, p in enumerate(params):
         for key in header["keys"].get(i, []):
-            for flat, start in opt._state_pieces(p, key):
+            for flat, start in state_io.state_pieces(p, key):
                 tensors[f"state.{i}.{key}.{start}"] = flat
-    if opt._micro_batches:
-        pieces = opt._window_grad_pieces()
+    if state_io.window.micro_batches:
+        pieces = state_io.window_grad_pieces()
         for i, p in enumerate(params):
             for flat, start in pieces[id(p)]:
                 tensors[f"window.{i}.{start}"] = flat
-    _dcp_call(opt, dcp.save, tensors, storage_writer=dcp.FileSystemWriter(staging))
-    _barrier(opt)  # every rank's data and DCP's metadata are written
-    _on_rank_0(opt, f"publishing {staging} as {path}",
+    _dcp_call(state_io, dcp.save, tensors, storage_writer=dcp.FileSystemWriter(staging))
+    _barrier(state_io)  # every rank's data and DCP's metadata are written
+    _on_rank_0(state_io, f"publishing {staging} as {path}",
                lambda: _publish(staging, path, header))
 
 
@@ -160,8 +157,9 @@ def _publish(staging: str, path: str, header: dict[str, Any]) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_sharded(opt: ShardedOptimizer, path: str | os.PathLike) -> None:
-    """See :meth:`ShardedOptimizer.load_sharded`."""
+def load_sharded(state_io: StateIO, path: str | os.PathLike) -> None:
+    """Reads the pieces of a checkpoint written by :func:`save_sharded` that this rank owns
+    into the optimizer's state, as ``state_io`` locates it (collective)."""
     import torch.distributed.checkpoint as dcp
 
     name = "memkern.ShardedOptimizer.load_sharded"
@@ -175,12 +173,12 @@ def load_sharded(opt: ShardedOptimizer, path: str | os.PathLike) -> None:
         )
     reader = dcp.FileSystemReader(path)
     loaded: dict[str, Any] = {HEADER: b""}
-    _dcp_call(opt, dcp.load, loaded, storage_reader=reader)
+    _dcp_call(state_io, dcp.load, loaded, storage_reader=reader)
     header = torch.load(io.BytesIO(loaded[HEADER]), weights_only=True)
     if header.get("format") != FORMAT:
         raise ValueError(f"{name}: {path} has format {header.get('format')!r}, this version "
                          f"reads {FORMAT!r}")
-    params = opt._params()
+    params = state_io.params()
     shapes = [tuple(p.shape) for p in params]
     if header["shapes"] != shapes:
         bad = next((i for i, (a, b) in enumerate(zip(header["shapes"], shapes)) if a != b),
@@ -191,6 +189,7 @@ def load_sharded(opt: ShardedOptimizer, path: str | os.PathLike) -> None:
             f"{header['shapes'][bad] if bad < len(header['shapes']) else None}, here "
             f"{shapes[bad] if bad < len(shapes) else None}): another model or parameter order"
         )
+    opt = state_io.opt
     opt._adopt_param_groups(header["param_groups"], name)
     opt._init_state()
 
@@ -203,12 +202,12 @@ def load_sharded(opt: ShardedOptimizer, path: str | os.PathLike) -> None:
     wanted: list[tuple[str, list[tuple[torch.Tensor, int]]]] = []
     for i, p in enumerate(params):
         for key in header["keys"].get(i, []):
-            pieces = opt._state_pieces(p, key)
+            pieces = state_io.state_pieces(p, key)
             if pieces is None:
                 raise ValueError(f"{name}: saved state {key!r} of parameter {i} is not used by "
                                  "this optimizer (saved by another algorithm or option)")
             wanted.append((f"state.{i}.{key}", pieces))
-    targets = opt._window_grad_targets()
+    targets = state_io.window_grad_targets()
     if header["window"]["micro_batches"]:
         wanted += [(f"window.{i}", targets[id(p)]) for i, p in enumerate(params)]
     reads: dict[str, torch.Tensor] = {}
@@ -228,12 +227,9 @@ def load_sharded(opt: ShardedOptimizer, path: str | os.PathLike) -> None:
             if covered != target.numel():
                 raise ValueError(f"{name}: {path} lacks elements of {prefix} (a corrupted "
                                  "checkpoint, or one of another model)")
-    _dcp_call(opt, dcp.load, reads, storage_reader=reader)
+    _dcp_call(state_io, dcp.load, reads, storage_reader=reader)
     for target, fqn, offset in copies:
         target.copy_(reads[fqn][offset:offset + target.numel()])
     steps = header["steps"]
     opt._set_steps({id(p): steps.get(i, 0.0) for i, p in enumerate(params)}, name)
-    if header["loss_scaler"]:
-        opt.scaler.load_state_dict(header["loss_scaler"])
-    opt._skipped.fill_(header["skipped_steps"])
-    opt._set_window(header["window"])
+    state_io.restore(header["loss_scaler"], header["skipped_steps"], header["window"])

@@ -55,44 +55,36 @@ micro-batches x W: the mean over micro-batches and ranks, as one large batch spl
 
 ``offload="cpu"`` moves the masters, the optimizer state and the step counters to host memory
 and runs phase 3 with the C++ CPU kernel (:mod:`memkern.optim.offload`), in one process or many.
+
+Where each part lives: this module is the step (the window's end above, its CUDA-graph
+capture, and where phase 3 runs: on the device, or on the host through
+:class:`~memkern.optim.offload.HostOffload`) and the public API over the parts:
+:mod:`memkern.optim.window` (the accumulation window's bookkeeping),
+:mod:`memkern.optim.scaling` (loss scaling, the norm and inf check, clipping: phases 1-2),
+:mod:`memkern.optim.zero` (the sharded layout, the collectives, stage 2's reduction during
+backward), :mod:`memkern.optim.state_io` (where each rank keeps what state dicts and
+checkpoints save) and :mod:`memkern.optim.checkpoint` (the sharded checkpoint format).
 """
 from __future__ import annotations
 
 import inspect
 import math
 import os
-import warnings
 from typing import Any
 
 import torch
 
-from memkern import ops
-from memkern.amp.loss_scaler import LossScaler
 from memkern.optim import checkpoint
 from memkern.optim.flat_state import FlatOptimizer, Segment
 from memkern.optim.fused_adamw import AdamW
 from memkern.optim.fused_sgd import SGD
 from memkern.optim.grad_buffer import GradBuffer
+from memkern.optim.scaling import grad_multiplier, loss_scaler_for, scaled_grad_norm
+from memkern.optim.state_io import StateIO
+from memkern.optim.window import AccumulationWindow
 from memkern.optim.zero import Shards, _weak_hook
 
 ALGORITHMS = {"adamw": AdamW, "sgd": SGD}
-
-
-def _scaler_for(loss_scale: Any) -> LossScaler:
-    if isinstance(loss_scale, LossScaler):
-        return loss_scale
-    if loss_scale is None:
-        return LossScaler(init_scale=1.0, dynamic=False)
-    if isinstance(loss_scale, str) and loss_scale == "dynamic":
-        return LossScaler()
-    if (isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
-            and math.isfinite(loss_scale) and loss_scale > 0):
-        return LossScaler(init_scale=float(loss_scale), min_scale=float(loss_scale),
-                          dynamic=False)
-    raise ValueError(
-        "memkern.ShardedOptimizer: loss_scale must be None (no scaling), 'dynamic', a finite "
-        f"number > 0 (a static scale) or a memkern.LossScaler, got {loss_scale!r}"
-    )
 
 
 def _group_and_rank(process_group: Any) -> tuple[Any, int, int]:
@@ -218,27 +210,18 @@ class ShardedOptimizer(FlatOptimizer):
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.offload = offload
         self.bucket_size_mb = bucket_size_mb
-        self.scaler = _scaler_for(loss_scale)
+        self.scaler = loss_scaler_for(loss_scale)
         device = self.grad_buffer.device
         self.scaler.scale_tensor(device)  # the scaler's state lives with the gradients
-        # The open window: micro-batches so far on this rank, micro-batch gradients summed over
-        # all ranks (the "mean" normaliser), how they are normalised ("mean" | "items"), and
-        # this rank's total num_items on the device (float64: exact counts up to 2**53).
-        self._micro_batches = 0
-        self._window_gradients = 0
-        self._window_mode: str | None = None
-        self._num_items = torch.zeros((), dtype=torch.float64, device=device)
+        self._window = AccumulationWindow(device, accumulation_steps)
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
         self._grad_norm: torch.Tensor | None = None
-        self._grads_dirty = False  # the buffer holds gradients that zero_grad() has not cleared
-        self._warned_unzeroed = False
-        self._checked_batch_norm = accumulation_steps == 1
+        self._io = StateIO(self, self._shards, self._window, self.scaler, self._skipped, group,
+                           self.rank, self.world_size)
         # A gradient that arrives outside backward() (a plain loss.backward(), accelerate's
         # backward) is neither scaled nor counted: step() refuses it instead of stepping wrong.
-        self._in_backward = False
-        self._stray_grads = False
         for p in self._params():
-            p.register_post_accumulate_grad_hook(_weak_hook(self._note_grad))
+            p.register_post_accumulate_grad_hook(_weak_hook(self._window.note_grad))
 
     def _make_grad_buffer(self, groups: list[dict[str, Any]],
                           grad_dtype: torch.dtype | None) -> GradBuffer:
@@ -254,7 +237,7 @@ class ShardedOptimizer(FlatOptimizer):
 
     def _params(self) -> list[torch.Tensor]:
         """The parameters in state-dict index order."""
-        return [p for g in self.param_groups for p in g["params"]]
+        return self._io.params()
 
     # ------------------------------------------------------------------------- micro-batch
     def backward(self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None
@@ -278,30 +261,13 @@ class ShardedOptimizer(FlatOptimizer):
         if not loss.requires_grad:
             raise ValueError(f"{name}: loss does not require grad (computed under no_grad, or "
                              "from parameters that do not require grad?)")
-        mode = "mean" if num_items is None else "items"
-        if self._window_mode not in (None, mode):
-            raise ValueError(
-                f"{name}: this accumulation window's earlier micro-batches were passed "
-                + ("with num_items and this one without" if mode == "mean" else
-                   "without num_items and this one with")
-                + "; pass num_items on every micro-batch of a window or on none"
-            )
+        window = self._window
+        mode = window.mode_for(num_items)
         if num_items is not None:
-            self._add_items(num_items)
-        if self._micro_batches == 0 and self._grads_dirty and not self._warned_unzeroed:
-            self._warned_unzeroed = True
-            warnings.warn(
-                f"{name}: a new accumulation window starts on the previous window's gradients, "
-                "which were never zeroed: call zero_grad() after step()",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        if not self._checked_batch_norm:
-            self._checked_batch_norm = True
-            self._warn_if_batch_norm(loss)
+            window.add_items(num_items)
+        window.check_before_backward(loss)
         scaled = self.scaler.scale(loss)
-        self._in_backward = True
-        try:
+        with window.backward_pass():
             if self._shards is None:
                 scaled.backward()
             else:
@@ -312,60 +278,7 @@ class ShardedOptimizer(FlatOptimizer):
                     self._shards.abandon_backward()
                     raise
                 self._shards.end_backward()
-        finally:
-            self._in_backward = False
-        self._window_mode = mode
-        self._micro_batches += 1
-        self._window_gradients += self.world_size
-        self._grads_dirty = True
-
-    def _note_grad(self, p: torch.Tensor) -> None:
-        if not self._in_backward:
-            self._stray_grads = True
-
-    def _add_items(self, num_items: int | float | torch.Tensor) -> None:
-        name = "memkern.ShardedOptimizer.backward"
-        if isinstance(num_items, torch.Tensor):
-            if num_items.numel() != 1 or num_items.dtype in (torch.bool, torch.complex64,
-                                                             torch.complex128):
-                raise ValueError(f"{name}: num_items must be a one-element integer or float "
-                                 f"tensor, got {num_items.dtype} of shape "
-                                 f"{tuple(num_items.shape)}")
-            n = num_items.detach().reshape(()).to(self._num_items.device, non_blocking=True)
-            # Checked where the value lives: on a GPU an asynchronous device-side assert.
-            torch._assert_async(n > 0, f"{name}: num_items must be > 0")
-            self._num_items.add_(n)
-        elif isinstance(num_items, (int, float)) and not isinstance(num_items, bool):
-            if not (math.isfinite(num_items) and num_items > 0):
-                raise ValueError(f"{name}: num_items must be > 0 (the number of items the loss "
-                                 f"sums over), got {num_items}")
-            self._num_items.add_(num_items)
-        else:
-            raise TypeError(f"{name}: num_items must be an int, a float or a one-element "
-                            f"tensor, got {type(num_items).__name__}")
-
-    def _warn_if_batch_norm(self, loss: torch.Tensor) -> None:
-        """Warns once when the graph holds a BatchNorm in training mode (walked on the first
-        backward only): its statistics are per micro-batch, so accumulated micro-batches are
-        not one large batch."""
-        seen, stack = set(), [loss.grad_fn]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            if "BatchNorm" in type(node).__name__ and getattr(node, "_saved_training", True):
-                warnings.warn(
-                    "memkern.ShardedOptimizer: the model has BatchNorm layers in training mode "
-                    f"and accumulates gradients over {self.accumulation_steps} micro-batches: "
-                    "BatchNorm normalises each micro-batch with its own statistics (and updates "
-                    "its running statistics per micro-batch), so the result is not that of one "
-                    "large batch. Consider GroupNorm/LayerNorm, or larger micro-batches.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                return
-            stack.extend(child for child, _ in node.next_functions)
+        window.add_micro_batch(mode, self.world_size)
 
     # -------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -383,7 +296,8 @@ class ShardedOptimizer(FlatOptimizer):
         (end of an epoch or of training); the gradient is then the mean over the micro-batches
         it has.
         """
-        if self._stray_grads:
+        window = self._window
+        if window.stray:
             raise RuntimeError(
                 "memkern.ShardedOptimizer.step: gradients were accumulated by a backward pass "
                 "that did not go through ShardedOptimizer.backward (loss.backward(), "
@@ -393,18 +307,18 @@ class ShardedOptimizer(FlatOptimizer):
                 "drop these gradients (with transformers.Trainer use "
                 "memkern.integrations.transformers.MemkernTrainer)"
             )
-        if self._micro_batches == 0:
+        if window.micro_batches == 0:
             if force:
                 raise RuntimeError(
                     "memkern.ShardedOptimizer.step(force=True): nothing was accumulated since "
                     "the last step; call backward() first, or step() without force"
                 )
             return False
-        if self._micro_batches < self.accumulation_steps and not force:
+        if window.micro_batches < self.accumulation_steps and not force:
             return False
         self.grad_buffer.claim_grads()
         stepped = self._window_end()
-        self._micro_batches, self._window_gradients, self._window_mode = 0, 0, None
+        window.close()
         return stepped
 
     def _window_end(self) -> torch.Tensor:
@@ -413,17 +327,17 @@ class ShardedOptimizer(FlatOptimizer):
         nothing on the host and writes only into tensors that persist from step to step, so
         it can be captured in a CUDA graph (:meth:`graphed_step`)."""
         self._reduce_gradients()
-        norm, num_items = self._scaled_grad_norm()
+        norm, num_items = scaled_grad_norm(self.grad_buffer, self._shards,
+                                           self._window.num_items)
         nonfinite = ~torch.isfinite(norm)
         found_inf = nonfinite.float()
-        normaliser = num_items if self._window_mode == "items" else self._window_gradients
-        grad_multiplier = self._grad_multiplier(norm, normaliser)
-        self._apply_update(grad_multiplier, found_inf)
+        multiplier, self._grad_norm = grad_multiplier(
+            self.scaler, norm, self._window.normaliser(num_items), self.max_grad_norm)
+        self._apply_update(multiplier, found_inf)
         self._gather_parameters()
         self.scaler.update(found_inf)
         self._skipped.add_(nonfinite)
-        if self._window_mode == "items":
-            self._num_items.zero_()
+        self._window.reset_items()
         return ~nonfinite
 
     def graphed_step(self) -> Any:
@@ -448,15 +362,16 @@ class ShardedOptimizer(FlatOptimizer):
         if self._shards is not None:
             raise RuntimeError(f"{where}: supports one process without offload (world size "
                                f"{self.world_size}, offload={self.offload!r}); use step()")
-        if self._micro_batches < self.accumulation_steps:
+        window = self._window
+        if window.micro_batches < self.accumulation_steps:
             raise RuntimeError(f"{where}: call it at a window's end (after the last backward "
-                               f"of a window: {self._micro_batches} of "
+                               f"of a window: {window.micro_batches} of "
                                f"{self.accumulation_steps} micro-batches so far)")
         # State the graph reads and writes must exist before the capture, outside its pool.
         if not self._state_ready:
             self._init_state()
         self.scaler.scale_tensor(self.grad_buffer.device)
-        mode, window_gradients = self._window_mode, self._window_gradients
+        mode, window_gradients = window.mode, window.gradients
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -465,16 +380,16 @@ class ShardedOptimizer(FlatOptimizer):
         torch.cuda.current_stream().wait_stream(side)
 
         def step(force: bool = False) -> bool | torch.Tensor:
-            if self._micro_batches < self.accumulation_steps and not force:
+            if window.micro_batches < self.accumulation_steps and not force:
                 return False
-            if (self._window_mode, self._window_gradients) != (mode, window_gradients):
+            if (window.mode, window.gradients) != (mode, window_gradients):
                 raise RuntimeError(
-                    f"{where}: this window ({self._window_gradients} gradients, mode "
-                    f"{self._window_mode!r}) differs from the captured one ({window_gradients}, "
+                    f"{where}: this window ({window.gradients} gradients, mode "
+                    f"{window.mode!r}) differs from the captured one ({window_gradients}, "
                     f"{mode!r}); capture again or use step()")
             self.grad_buffer.claim_grads()
             graph.replay()
-            self._micro_batches, self._window_gradients, self._window_mode = 0, 0, None
+            window.close()
             return stepped
 
         return step
@@ -484,37 +399,6 @@ class ShardedOptimizer(FlatOptimizer):
         did it during backward; one process has nothing to reduce)."""
         if self._shards is not None and self.zero_stage == 1:
             self._shards.reduce_scatter_grads()
-
-    def _scaled_grad_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """L2 norm of the accumulated (scaled, un-normalised) gradients, and the window's
-        num_items total, as 0-dim device tensors.
-
-        One process: one read-only pass per flat buffer. Non-finite exactly when some
-        gradient is (or when the squares overflow float32, i.e. scaled gradients above
-        ~1e19). Across ranks: each rank's norm over its reduced shard, then one all-reduce of
-        ``[norm², num_items]`` in float64 (see the module docstring).
-        """
-        if self._shards is None:
-            norms = [ops.l2_norm(b.grads) for b in self.grad_buffer.buckets]
-            norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-            return norm, self._num_items
-        squares = [ops.l2_norm(self._shards.shard_grads_of(u)).double().square()
-                   for u in self._shards.units]
-        packet = torch.stack([torch.stack(squares).sum(), self._num_items])
-        self._shards.all_reduce(packet)
-        return packet[0].sqrt().float(), packet[1]
-
-    def _grad_multiplier(self, norm: torch.Tensor,
-                         normaliser: torch.Tensor | int) -> torch.Tensor:
-        """``1 / (scale · normaliser) · clip_coef`` as a one-element float32 device tensor;
-        also records the true gradient norm for :attr:`grad_norm`."""
-        inv_scale = self.scaler.inv_scale(norm.device)
-        unscale = (inv_scale.double() / normaliser).float()
-        self._grad_norm = norm * unscale
-        if self.max_grad_norm is None:
-            return unscale
-        clip_coef = (self.max_grad_norm / (self._grad_norm + 1e-6)).clamp_(max=1.0)
-        return unscale * clip_coef
 
     def _init_state(self) -> None:
         if self._shards is not None and self._shards.host is not None:
@@ -549,13 +433,12 @@ class ShardedOptimizer(FlatOptimizer):
         does nothing, so ``backward(); step(); zero_grad()`` on every micro-batch accumulates
         correctly. ``set_to_none`` is ignored: the gradients stay views of the buffer.
         """
-        if self._micro_batches > 0:
+        if self._window.micro_batches > 0:
             return
         self.grad_buffer.zero_()
         if self._shards is not None:
             self._shards.zero_shard_grads()
-        self._grads_dirty = False
-        self._stray_grads = False
+        self._window.gradients_cleared()
 
     # -------------------------------------------------------------------------- properties
     @property
@@ -577,7 +460,7 @@ class ShardedOptimizer(FlatOptimizer):
     @property
     def micro_batches(self) -> int:
         """Micro-batches accumulated in the open window (0 between windows)."""
-        return self._micro_batches
+        return self._window.micro_batches
 
     # ------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -594,139 +477,20 @@ class ShardedOptimizer(FlatOptimizer):
         with self._float_state(write_back=False):
             state_dict = super().state_dict()
             if self._shards is not None and self.world_size > 1:
-                state_dict["state"] = self._gather_param_states()
+                state_dict["state"] = self._io.gather_param_states()
                 self._mark_state_precision(state_dict["state"])
-        num_items = self._num_items.clone()
-        if self._shards is not None:
-            self._shards.all_reduce(num_items)
-        state_dict["memkern"] = {
-            "loss_scaler": self.scaler.state_dict(),
-            "skipped_steps": self.skipped_steps,
-            "window": {
-                "micro_batches": self._micro_batches,
-                "gradients": self._window_gradients,
-                "mode": self._window_mode,
-                "num_items": float(num_items.item()),
-                "grads": self._window_grads() if self._micro_batches > 0 else None,
-            },
-        }
+        state_dict["memkern"] = self._io.front_end_state()
         return state_dict
 
-    def _gather_param_states(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Every rank's slices of the state, as torch-format per-parameter CPU tensors."""
-        if not self._state_ready:
-            return {}
-        index = {id(p): i for i, p in enumerate(self._params())}
-        states = {}
-        for unit in self._shards.units:
-            seg = unit.segment
-            gathered = {key: self._shards.gather_unit(unit, flat)
-                        for key, flat in seg.state.items()}
-            for j, p in enumerate(unit.params):
-                states[index[id(p)]] = {"step": seg.step.detach().to("cpu", copy=True),
-                                        **{key: values[j] for key, values in gathered.items()}}
-        return dict(sorted(states.items()))
-
-    def _window_grads(self) -> dict[int, torch.Tensor]:
-        """The open window's gradient per parameter index, summed over ranks."""
-        params = self._params()
-        if self._shards is None:
-            return {i: self.grad_buffer.grad(p) for i, p in enumerate(params)}
-        index = {id(p): i for i, p in enumerate(params)}
-        grads = {}
-        for unit, local in zip(self._shards.units, self._shards.reduced_window_grads()):
-            for p, grad in zip(unit.params, self._shards.gather_unit(unit, local)):
-                grads[index[id(p)]] = grad
-        return dict(sorted(grads.items()))
-
     def _state_pieces(self, p: torch.Tensor, key: str) -> list[tuple[torch.Tensor, int]] | None:
-        if self._shards is None:
-            return super()._state_pieces(p, key)
-        seg = self._shards.unit_of(p).segment
-        pieces = []
-        if key == "master_param" and not seg.low_precision:
-            # The model's float32 weights are the master: every rank takes the whole of it
-            # (and offload also its host copy of its slices).
-            pieces.append((p.data.view(-1), 0))
-            if self._shards.host is None:
-                return pieces
-            flat = seg.weights
-        elif key in seg.state:
-            flat = seg.state[key]
-        else:
-            return None
-        piece = self._shards.owned_piece(p, flat)
-        return pieces + ([piece] if piece is not None else [])
-
-    def _window_grad_pieces(self) -> dict[int, list[tuple[torch.Tensor, int]]]:
-        """This rank's pieces of the open window's gradient summed over ranks, per
-        ``id(param)`` (as in :meth:`_state_pieces`); the window is left as it is."""
-        if self._shards is None:
-            return {id(p): [(self.grad_buffer.grad(p).view(-1), 0)] for p in self._params()}
-        pieces = {}
-        for unit, flat in zip(self._shards.units, self._shards.reduced_window_grads()):
-            for p in unit.params:
-                piece = self._shards.owned_piece(p, flat)
-                pieces[id(p)] = [piece] if piece is not None else []
-        return pieces
-
-    def _window_grad_targets(self) -> dict[int, list[tuple[torch.Tensor, int]]]:
-        """Zeroes the gradients; returns where a loaded window's summed gradient goes on this
-        rank, per ``id(param)``: with several ranks each takes its own slices only, the others
-        stay zero here, so the reduction at ``step`` sums to the loaded values plus what
-        comes after."""
-        self.grad_buffer.zero_()
-        if self._shards is None:
-            return {id(p): [(self.grad_buffer.grad(p).view(-1), 0)] for p in self._params()}
-        targets = {}
-        for unit, flat in zip(self._shards.units, self._shards.window_grad_targets()):
-            for p in unit.params:
-                piece = self._shards.owned_piece(p, flat)
-                targets[id(p)] = [piece] if piece is not None else []
-        return targets
-
-    def _set_window(self, window: dict[str, Any] | None) -> None:
-        """The window's counters from saved values (closed when ``window`` is None or holds
-        no micro-batch); its gradients are loaded into :meth:`_window_grad_targets`."""
-        self._micro_batches, self._window_gradients, self._window_mode = 0, 0, None
-        self._num_items.zero_()
-        self._grads_dirty = False
-        self._stray_grads = False
-        if not window or not window["micro_batches"]:
-            return
-        self._micro_batches = window["micro_batches"]
-        self._window_gradients = window.get("gradients", window["micro_batches"])
-        self._window_mode = window["mode"]
-        # One rank carries the window's item count: step() sums the ranks' counts.
-        self._num_items.fill_(window["num_items"] if self.rank == 0 else 0)
-        self._grads_dirty = True
-
-    def _segment_of(self, p: torch.Tensor) -> Segment:
-        """The segment holding (this rank's part of) ``p``'s state."""
-        if self._shards is not None:
-            return self._shards.unit_of(p).segment
-        return next(seg for seg in self._segments if any(q is p for q in seg.params))
+        return self._io.state_pieces(p, key)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads :meth:`state_dict`'s output, saved at any world size and zero stage (or a
         plain torch-format optimizer state dict, which restores the optimizer state only and
         leaves no window open). Collective across ranks: each rank keeps its slices."""
         super().load_state_dict(state_dict)
-        front = state_dict.get("memkern")
-        targets = self._window_grad_targets()
-        if front is None:
-            self._set_window(None)
-            return
-        if front["loss_scaler"]:
-            self.scaler.load_state_dict(front["loss_scaler"])
-        self._skipped.fill_(front["skipped_steps"])
-        window = front["window"]
-        if window["micro_batches"]:
-            for i, p in enumerate(self._params()):
-                flat = window["grads"][i].reshape(-1)
-                for target, start in targets[id(p)]:
-                    target.copy_(flat[start:start + target.numel()])
-        self._set_window(window)
+        self._io.load_front_end_state(state_dict.get("memkern"))
 
     def save_sharded(self, path: str | os.PathLike) -> None:
         """Saves the optimizer through ``torch.distributed.checkpoint``: every rank writes its
@@ -735,11 +499,11 @@ class ShardedOptimizer(FlatOptimizer):
         complete (a save that dies midway leaves ``path`` as it was). See
         :mod:`memkern.optim.checkpoint`. Collective."""
         with self._float_state(write_back=False):
-            checkpoint.save_sharded(self, path)
+            checkpoint.save_sharded(self._io, path)
 
     def load_sharded(self, path: str | os.PathLike) -> None:
         """Loads a checkpoint written by :meth:`save_sharded`, at any world size; each rank
         reads the parts of the saved slices it now owns. Raises if the checkpoint is
         incomplete. Collective."""
         with self._float_state(write_back=True):
-            checkpoint.load_sharded(self, path)
+            checkpoint.load_sharded(self._io, path)

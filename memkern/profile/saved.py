@@ -89,17 +89,31 @@ class SavedTensorsRecorder:
         _stack().remove(self)
 
 
+_observers: list[Callable[[torch.Tensor], None]] = []
+"""Called with every tensor :func:`note_saved` reports, without making :func:`recording` true
+(the planner, :mod:`memkern.profile.plan`, which must see the code paths of a plain run)."""
+
+
 def note_saved(*tensors: torch.Tensor | None) -> None:
     """Report tensors kept for backward outside autograd's saved-tensor mechanism."""
     for rec in _stack():
         for t in tensors:
             if t is not None:
                 rec.record(t)
+    for observe in _observers:
+        for t in tensors:
+            if t is not None:
+                observe(t)
 
 
 def recording() -> bool:
     """Whether a :class:`SavedTensorsRecorder` is active (lets callers skip the bookkeeping)."""
     return bool(_stack())
+
+
+def reporting() -> bool:
+    """Whether anything listens to :func:`note_saved`: a recorder, or an observer."""
+    return bool(_stack()) or bool(_observers)
 
 
 def saved_bytes(fn: Callable[..., Any], *args: Any, include_parameters: bool = False,

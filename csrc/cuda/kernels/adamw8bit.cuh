@@ -23,24 +23,13 @@ __global__ void adamw8bit_step_kernel(float* master, int8_t* m_codes, float* m_a
   if (step_skipped(found_inf)) {
     return;
   }
-  // update_lane_elements hands over gradients already multiplied
+  // update_qblocks hands over gradients already multiplied
   const math::AdamWCoefficients s = adamw_block_coefficients(step, 1.0f, c);
-  const float multiplier = grad_multiplier_value(grad_multiplier);
-  for_each_warp_qblock(n, [&](int64_t b, int64_t first, int lane) {
-    const float m_scale = m_absmax[b];
-    const float v_scale = v_absmax[b];
-    float m[kQPerLane] = {};
-    float v[kQPerLane] = {};
-    bool valid[kQPerLane];
-    update_lane_elements(first, lane, n, master, grads, params, multiplier, valid,
-                         [&](int64_t i, int k, float w, float g) {
-                           m[k] = dequantize(m_codes[i], m_scale);
-                           v[k] = dequantize(v_codes[i], v_scale);
-                           return math::adamw_element(w, m[k], v[k], g, s);
-                         });
-    quantize_block(m, valid, m_codes, m_absmax + b, first, lane);
-    quantize_block(v, valid, v_codes, v_absmax + b, first, lane);
-  });
+  update_qblocks(n, master, grads, params, grad_multiplier_value(grad_multiplier),
+                 [&](float w, float g, float& m, float& v) {
+                   return math::adamw_element(w, m, v, g, s);
+                 },
+                 QMoment<int8_t>{m_codes, m_absmax}, QMoment<uint8_t>{v_codes, v_absmax});
 }
 
 }  // namespace memkern::device

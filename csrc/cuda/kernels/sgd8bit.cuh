@@ -22,19 +22,12 @@ __global__ void sgd8bit_step_kernel(float* master, int8_t* codes, float* absmax,
   if (step_skipped(found_inf)) {
     return;
   }
-  const float multiplier = grad_multiplier_value(grad_multiplier);
   const bool first_step = is_first_step(step);
-  for_each_warp_qblock(n, [&](int64_t b, int64_t first, int lane) {
-    const float scale = absmax[b];
-    float buf[kQPerLane] = {};
-    bool valid[kQPerLane];
-    update_lane_elements(first, lane, n, master, grads, params, multiplier, valid,
-                         [&](int64_t i, int k, float w, float g) {
-                           buf[k] = dequantize(codes[i], scale);
-                           return sgd_element(w, buf[k], g, first_step, c);
-                         });
-    quantize_block(buf, valid, codes, absmax + b, first, lane);
-  });
+  update_qblocks(n, master, grads, params, grad_multiplier_value(grad_multiplier),
+                 [&](float w, float g, float& buf) {
+                   return sgd_element(w, buf, g, first_step, c);
+                 },
+                 QMoment<int8_t>{codes, absmax});
 }
 
 }  // namespace memkern::device

@@ -1,12 +1,14 @@
 // The block-wise 8-bit optimizer-state format on the CUDA backend, shared by every 8-bit
 // optimizer kernel (adamw8bit.cuh, sgd8bit.cuh): the block size, the two code maps, the
-// quantizer of one block held by one warp and the kernels' loop over the blocks. Format and
+// quantizer of one block held by one warp, and the kernels' loop over the blocks with its
+// per-block part (update_qblocks: dequantize, the optimizer's element update, requantize). Format and
 // map, defined and justified: memkern/ops/adamw8bit.py; constants: memkern/kernels/state8bit.py.
 #pragma once
 
 #include <cfloat>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "common.cuh"
 
@@ -136,6 +138,47 @@ __device__ __forceinline__ void update_lane_elements(int64_t first, int lane, in
       }
     }
   }
+}
+
+// One moment of an 8-bit optimizer state: its codes (int8: the signed map; uint8: the unsigned
+// one) and the absmax of each block.
+template <typename code_t>
+struct QMoment {
+  code_t* codes;
+  float* absmax;
+};
+
+// update_qblocks, with k... the indices of the moments.
+template <size_t... k, typename G, typename P, typename ElementUpdate, typename... code_t>
+__device__ __forceinline__ void update_qblocks(std::index_sequence<k...>, int64_t n,
+                                               float* master, const G* grads, P* params,
+                                               float multiplier, const ElementUpdate& update,
+                                               QMoment<code_t>... moments) {
+  for_each_warp_qblock(n, [&](int64_t b, int64_t first, int lane) {
+    const float scales[] = {moments.absmax[b]...};
+    float x[sizeof...(k)][kQPerLane] = {};
+    bool valid[kQPerLane];
+    update_lane_elements(first, lane, n, master, grads, params, multiplier, valid,
+                         [&](int64_t i, int j, float w, float g) {
+                           ((x[k][j] = dequantize(moments.codes[i], scales[k])), ...);
+                           return update(w, g, x[k][j]...);
+                         });
+    (quantize_block(x[k], valid, moments.codes, moments.absmax + b, first, lane), ...);
+  });
+}
+
+// The body of an 8-bit optimizer kernel after its skip check: for each quantization block of
+// this warp, its moments dequantized (into registers, 8 elements per lane), then for each
+// element master[i] = update(master[i], g, moment values...) with g the gradient times
+// `multiplier` and the moments updated in place, params[i] (when not null) = round(master[i]),
+// then each moment's codes and absmax. Every lane of the warp must call it.
+template <typename G, typename P, typename ElementUpdate, typename... code_t>
+__device__ __forceinline__ void update_qblocks(int64_t n, float* master, const G* grads,
+                                               P* params, float multiplier,
+                                               const ElementUpdate& update,
+                                               QMoment<code_t>... moments) {
+  update_qblocks(std::index_sequence_for<code_t...>{}, n, master, grads, params, multiplier,
+                 update, moments...);
 }
 
 }  // namespace memkern::device

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -9,11 +10,22 @@ import torch
 _NOTHING = contextlib.nullcontext()
 
 
+@functools.cache
+def _autocast_available(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type)
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)``, False for a device type autocast does not
+    know (the meta device: torch raises there)."""
+    return _autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def compute_dtype(x: torch.Tensor, *params: torch.Tensor | None) -> torch.dtype:
     """The dtype a GEMM layer computes in: autocast's when it is on for ``x``'s device, else
     ``x``'s own (which its parameters must then share, as for ``nn.Linear``)."""
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type) and x.is_floating_point():
+    if autocast_enabled(device_type) and x.is_floating_point():
         return torch.get_autocast_dtype(device_type)
     for p in params:
         if p is not None and p.dtype != x.dtype:
@@ -37,6 +49,6 @@ def no_autocast(device_type: str):
     """The Functions cast explicitly; autocast must not recast inside them. (A no-op context
     when autocast is off: building a ``torch.autocast`` costs more host time than the GEMMs of
     a small layer.)"""
-    if torch.is_autocast_enabled(device_type):
+    if autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return _NOTHING

@@ -26,6 +26,8 @@ import weakref
 
 import torch
 
+from memkern._fake import fake_mode_active
+
 
 @dataclasses.dataclass(frozen=True)
 class GradTarget:
@@ -85,6 +87,8 @@ def weight_grad(target: GradTarget | None, a: torch.Tensor, b: torch.Tensor,
     grad = _accumulable_grad(target, a)
     if grad is not None:
         grad.addmm_(a, b)
+        if fake_mode_active():  # a cached zero would belong to another fake mode
+            return torch.zeros((), dtype=dtype, device=grad.device).expand(grad.shape)
         return _zero(dtype, grad.device).expand(grad.shape)
     return torch.mm(a, b).to(dtype)
 

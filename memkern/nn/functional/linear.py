@@ -88,7 +88,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         )
     if (x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
             and not transposed and weight.grad is None and not _saved.has_recipe(x)
-            and not torch.is_autocast_enabled(x.device.type)
+            and not _common.autocast_enabled(x.device.type)
             and not torch.compiler.is_compiling()):
         return F.linear(x, weight, bias)
     if x.dim() == 1:

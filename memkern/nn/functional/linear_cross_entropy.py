@@ -40,7 +40,7 @@ def default_chunk_size(n_tokens: int, n_classes: int, hidden: int, device: torch
     """Tokens per chunk. CPU: a logits block no larger than the weight (whose gradient is held
     anyway), between 8 and 64 MiB. GPU: a block as large as the input, ``ceil(N / ceil(V / H))``
     rounded up to a power of two, at least 256 rows."""
-    if device.type == "cpu":
+    if backend.device_type(device) == "cpu":
         block = min(max(n_classes * hidden * 4, 8 << 20), CHUNK_BYTES_CPU)
         rows = block // (4 * max(n_classes, 1))
     else:
@@ -134,7 +134,7 @@ def _cpp_autograd(x: torch.Tensor) -> bool:
     saved-tensor recording (which counts the gradients kept by the Python Function), and not
     16-bit on a GPU (the Python Function accumulates those GEMMs in float32 with cuBLAS)."""
     return (compiled.has_cpu and backend.requested() is None and not recording()
-            and (x.device.type == "cpu" or x.dtype in (torch.float32, torch.float64))
+            and (backend.device_type(x.device) == "cpu" or x.dtype in (torch.float32, torch.float64))
             and not torch.compiler.is_compiling())
 
 
@@ -157,6 +157,7 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
     if (linear_cross_entropy_entry is not None and input.dim()
             and (num_items is None or isinstance(num_items, torch.Tensor))
             and backend.requested() is None and not recording()
+            and backend.planned() in (None, "cpu")  # the entry decides by the real device
             and not torch.compiler.is_compiling()):
         hidden = input.shape[-1]
         if chunk_size is None:

@@ -25,7 +25,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from memkern import backend, ops
-from memkern.nn.functional import _saved
+from memkern.nn.functional import _common, _saved
 from memkern.ops import _norm_recipe
 from memkern.ops.norm_layer import norm_entry, norm_layer_entry
 
@@ -126,7 +126,7 @@ def _norm(x, normalized_shape, weight, bias, eps, rms, name):
 def _norm_saving_input(x, shape, weight, bias, eps, rms):
     if not rms and _native_layer_norm_ok(x, weight, bias):
         kind, rebuild = _norm_recipe.NATIVE_LAYER_NORM, _native_layer_norm(shape, eps)
-        if torch.is_autocast_enabled(x.device.type):  # autocast would save a float32 copy of x
+        if _common.autocast_enabled(x.device.type):  # autocast would save a float32 copy of x
             with torch.autocast(x.device.type, enabled=False):
                 y = rebuild(x, weight, bias)
         else:

@@ -1,0 +1,50 @@
+"""Fake tensors: the private torch APIs memkern uses to run without data, in one place.
+
+memkern runs under ``torch._subclasses.FakeTensorMode`` (tensors with shapes, dtypes and
+devices but no storage, every op answered by its meta/fake implementation) so that a training
+step can be measured without computing it (:mod:`memkern.profile.plan`). torch exposes fake
+tensors only under ``torch._subclasses``, and the active dispatch modes and the running
+autograd node only through ``torch._C``; they are wrapped here, with a comment where torch's
+own behaviour is worked around, so that a change in a torch release is fixed here alone.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` carries no data: a fake tensor, or a tensor on the meta device."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return t.device.type == "meta" or _is_fake(t)
+
+
+def fake_mode_active() -> bool:
+    """Whether a ``FakeTensorMode`` is on the dispatch mode stack (every new tensor is fake)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+def current_autograd_node():
+    """The autograd node whose backward is running on this thread, or None (outside backward).
+    torch has no public query; ``torch._C._current_autograd_node`` is what its own tools read."""
+    return torch._C._current_autograd_node()
+
+
+def fake_mode():
+    """A new ``FakeTensorMode`` (a context manager) in which models can be built and cast.
+
+    torch's fake mode remembers, through a weak reference, the fake tensor it made for each
+    meta tensor, so that converting one real tensor twice gives one fake tensor. It does so
+    for every op's output too, and ``Module.to(dtype)`` on fake parameters swaps tensors
+    (``torch.utils.swap_tensors``), which refuses a tensor that has a weak reference: a model
+    built in fake mode could not be cast. For an op's output the memo would only map the
+    result back to an input the op returned unchanged, which autograd's in-place and ``out=``
+    kernels never read (they return their input themselves); so this mode memoizes only the
+    real tensors it converts (constants it folds), and the fake tensors made inside it have
+    no weak references.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    mode.fake_tensor_converter.set_tensor_memo = lambda tensor, fake: None
+    return mode

@@ -1,0 +1,74 @@
+"""Loss scaling and clipping of :class:`~memkern.optim.ShardedOptimizer`'s window gradient:
+the ``loss_scale`` argument as a :class:`~memkern.LossScaler`, the window gradient's norm (which
+is also its inf check) and the one multiplier the optimizer kernels apply to every gradient.
+
+All on the device, without a host read: the window's gradient is the scaled sum of its
+micro-batch gradients, and the kernels multiply it by
+``1 / (scale · normaliser) · clip_coef``, with torch's
+``clip_coef = min(1, max_grad_norm / (true_norm + 1e-6))``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from memkern import ops
+from memkern.amp.loss_scaler import LossScaler
+from memkern.optim.grad_buffer import GradBuffer
+from memkern.optim.zero import Shards
+
+
+def loss_scaler_for(loss_scale: Any) -> LossScaler:
+    """The scaler of a ``loss_scale`` argument: None (no scaling: a static scale of 1),
+    ``"dynamic"``, a number (a static scale) or a :class:`~memkern.LossScaler`."""
+    if isinstance(loss_scale, LossScaler):
+        return loss_scale
+    if loss_scale is None:
+        return LossScaler(init_scale=1.0, dynamic=False)
+    if isinstance(loss_scale, str) and loss_scale == "dynamic":
+        return LossScaler()
+    if (isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
+            and math.isfinite(loss_scale) and loss_scale > 0):
+        return LossScaler(init_scale=float(loss_scale), min_scale=float(loss_scale),
+                          dynamic=False)
+    raise ValueError(
+        "memkern.ShardedOptimizer: loss_scale must be None (no scaling), 'dynamic', a finite "
+        f"number > 0 (a static scale) or a memkern.LossScaler, got {loss_scale!r}"
+    )
+
+
+def scaled_grad_norm(grad_buffer: GradBuffer, shards: Shards | None,
+                     num_items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2 norm of the window's accumulated (scaled, un-normalised) gradient, and the window's
+    ``num_items`` total, as 0-dim device tensors.
+
+    One process: one read-only pass per flat buffer. Non-finite exactly when some gradient is
+    (or when the squares overflow float32, i.e. scaled gradients above ~1e19). Across ranks
+    (after the reduction, ``shards``): each rank's norm over its reduced shard, then one
+    all-reduce of ``[norm², num_items]`` in float64, whose sum is non-finite exactly when
+    some rank's shard holds an inf/NaN (squares are >= 0 and cannot overflow float64).
+    """
+    if shards is None:
+        norms = [ops.l2_norm(b.grads) for b in grad_buffer.buckets]
+        norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+        return norm, num_items
+    squares = [ops.l2_norm(shards.shard_grads_of(u)).double().square() for u in shards.units]
+    packet = torch.stack([torch.stack(squares).sum(), num_items])
+    shards.all_reduce(packet)
+    return packet[0].sqrt().float(), packet[1]
+
+
+def grad_multiplier(scaler: LossScaler, norm: torch.Tensor, normaliser: torch.Tensor | int,
+                    max_grad_norm: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(multiplier, true_norm)``: ``1 / (scale · normaliser) · clip_coef`` as a one-element
+    float32 device tensor, and the window gradient's norm unscaled and normalised (before
+    clipping; inf/NaN when the window overflowed)."""
+    inv_scale = scaler.inv_scale(norm.device)
+    unscale = (inv_scale.double() / normaliser).float()
+    true_norm = norm * unscale
+    if max_grad_norm is None:
+        return unscale, true_norm
+    clip_coef = (max_grad_norm / (true_norm + 1e-6)).clamp_(max=1.0)
+    return unscale * clip_coef, true_norm

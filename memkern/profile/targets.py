@@ -1,0 +1,127 @@
+"""The devices a training step can be planned for, and how each differs from the stand-in.
+
+The planner (:mod:`memkern.profile.plan`) runs the step on fake CPU tensors: fake tensors on a
+CUDA device cannot run backward on a machine without a GPU (the autograd engine needs the
+device), so the CPU is the stand-in for every target. What the stand-in computes is what the
+target allocates — each op's outputs, with their shapes, dtypes and strides — except where a
+GPU runs a different algorithm or allocates memory that no op returns. A :class:`Target` says
+those differences, and the planner applies them:
+
+* **allocator**: how the target's allocator counts what it hands out
+  (:mod:`memkern.profile.caching_allocator`);
+* **memkern's device-dependent choices**: the planner runs memkern as on the target
+  (:func:`memkern.backend.planning_for`): the kernels of the target device (their fake
+  implementations: outputs only), the composite ops' references (every op they run), and the
+  target's chunk sizes and code paths;
+* **attention**: the stand-in runs torch's CPU flash attention, which saves and returns what
+  the GPU's flash, cuDNN and memory-efficient kernels do (``q, k, v``, the output in ``q``'s
+  layout, float32 log-sum-exp);
+* **workspaces no op returns** (CUDA): cuBLAS's workspace (one per thread that runs GEMMs:
+  the main thread and autograd's device thread; 32 MiB on Hopper and later, 8.125 MiB
+  before), taken from the caching allocator at its first GEMM and kept; flash attention's
+  backward scratch (``softmax_d``, the float32 ``dq`` accumulator, and with grouped-query
+  attention the key/value gradients of every query head before their sum), freed when it
+  returns.
+
+The CPU target has the exact allocator; of memkern's C++ CPU kernels only the fused
+cross-entropy row op allocates scratch beyond its outputs (float32 blocks as large as its
+logits), which the planner adds while it runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from memkern.profile.caching_allocator import CudaCachingAllocator, ExactAllocator
+
+aten = torch.ops.aten
+
+CUBLAS_WORKSPACE = {"sm90": 4096 * 8 * 1024, "sm80": 4096 * 1024 * 2 + 16 * 1024 * 8}
+"""torch's default cuBLAS workspace per (handle, stream): ``:4096:8`` on compute capability 9.0,
+``:4096:2:16:8`` before (``parseChosenWorkspaceSize`` in ATen/cuda/CublasHandlePool.cpp)."""
+
+GEMMS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                   aten.mm.out, aten.addmm.out, aten.bmm.out, aten.mv.default, aten.addmv.default,
+                   aten.mm.dtype, aten.mm.dtype_out, aten.addmm.dtype, aten.addmm.dtype_out,
+                   aten._addmm_activation.default})
+"""The ops that run cuBLAS (and so make the calling thread's workspace exist)."""
+
+_ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _rows_op():
+    """The fused cross-entropy row op (looked up on first use: memkern.ops defines it)."""
+    return torch.ops.memkern.cross_entropy_rows_.default
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A device the planner plans for.
+
+    ``name``: "cuda" (an NVIDIA GPU of compute capability ``arch``) or "cpu".
+    """
+
+    name: str
+    arch: str = "sm90"
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.name == "cuda" else "cpu"
+
+    def describe(self) -> str:
+        if self.name == "cuda":
+            return (f"CUDA {self.arch} (caching allocator, cuBLAS workspace "
+                    f"{CUBLAS_WORKSPACE[self.arch] / 2**20:g} MiB per thread)")
+        return "CPU (exact allocator)"
+
+    def allocator(self):
+        return CudaCachingAllocator() if self.name == "cuda" else ExactAllocator()
+
+    @property
+    def gemm_workspace(self) -> int:
+        """Bytes a thread's first GEMM takes and keeps (cuBLAS's workspace); 0 on the CPU."""
+        return CUBLAS_WORKSPACE[self.arch] if self.name == "cuda" else 0
+
+    def workspaces(self, func, args, kwargs) -> list[int]:
+        """Bytes ``func`` allocates and frees inside itself on the target (besides its outputs):
+        on a GPU, flash attention's backward scratch (16-bit inputs; the stand-in's attention
+        op saves and returns what the GPU's flash kernels do); on the CPU, the fused
+        cross-entropy row op's (csrc/cpu/cross_entropy.cpp: the float32 log-softmax of the
+        block, and for 16-bit logits the float32 copy it is taken from, then the gradient)."""
+        if self.name == "cpu":
+            if func is not _rows_op():
+                return []
+            logits = args[0]
+            widened = logits.element_size() < 4
+            return [logits.numel() * max(logits.element_size(), 4) * (2 if widened else 1)]
+        if func is not _ATTENTION_BACKWARD or args[1].dtype not in _HALF:
+            return []
+        q, k = args[1], args[2]
+        b, h, t, d = q.shape
+        t_r, d_r = _round_up(t, 128), (_round_up(d, 32) if d <= 192 else 256)
+        sizes = [b * h * t_r * 4, b * t_r * h * d_r * 4]  # softmax_d, dq_accum (float32)
+        if k.shape[1] != h:  # grouped-query attention: dk, dv of every query head, then summed
+            sizes += [b * k.shape[2] * h * d * q.element_size()] * 2
+        return sizes
+
+
+TARGETS = {"cuda": Target("cuda"), "cuda-sm80": Target("cuda", "sm80"), "cpu": Target("cpu")}
+"""The targets by the names ``memkern plan --device`` takes: "cuda" (Hopper: H100, H200),
+"cuda-sm80" (Ampere: A100), "cpu"."""
+
+
+def target(name: str | Target) -> Target:
+    if isinstance(name, Target):
+        return name
+    if name not in TARGETS:
+        raise ValueError(f"memkern.profile: device {name!r} is not a planning target; use one of "
+                         f"{', '.join(TARGETS)}")
+    return TARGETS[name]

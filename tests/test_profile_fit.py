@@ -1,0 +1,117 @@
+"""memkern.fit: per-block recomputation chosen so that a training step fits a memory budget.
+
+Oracles, on the CPU (the planning target "cpu", exact byte counts):
+* the step's peak measured by the profiler's allocation trace (the persistent state at the
+  step's start + the batch + the step's peak allocation above its start) stays within the
+  budget — the planner's count is not the measure;
+* the loss and every gradient equal, bit for bit, those of the same step without the fit
+  (recomputation repeats the same ops on the same data);
+* across budgets from "nothing needed" to "impossible", a larger budget never chooses more
+  recomputation (per block, and in FLOPs), and "impossible" is an error naming a budget that
+  does fit (the next fit at that budget succeeds).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memkern as mk
+from memkern.bench.configs import build
+from memkern.bench.model import SIZES, GPTConfig
+from memkern.profile import allocation_stats, memory_breakdown
+from memkern.profile.fit import DEFAULT_MARGIN, LEVELS, parse_bytes
+
+MIB = 1 << 20
+
+
+def _gpt():
+    base = SIZES["small"]
+    cfg = GPTConfig(base.layers, base.width, base.heads, seq=127, vocab=base.vocab)
+    setup = build("memkern-full", cfg, torch.device("cpu"), seed=0, param_dtype=torch.float32)
+    batch = torch.randint(0, cfg.vocab, (9, 127))
+    return setup.model, (batch, batch), lambda m, b: m(*b)
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=1001, max_position_embeddings=128,
+                                   attn_implementation="sdpa")
+    model = mk.patch(transformers.LlamaForCausalLM(cfg).train())
+    ids = torch.randint(0, 1001, (7, 127))
+    return model, {"input_ids": ids, "labels": ids}, lambda m, b: m(**b).loss
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+
+
+def _steps(model, batch, loss_fn):
+    """Three training steps from the model's weights: a warm-up (the optimizer's state exists
+    from there on), one measured, one whose loss and gradients are returned (copying them out
+    would add to the measured one). Returns (measured peak, loss, gradients)."""
+    opt = _optimizer(model.parameters())
+    grads = {}
+
+    def step(keep=False):
+        loss = loss_fn(model, batch)
+        loss.backward()
+        if keep:
+            grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    step()
+    tensors = batch.values() if isinstance(batch, dict) else batch
+    held = memory_breakdown(model, opt).total + sum(
+        t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
+    measured = held + allocation_stats(step).peak
+    return measured, step(keep=True), grads
+
+
+@pytest.mark.parametrize("make", [_gpt, _llama], ids=["bench-gpt", "hf-llama"])
+def test_fit_across_budgets(make):
+    model, batch, loss_fn = make()
+    _, base_loss, base_grads = _steps(model, batch, loss_fn)
+    model, batch, loss_fn = make()  # the same weights and batch again
+
+    roomy = mk.fit(model, batch, 1 << 40, loss=loss_fn, optimizer=_optimizer, device="cpu",
+                   throughput=1e12, apply=False)
+    assert set(roomy.choices.values()) == {"keep"} and roomy.extra_flops == 0
+    with pytest.raises(mk.MemoryBudgetError) as err:
+        mk.fit(model, batch, roomy.baseline_peak // 4, loss=loss_fn, optimizer=_optimizer,
+               device="cpu", apply=False)
+    smallest = err.value.smallest_budget
+    assert f"{smallest / MIB:.1f} MiB" in str(err.value)
+    enough = int(roomy.baseline_peak / (1 - DEFAULT_MARGIN)) + 1  # no recomputation needed
+    assert smallest < 0.9 * enough, "recomputation cannot lower this step's peak: a poor case"
+    budgets = [smallest, (smallest + enough) // 2, enough]
+    previous = None
+    for budget in budgets:
+        model, batch, loss_fn = make()
+        report = mk.fit(model, batch, budget, loss=loss_fn, optimizer=_optimizer, device="cpu",
+                        throughput=1e12)
+        measured, loss, grads = _steps(model, batch, loss_fn)
+        assert measured <= budget, (measured / MIB, budget / MIB, str(report))
+        assert torch.equal(loss, base_loss)
+        for name, g in base_grads.items():
+            assert torch.equal(grads[name], g), name
+        order = [LEVELS.index(report.choices[n]) for n in report.choices]
+        if previous is not None:  # budgets ascend: never more recomputation than before
+            assert all(a <= b for a, b in zip(order, previous[0]))
+            assert report.extra_flops <= previous[1]
+        previous = (order, report.extra_flops)
+    assert previous[0] == [0] * len(previous[0])  # the roomiest budget: nothing recomputed
+
+
+def test_parse_bytes():
+    assert parse_bytes("20GiB") == 20 << 30
+    assert parse_bytes("2500 MiB") == 2500 << 20
+    assert parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes(4096) == 4096
+    for bad in ("20 parsecs", "-1GiB", "0", "GiB"):
+        with pytest.raises(ValueError, match="budget"):
+            parse_bytes(bad)
