@@ -7,10 +7,11 @@ copy bandwidth: ~200 per element); the counts show which kernels spend it.
 
 Rows: bf16 grads and params. ``correctly rounded divisions`` counts FCHK, the range check that
 every IEEE division emits. Triton kernels: the whole kernel (straight-line code, 8 elements per
-thread for every kernel here). CUDA: the loop over quantization blocks of the 8-bit kernels (8
-elements per lane), whose per-element branches make the whole function's count meaningless;
-for the 32-bit kernels the grid-stride loop over vector chunks (``kVecWidth`` elements per
-thread and trip), the path that all but the last few elements take.
+thread for every kernel here). CUDA: the loop of the vector path, the one all but the last
+few elements take (``kVecWidth`` = 8 elements per thread and trip: a grid-stride loop over
+vector chunks in the 32-bit kernels, over whole quantization blocks in the 8-bit ones, the
+instantiation for aligned buffers); the tail's element path and the rare slow paths of a
+division or a root are not counted.
 
 Usage: python benchmarks/step_kernel_sass.py [--backends cuda,triton]
        [--out benchmarks/results/sm90-step-kernel-sass.json]
@@ -31,8 +32,10 @@ import common
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TRITON_OPS = ("adamw_step_", "adamw8bit_step_", "sgd_step_", "sgd8bit_step_")
-CUDA_QBLOCK_KERNELS = ("adamw8bit_step_kernel", "sgd8bit_step_kernel")
-CUDA_VECTOR_KERNELS = ("adamw_step_kernel", "sgd_step_kernel")
+CUDA_KERNELS = {  # kernel -> the mangled template arguments of its bf16/bf16 vector instance
+    "adamw_step_kernel": "I13__nv_bfloat16S2_E", "sgd_step_kernel": "I13__nv_bfloat16S2_E",
+    "adamw8bit_step_kernel": "I13__nv_bfloat16S2_Lb1EE",
+    "sgd8bit_step_kernel": "I13__nv_bfloat16S2_Lb1EE"}
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_.]*[^;]*);")
 
 
@@ -110,27 +113,15 @@ def cuda_kernels() -> dict[str, dict[str, int]]:
                         os.path.join(ROOT, "csrc", "cuda", "flat_ops.cu")], check=True)
         with open(cubin, "rb") as fh:
             funcs = functions(fh.read())
-    def code_of(kernel: str) -> list[tuple[int, str]]:
-        # mangled name of kernel<__nv_bfloat16, __nv_bfloat16>
-        return funcs[next(n for n in funcs if f"{kernel}I13__nv_bfloat16S2_" in n)]
-
-    def span(code, start, end) -> list[str]:
-        return [t for a, t in code if start <= a <= end]
-
     out = {}
-    for kernel in CUDA_VECTOR_KERNELS:
-        code = code_of(kernel)
-        # the loops with 16-byte loads are the vector loop (one copy per case the compiler
+    for kernel, arguments in CUDA_KERNELS.items():
+        code = funcs[next(n for n in funcs if f"{kernel}{arguments}" in n)]
+        # the loops with 16-byte loads are the vector path (one copy per case the compiler
         # unswitched, e.g. with and without a params copy): the largest one writes params
-        vector_loops = [(s, e) for s, e in loops(code)
-                        if any(opcode(t) == "LDG" and ".128" in t for t in span(code, s, e))]
-        start, end = max(vector_loops, key=lambda se: len(span(code, *se)))
-        out[f"cuda {kernel} (vector loop)"] = summary(span(code, start, end), vector_width())
-    for kernel in CUDA_QBLOCK_KERNELS:
-        code = code_of(kernel)
-        # the outermost backward branch: the loop over the warp's quantization blocks
-        start, end = max(loops(code), key=lambda se: se[1] - se[0])
-        out[f"cuda {kernel} (block loop)"] = summary(span(code, start, end), 8)
+        bodies = [[t for a, t in code if start <= a <= end] for start, end in loops(code)]
+        body = max((b for b in bodies if any(opcode(t) == "LDG" and ".128" in t for t in b)),
+                   key=len)
+        out[f"cuda {kernel} (vector loop)"] = summary(body, vector_width())
     return out
 
 

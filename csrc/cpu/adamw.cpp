@@ -14,7 +14,7 @@ namespace memkern::cpu {
 namespace {
 
 // torch.optim.AdamW's update of n elements, in float32; params gets round(master).
-// kLerpFromEnd is c.lerp_from_end fixed at compile time: with the run-time select GCC leaves
+// kLerpFromEnd is c.lerp_end_mask fixed at compile time: with the run-time select GCC leaves
 // the 16-bit instantiations unvectorised ("control flow in loop").
 template <bool kLerpFromEnd, typename grad_t, typename param_t>
 MEMKERN_VECTOR_CLONES void adamw_block(float* __restrict master, float* __restrict exp_avg,
@@ -22,7 +22,7 @@ MEMKERN_VECTOR_CLONES void adamw_block(float* __restrict master, float* __restri
                                        const grad_t* __restrict grads,
                                        param_t* __restrict params, AdamWCoefficients c,
                                        int64_t n) {
-  c.lerp_from_end = kLerpFromEnd;
+  c.lerp_end_mask = kLerpFromEnd ? ~0u : 0u;
   for (int64_t i = 0; i < n; ++i) {
     float m = exp_avg[i];
     float v = exp_avg_sq[i];
@@ -60,7 +60,7 @@ void adamw_step_cpu(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg
                                                     end - begin);
       });
     };
-    if (c.lerp_from_end) {
+    if (c.lerp_end_mask != 0) {
       run(std::true_type{});
     } else {
       run(std::false_type{});

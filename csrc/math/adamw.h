@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #include "host_device.h"
 
@@ -35,9 +36,10 @@ struct AdamWCoefficients {
   float decay;            // 1 - lr * weight_decay
   // torch.lerp(m, g, w) with w = 1 - beta1 rounded to float32, as torch computes it: for
   // |w| < 0.5 fma(w, g - m, m), else fma(w - 1, g - m, g) (exact at w = 0 and 1; the two
-  // forms differ for an infinite g). lerp_factor is w or w - 1.
+  // forms differ for an infinite g). lerp_factor is w or w - 1; lerp_end_mask is all ones for
+  // the second form, else 0 (a blend mask: see blend).
   float lerp_factor;
-  bool lerp_from_end;
+  uint32_t lerp_end_mask;
   float beta2;
   float one_minus_beta2;
   // The factors that depend on the step counter (adamw_set_step).
@@ -52,8 +54,9 @@ inline AdamWCoefficients adamw_coefficients(const AdamWHyper& h, float grad_mult
   c.grad_multiplier = grad_multiplier;
   c.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
   const float w = static_cast<float>(1.0 - h.beta1);
-  c.lerp_from_end = !(std::fabs(w) < 0.5f);
-  c.lerp_factor = c.lerp_from_end ? w - 1.0f : w;
+  const bool from_end = !(std::fabs(w) < 0.5f);
+  c.lerp_factor = from_end ? w - 1.0f : w;
+  c.lerp_end_mask = from_end ? ~0u : 0u;
   c.beta2 = static_cast<float>(h.beta2);
   c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
   return c;
@@ -74,7 +77,7 @@ MEMKERN_HOST_DEVICE void adamw_moments(float& m, float& v, float grad,
                                        const AdamWCoefficients& c) {
   const float g = mul_rn(grad, c.grad_multiplier);
   const float g_minus_m = fma_rn(grad, c.grad_multiplier, -m);
-  m = fma_rn(c.lerp_factor, g_minus_m, c.lerp_from_end ? g : m);
+  m = fma_rn(c.lerp_factor, g_minus_m, blend(c.lerp_end_mask, g, m));
   v = fma_rn(mul_rn(c.one_minus_beta2, g), g, mul_rn(v, c.beta2));
 }
 

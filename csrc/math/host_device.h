@@ -14,6 +14,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define MEMKERN_HOST_DEVICE __host__ __device__ __forceinline__
@@ -59,6 +61,33 @@ MEMKERN_HOST_DEVICE float sqrt_rn(float x) {
 #else
   return std::sqrt(x);
 #endif
+}
+
+MEMKERN_HOST_DEVICE uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+#endif
+}
+
+MEMKERN_HOST_DEVICE float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+#endif
+}
+
+// `a` where `mask` is all ones, `b` where it is zero: a bitwise blend (one LOP3 on the GPU).
+// For a choice fixed per kernel call that a compiler would otherwise turn into a branch and
+// unswitch, duplicating the loop around it (with a mask it cannot see to be all or nothing).
+MEMKERN_HOST_DEVICE float blend(uint32_t mask, float a, float b) {
+  return bits_float((float_bits(a) & mask) | (float_bits(b) & ~mask));
 }
 
 }  // namespace memkern::math

@@ -13,7 +13,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "host_device.h"
 
@@ -22,26 +21,6 @@ namespace memkern::math {
 constexpr int64_t kQBlock = 256;
 constexpr float kSignedCodes = 127.0f;    // int8:  sign(c) * (|c| / 127)^2 * absmax
 constexpr float kUnsignedCodes = 255.0f;  // uint8: (c / 255)^4 * absmax
-
-MEMKERN_HOST_DEVICE uint32_t float_bits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u;
-#endif
-}
-
-MEMKERN_HOST_DEVICE float bits_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-#endif
-}
 
 // abs_bits(x) orders like |x|, and inf and NaN above every finite value: the largest abs_bits
 // of a block is its absmax, or says that a value is not finite (>= kInfBits).
