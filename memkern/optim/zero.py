@@ -241,6 +241,10 @@ class Shards:
         self._staging: dict[int, torch.Tensor] = {}
         self._next = 0
         self._order: list[Unit] = []
+        # Offload's overlap (one process): called with a unit's index once its gradients are
+        # final in the current backward pass (watch_units).
+        self._watch: Callable[[int], None] | None = None
+        self._final: list[set[int]] = []
 
     # ------------------------------------------------------------------------ construction
     def check_consistent(self, groups: list[dict[str, Any]], settings: dict[str, Any]) -> None:
@@ -300,6 +304,9 @@ class Shards:
                 self.shard_grads[id(bucket)] = torch.zeros(
                     bucket.numel // self.world, dtype=bucket.grad_dtype, device=buffer.device)
         self._order = self.units[::-1]
+        if self.offload == "cpu" and self.world == 1 and self.zero_stage == 1:
+            for p in buffer.params:  # stage 2 knows when a unit is final: its reduction
+                p.register_post_accumulate_grad_hook(_weak_hook(self._grad_accumulated))
         device_views = [(self.shard_grads_of(u), u.bucket.weights[u.owned(self.rank)])
                         for u in self.units]
         if on_host:
@@ -336,8 +343,13 @@ class Shards:
     # ------------------------------------------------------------------------- collectives
     def _launch(self, work: Any, finish: Callable[[], None] | None = None,
                 keep: torch.Tensor | None = None) -> None:
-        """Tracks an asynchronous collective (None: already done, one rank); ``finish`` runs
-        once it completed; ``keep`` is a buffer that must live until then."""
+        """Tracks an asynchronous collective (None: already done, one rank: ``finish`` runs
+        now); ``finish`` runs once it completed; ``keep`` is a buffer that must live until
+        then."""
+        if work is None:
+            if finish is not None:
+                finish()
+            return
         self._in_flight.append((work, finish, keep))
         while len(self._in_flight) > IN_FLIGHT:
             self._finish_oldest()
@@ -437,8 +449,31 @@ class Shards:
                                   device=unit.bucket.weights.device)
         reduced = torch.empty(unit.shard, dtype=staging.dtype, device=staging.device)
         shard = self.shard_grads_of(unit)
-        self._launch(self._reduce_scatter(reduced, staging), lambda: shard.add_(reduced),
-                     keep=staging)
+
+        def finish() -> None:
+            shard.add_(reduced)
+            if self._watch is not None:
+                self._watch(unit.index)
+
+        self._launch(self._reduce_scatter(reduced, staging), finish, keep=staging)
+
+    def watch_units(self, callback: Callable[[int], None] | None) -> None:
+        """While set (one process, offload: the window's last backward pass),
+        ``callback(unit.index)`` runs once each unit's gradients are final in the current
+        backward pass: stage 1, all its parameters' gradients accumulated in the buffer;
+        stage 2, its reduction added into the shard. None stops it."""
+        self._watch = callback
+        self._final = [set() for _ in self.units]
+
+    def _grad_accumulated(self, p: torch.Tensor) -> None:
+        """Post-accumulate hook (stage 1, offload, one process): counts a unit's gradients."""
+        if self._watch is None:
+            return
+        unit, _ = self._place[id(p)]
+        final = self._final[unit.index]
+        final.add(id(p))
+        if len(final) == len(unit.params):
+            self._watch(unit.index)
 
     def end_backward(self) -> None:
         """After a backward pass (stage 2): launches the units still waiting, in order, and
