@@ -178,7 +178,7 @@ def _parser() -> argparse.ArgumentParser:
                        "the first, the profiled one and a few warm-up steps are not timed")
     bench.add_argument("--configs", type=_config_list, default=list(DEFAULT_CONFIGS),
                        help=f"comma-separated subset of: {', '.join(CONFIGS)} (default: all "
-                       "but memkern-fit)")
+                       "but memkern-full-offload and memkern-fit)")
     bench.add_argument("--memory-budget", metavar="BYTES",
                        help="memkern-fit's device memory budget, e.g. 3GiB or 2500MiB")
     bench.add_argument("--plot", metavar="PATH", type=_chart_file,
@@ -234,14 +234,15 @@ def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
           f"{cfg.layers} layers, width {cfg.width}), batch {args.batch} x seq {cfg.seq} per rank, "
           f"{args.steps} steps on {device}{ranks} (torch {torch.__version__})")
     width = max(len("configuration"), *(len(r.config) for r in rows))
-    head = (f"{'configuration':<{width}} {'peak MiB':>9} {'saved act MiB':>13} {'opt B/param':>11} "
-            f"{'step ms':>8} {'tokens/s':>9} {'final loss':>10}")
+    head = (f"{'configuration':<{width}} {'peak MiB':>9} {'held MiB':>9} {'saved act MiB':>13} "
+            f"{'opt B/param':>11} {'step ms':>8} {'tokens/s':>9} {'final loss':>10}")
     if base is not None:
         head += f" {'peak vs AMP':>11} {'time vs AMP':>11}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        line = (f"{r.config:<{width}} {_mib(r.peak_bytes):>9} {_mib(r.saved_activation_bytes):>13} "
+        line = (f"{r.config:<{width}} {_mib(r.peak_bytes):>9} {_mib(r.held_bytes):>9} "
+                f"{_mib(r.saved_activation_bytes):>13} "
                 f"{r.optimizer_side_bytes_per_param:>11.2f} {r.step_seconds * 1e3:>8.1f} "
                 f"{r.tokens_per_second:>9.0f} {r.final_loss:>10.4f}")
         if base is not None:
@@ -250,6 +251,9 @@ def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
         print(line)
     print("peak: persistent state + the step's peak allocation "
           + ("(CUDA allocator)" if device.type == "cuda" else "(profiler allocation trace)")
+          + "; held: "
+          + ("device memory allocated between steps" if device.type == "cuda"
+             else "persistent state (params, grads, master, optimizer state)")
           + ";\nopt B/param: gradients + the fp32 weights the optimizer updates (master copies, or "
           "fp32 parameters updated in place) + optimizer state, per parameter")
     spread = [f"{r.config} {r.step_spread:.0%}" for r in rows if r.step_spread > SPREAD_LIMIT]
@@ -320,7 +324,7 @@ def _report(args: argparse.Namespace) -> int:
     print("W: processes (ranks); B/param: model-state bytes per parameter on each rank's "
           "device;\nstate MiB: B/param x params; activ. MiB: bytes one micro-batch's forward "
           "saves for backward (measured);\ndevice MiB: state + activations per rank; host MiB: "
-          "optimizer state kept in host memory (offload)")
+          "what offload keeps in host memory per rank")
     if args.json:
         _write_json(args.json, {"command": "report", "size": args.size, "seq": cfg.seq,
                                 "batch": args.batch, "num_params": num_params,

@@ -18,6 +18,9 @@ memkern-full           memkern modules, bf16 parameters, the flat bf16 gradient 
 memkern-full-ckpt      memkern-full with every transformer block under ``memkern.checkpoint``
 memkern-full-8bit      memkern-full with ``state_precision="8bit"`` (block-wise 8-bit Adam
                        moments for parameters of >= 4096 elements)
+memkern-full-offload   memkern-full with ``offload="cpu"``: master weights and Adam moments in
+                       host memory, each bucket's host step started during backward
+                       (:mod:`memkern.optim.offload`); not in the default set
 memkern-fit            memkern-full with each block's recomputation chosen by
                        :func:`memkern.fit` so that the step fits ``memory_budget`` on the
                        device (``memkern bench --memory-budget``); not in the default set
@@ -40,9 +43,11 @@ from memkern.bench.model import GPT, GPTConfig
 
 CONFIGS = ("torch-fp32", "torch-amp", "torch-amp-compiled", "torch-amp-compiled-budget",
            "memkern-modules", "memkern-full", "memkern-full-ckpt", "memkern-full-8bit",
-           "memkern-fit")
-DEFAULT_CONFIGS = CONFIGS[:-1]
-"""What ``memkern bench`` runs by default: memkern-fit needs a memory budget."""
+           "memkern-full-offload", "memkern-fit")
+DEFAULT_CONFIGS = CONFIGS[:-2]
+"""What ``memkern bench`` runs by default: memkern-fit needs a memory budget, and
+memkern-full-offload is measured against memkern-full when asked for (its host step takes the
+machine's CPU cores, which the default run's CPU configurations share)."""
 BASELINE = "torch-amp"
 LR, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-3, 0.01, 1.0
 MEMORY_BUDGET = 0.5
@@ -170,7 +175,8 @@ def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0, *,
         return memkern.optim.ShardedOptimizer(
             params, "adamw", lr=LR, weight_decay=WEIGHT_DECAY, loss_scale="dynamic",
             max_grad_norm=MAX_GRAD_NORM,
-            state_precision="8bit" if name == "memkern-full-8bit" else "32bit")
+            state_precision="8bit" if name == "memkern-full-8bit" else "32bit",
+            offload="cpu" if name == "memkern-full-offload" else None)
 
     if name == "memkern-fit":
         tokens = torch.zeros(batch, cfg.seq, dtype=torch.long, device=device)

@@ -43,6 +43,10 @@ class Row:
     losses: list[float]
     step_seconds_min: float = 0.0
     step_seconds_max: float = 0.0
+    held_bytes: int = 0
+    """Bytes held between steps, after the last one (gradients zeroed): on a GPU, what the
+    configuration keeps allocated on the device (state in host memory not counted); on the
+    CPU, the persistent bytes (params, grads, master weights, optimizer state)."""
 
     @property
     def final_loss(self) -> float:
@@ -128,6 +132,11 @@ def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: i
         losses.append(loss.item())
         bar.update(i + 1, losses[-1])
 
+    if device.type == "cuda":
+        _sync(device)
+        held = torch.cuda.memory_allocated(device) - base
+    else:
+        held = persistent
     x, y = batches.next()
     with setup.autocast():
         saved = saved_bytes(setup.model, x, y)
@@ -141,4 +150,4 @@ def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: i
                breakdown.optimizer_state, breakdown.num_params,
                breakdown.optimizer_side_per_param, step_seconds,
                batch * cfg.seq / step_seconds, losses, step_seconds_min=min(times),
-               step_seconds_max=max(times))
+               step_seconds_max=max(times), held_bytes=held)

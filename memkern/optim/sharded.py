@@ -55,6 +55,9 @@ micro-batches x W: the mean over micro-batches and ranks, as one large batch spl
 
 ``offload="cpu"`` moves the masters, the optimizer state and the step counters to host memory
 and runs phase 3 with the C++ CPU kernel (:mod:`memkern.optim.offload`), in one process or many.
+In one process phase 3 starts during the window's last backward pass, bucket by bucket as
+their gradients become final, and the window's end only settles it (kept, undone on an
+overflow, redone when clipped): the same bits as phase 3 run after phase 2.
 
 Where each part lives: this module is the step (the window's end above, its CUDA-graph
 capture, and where phase 3 runs: on the device, or on the host through
@@ -140,7 +143,10 @@ class ShardedOptimizer(FlatOptimizer):
             (a static scale) or a :class:`~memkern.LossScaler` for custom settings.
         max_grad_norm: clip the window's gradient to this total L2 norm (None: no clipping).
         offload: None, or ``"cpu"``: float32 masters, optimizer state and step counters in
-            host memory, stepped by the C++ CPU kernel (:mod:`memkern.optim.offload`).
+            host memory, stepped by the C++ CPU kernel (:mod:`memkern.optim.offload`); in one
+            process each bucket's step starts during the window's last backward pass (a
+            bucket's parameters may hold their new values when that backward returns, before
+            :meth:`step` settles them).
         bucket_size_mb: the largest communication bucket across ranks, in MiB of gradients
             (> 0); a larger parameter is a bucket of its own.
 
