@@ -342,6 +342,8 @@ class OverlappedHostStep:
             backup[k].copy_(t)
 
     def _restore(self, i: int) -> None:
+        if self.host is not None:  # the speculative step's upload may still read them
+            self.host.weights_free(i)
         seg = self.segments[i]
         for k, t in self._state_tensors(seg).items():
             t.copy_(self._backups[i][k])
