@@ -8,7 +8,8 @@ single-process run and that to torch's own loop), over accumulation windows with
 num_items, clipping that never, sometimes or always bites, a loss-scaling overflow in a bucket
 stepped last, 8-bit state, bfloat16 parameters and both ZeRO stages; that a skipped window
 leaves parameters and state bit for bit as they were although earlier buckets had been
-stepped; that a state dict read between the last backward and the step sees the state before
+stepped; that the model's parameters change in ``step()`` only (the early steps write host
+copies); that a state dict read between the last backward and the step sees the state before
 the window. The model is on the CPU: the same schedule as from a GPU, without the copies
 (the cuda-marked test runs it from a GPU).
 """
@@ -226,6 +227,30 @@ def test_skipped_window_leaves_parameters_and_state_bit_identical():
     assert not opt.step()  # skipped
     assert_same_bits(snapshot(model, opt), before, "skipped window")
     assert opt.skipped_steps == 1
+
+
+def test_parameters_change_in_step_only():
+    """After the window's last backward, with buckets already stepped on the host, the model's
+    parameters are bit for bit those before the window; step() then gives the serial result."""
+    runs = []
+    for overlapped in (True, False):
+        model = make_model(6, torch.bfloat16)
+        opt = make_optimizer(model, max_grad_norm=None)
+        if not overlapped:
+            serial(opt)
+        train(model, opt, torch.bfloat16, windows=2, poisoned=None)
+        before = [p.detach().clone() for p in model.parameters()]
+        for micro in range(ACCUMULATION):
+            x, y = batch(2, micro, torch.bfloat16)
+            opt.backward(torch.nn.functional.mse_loss(model(x).float(), y.float()))
+        if overlapped:
+            opt._overlap._wait_jobs()
+            assert opt._overlap._speculated, "no bucket was stepped before step()"
+        assert_same_bits([p.detach() for p in model.parameters()], before, "before step()")
+        assert opt.step()
+        runs.append(snapshot(model, opt))
+    assert_same_bits(runs[0], runs[1], "the step after an untouched model")
+    assert not any(torch.equal(p, q) for p, q in zip(runs[0][0], before))
 
 
 def test_state_dict_between_the_last_backward_and_the_step_sees_the_state_before():

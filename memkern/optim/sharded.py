@@ -144,9 +144,8 @@ class ShardedOptimizer(FlatOptimizer):
         max_grad_norm: clip the window's gradient to this total L2 norm (None: no clipping).
         offload: None, or ``"cpu"``: float32 masters, optimizer state and step counters in
             host memory, stepped by the C++ CPU kernel (:mod:`memkern.optim.offload`); in one
-            process each bucket's step starts during the window's last backward pass (a
-            bucket's parameters may hold their new values when that backward returns, before
-            :meth:`step` settles them).
+            process each bucket's step starts during the window's last backward pass, and
+            :meth:`step` settles it (the parameters change in :meth:`step` only).
         bucket_size_mb: the largest communication bucket across ranks, in MiB of gradients
             (> 0); a larger parameter is a bucket of its own.
 

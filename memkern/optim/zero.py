@@ -283,9 +283,11 @@ class Shards:
     def make_segments(self, buffer: GradBuffer) -> list[Segment]:
         """The units and, for each, the segment of this rank's slice: its gradients (stage 1:
         a slice of the flat buffer; stage 2: of the rank's gradient shard), its weights (a
-        slice of the flat weights, or of host copies when offloading from a GPU)."""
-        on_host = self.offload == "cpu" and buffer.device.type != "cpu"
-        if on_host and buffer.device.type != "cuda":
+        slice of the flat weights, or of host copies when offloading from a GPU, or in one
+        process, where the host steps start before step() and must not touch the model's
+        weights: memkern.optim.offload)."""
+        on_host = self.offload == "cpu" and (buffer.device.type != "cpu" or self.world == 1)
+        if on_host and buffer.device.type not in ("cpu", "cuda"):
             raise ValueError(f"memkern.ShardedOptimizer: offload='cpu' needs the model on the CPU "
                              f"or a CUDA GPU, not on {buffer.device}; use offload=None")
         for bucket in buffer.buckets:
