@@ -59,49 +59,62 @@ PARAM_DTYPES = (("fp32 params", torch.float32), ("bf16 params, fp32 master", tor
 grads and parameters with a float32 master."""
 
 
+def adamw_steps(n: int, device: torch.device, dtype: torch.dtype):
+    """``adamw_step_`` and ``adamw8bit_step_`` over ``n`` elements of their own state, as two
+    callables: ``dtype`` grads (and params, unless float32: then the master is the param)."""
+    grads, master, params = _step_buffers(n, device, dtype)
+    m, v = torch.randn(n, device=device) * 1e-3, torch.rand(n, device=device) * 1e-6
+    codes = [torch.empty(n, dtype=torch.int8, device=device),
+             torch.empty(num_blocks(n), device=device),
+             torch.empty(n, dtype=torch.uint8, device=device),
+             torch.empty(num_blocks(n), device=device)]
+    adamw8bit.quantize(m, codes[0], codes[1])
+    adamw8bit.quantize(v, codes[2], codes[3])
+    step32, step8 = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    master8 = master.clone()
+    return (lambda: memkern.ops.adamw_step_(master, m, v, grads, params, step32, None, None,
+                                            *HYPER),
+            lambda: memkern.ops.adamw8bit_step_(master8, *codes, grads, params, step8, None,
+                                                None, *HYPER))
+
+
+def sgd_steps(n: int, device: torch.device, dtype: torch.dtype):
+    """``sgd_step_`` and ``sgd8bit_step_`` (momentum 0.9) as ``adamw_steps``."""
+    grads, master, params = _step_buffers(n, device, dtype)
+    buf = torch.randn(n, device=device) * 1e-3
+    codes = [torch.empty(n, dtype=torch.int8, device=device),
+             torch.empty(num_blocks(n), device=device)]
+    adamw8bit.quantize(buf, *codes)
+    step32, step8 = torch.ones(1, device=device), torch.ones(1, device=device)
+    master8 = master.clone()
+    return (lambda: memkern.ops.sgd_step_(master, buf, grads, params, step32, None, None,
+                                          *SGD_HYPER),
+            lambda: memkern.ops.sgd8bit_step_(master8, *codes, grads, params, step8, None,
+                                              None, *SGD_HYPER))
+
+
+ADAMW_STATE_BYTES = (16, 4 + 16 / QBLOCK)
+"""State bytes per element read and written by a step: m and v 4 + 4 each (32-bit), or 1 + 1
+each plus 2 x (4 + 4) / QBLOCK of absmax (8-bit)."""
+SGD_STATE_BYTES = (8, 2 + 8 / QBLOCK)
+"""The momentum buffer 4 + 4 (32-bit), or 1 + 1 plus (4 + 4) / QBLOCK of absmax (8-bit)."""
+
+
+def step_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element a step moves besides its state: grads, the master 4 + 4, params."""
+    return dtype.itemsize * (2 if dtype != torch.float32 else 1) + 8
+
+
 def bench_step(n: int, device: torch.device) -> dict[str, object]:
     """``adamw8bit_step_`` against ``adamw_step_`` over the same ``n`` elements."""
-
-    def steps(dtype: torch.dtype):
-        grads, master, params = _step_buffers(n, device, dtype)
-        m, v = torch.randn(n, device=device) * 1e-3, torch.rand(n, device=device) * 1e-6
-        codes = [torch.empty(n, dtype=torch.int8, device=device),
-                 torch.empty(num_blocks(n), device=device),
-                 torch.empty(n, dtype=torch.uint8, device=device),
-                 torch.empty(num_blocks(n), device=device)]
-        adamw8bit.quantize(m, codes[0], codes[1])
-        adamw8bit.quantize(v, codes[2], codes[3])
-        step32, step8 = torch.zeros(1, device=device), torch.zeros(1, device=device)
-        master8 = master.clone()
-        return (lambda: memkern.ops.adamw_step_(master, m, v, grads, params, step32, None, None,
-                                                *HYPER),
-                lambda: memkern.ops.adamw8bit_step_(master8, *codes, grads, params, step8, None,
-                                                    None, *HYPER))
-
-    # state bytes per element: m and v 4 + 4 each (32-bit), or 1 + 1 each plus 2 x (4 + 4) /
-    # QBLOCK of absmax (8-bit)
-    return _compare_steps(n, device, steps, 16, 4 + 16 / QBLOCK)
+    return _compare_steps(n, device, lambda dtype: adamw_steps(n, device, dtype),
+                          *ADAMW_STATE_BYTES)
 
 
 def bench_sgd_step(n: int, device: torch.device) -> dict[str, object]:
     """``sgd8bit_step_`` against ``sgd_step_`` (momentum 0.9) over the same ``n`` elements."""
-
-    def steps(dtype: torch.dtype):
-        grads, master, params = _step_buffers(n, device, dtype)
-        buf = torch.randn(n, device=device) * 1e-3
-        codes = [torch.empty(n, dtype=torch.int8, device=device),
-                 torch.empty(num_blocks(n), device=device)]
-        adamw8bit.quantize(buf, *codes)
-        step32, step8 = torch.ones(1, device=device), torch.ones(1, device=device)
-        master8 = master.clone()
-        return (lambda: memkern.ops.sgd_step_(master, buf, grads, params, step32, None, None,
-                                              *SGD_HYPER),
-                lambda: memkern.ops.sgd8bit_step_(master8, *codes, grads, params, step8, None,
-                                                  None, *SGD_HYPER))
-
-    # state bytes per element: the buffer 4 + 4 (32-bit), or 1 + 1 plus (4 + 4) / QBLOCK of
-    # absmax (8-bit)
-    return _compare_steps(n, device, steps, 8, 2 + 8 / QBLOCK)
+    return _compare_steps(n, device, lambda dtype: sgd_steps(n, device, dtype),
+                          *SGD_STATE_BYTES)
 
 
 def _step_buffers(n: int, device: torch.device, dtype: torch.dtype):
@@ -132,7 +145,7 @@ def _compare_steps(n, device, steps, state32: float, state8: float,
             warmup=3, reps=reps, device=device, cpu_times=cpu)
         t32, t8 = statistics.median(wall["32bit"]), statistics.median(wall["8bit"])
         cpu32, cpu8 = statistics.median(cpu["32bit"]), statistics.median(cpu["8bit"])
-        moved = dtype.itemsize * (2 if dtype != torch.float32 else 1) + 8
+        moved = step_bytes(dtype)
         ratios = [b / a for a, b in zip(wall["32bit"], wall["8bit"])]
         out[name] = {"fp32_state_ms": t32 * 1e3, "int8_state_ms": t8 * 1e3,
                      "ratio_8bit_to_32bit": t8 / t32,

@@ -5,12 +5,22 @@
    (``l2_norm``, whose non-finiteness is the inf check) + one fused ``adamw_step_`` pass.
    torch: grads to fp32, ``_amp_foreach_non_finite_check_and_unscale_``, ``clip_grad_norm_``,
    ``AdamW(fused=True)`` on the fp32 master given ``found_inf`` as GradScaler does (no host
-   sync), copy back to bf16 — all on one flat buffer, torch's fastest layout.
-2. Unscale + inf check of one flat buffer against torch's foreach kernel over the same data cut
+   sync), copy back to bf16 — all on one flat buffer, torch's fastest layout. Also the
+   ``adamw_step_`` kernel alone. Each as a fraction of the measured copy bandwidth, counting
+   the bytes the work must move (target for the step: >= 80%).
+2. 8-bit optimizer state: ``adamw8bit_step_`` / ``adamw_step_`` and ``sgd8bit_step_`` /
+   ``sgd_step_`` on the device's default backend, fp32 params and bf16 params with an fp32
+   master (target: <= 1.1x). ``bench_8bit_state.py --sections step`` has the same pairs
+   timed as a waiting caller sees them, on the Triton backend too.
+3. Unscale + inf check of one flat buffer against torch's foreach kernel over the same data cut
    into GPT-2-small's parameter shapes.
-3. The L2 norm of one flat buffer against ``clip_grad_norm_``'s foreach norm over that list.
+4. The L2 norm of one flat buffer against ``clip_grad_norm_``'s foreach norm over that list.
 
-Usage: python benchmarks/bench_kernels.py [--adam-params N] [--device cpu|cuda] [--save PATH]
+GPU times are ``common.device_seconds``: CUDA events over back-to-back calls, what the work
+costs the GPU while the host runs ahead (as in training), the copy measured the same way.
+
+Usage: python benchmarks/bench_kernels.py [--adam-params N] [--state8-params N]
+       [--device cpu|cuda] [--save PATH]
 """
 from __future__ import annotations
 
@@ -21,11 +31,16 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_8bit_state  # noqa: E402
 import common  # noqa: E402
 
 import memkern  # noqa: E402
 
 BETAS, LR, EPS, WD, MAX_NORM = (0.9, 0.999), 1e-4, 1e-8, 0.01, 1.0
+STEP_TARGET = 0.8
+"""The AdamW step's target fraction of the copy bandwidth on a GPU."""
+RATIO_TARGET = 1.1
+"""The 8-bit steps' target time relative to their 32-bit steps."""
 
 
 def gpt2_small_shapes(vocab: int = 50257, ctx: int = 1024, width: int = 768, layers: int = 12):
@@ -72,11 +87,42 @@ def bench_adamw(n: int, device: torch.device) -> dict[str, float]:
         opt.step()
         torch_params.copy_(torch_master)
 
-    t_memkern = common.median_seconds(memkern_step, device=device)
-    t_torch = common.median_seconds(torch_step, device=device)
-    bytes_moved = n * (2 + 2 + 3 * 4 + 3 * 4 + 2)  # norm read; step reads g,w,m,v, writes w,m,v,p
-    return {"params": n, "memkern_s": t_memkern, "torch_s": t_torch,
-            "speedup": t_torch / t_memkern, "memkern_bytes_per_s": bytes_moved / t_memkern}
+    def kernel_alone() -> None:
+        memkern.ops.adamw_step_(mk_master, exp_avg, exp_avg_sq, grads, mk_params, step,
+                                multiplier, no_inf, LR, *BETAS, EPS, WD)
+
+    multiplier, no_inf = inv_scale.clone(), torch.zeros(1, device=device)
+    t_memkern = common.device_seconds(memkern_step, device=device)
+    t_kernel = common.device_seconds(kernel_alone, device=device)
+    t_torch = common.device_seconds(torch_step, device=device)
+    # the step kernel reads g, w, m, v and writes w, m, v, p; the whole step also reads g for
+    # the norm
+    kernel_bytes = n * (2 + 3 * 4 + 3 * 4 + 2)
+    return {"params": n, "memkern_s": t_memkern, "kernel_s": t_kernel, "torch_s": t_torch,
+            "speedup": t_torch / t_memkern,
+            "memkern_bytes_per_s": (kernel_bytes + 2 * n) / t_memkern,
+            "kernel_bytes_per_s": kernel_bytes / t_kernel}
+
+
+def bench_state8(n: int, device: torch.device) -> dict[str, dict[str, float]]:
+    """The 8-bit steps against their 32-bit steps (``bench_8bit_state``'s pairs), each timed
+    alone as ``device_seconds``: time ratio and fractions of the copy bandwidth counting the
+    bytes each moves."""
+    out = {}
+    for optimizer, pair, (state32, state8) in (
+            ("adamw", bench_8bit_state.adamw_steps, bench_8bit_state.ADAMW_STATE_BYTES),
+            ("sgd", bench_8bit_state.sgd_steps, bench_8bit_state.SGD_STATE_BYTES)):
+        for dtype in (torch.float32, torch.bfloat16):
+            step32, step8 = pair(n, device, dtype)
+            t32 = common.device_seconds(step32, device=device)
+            t8 = common.device_seconds(step8, device=device)
+            moved = bench_8bit_state.step_bytes(dtype)
+            out[f"{optimizer} {str(dtype).replace('torch.', '')} params"] = {
+                "elements": n, "state32_s": t32, "state8_s": t8, "ratio": t8 / t32,
+                "state32_bytes_per_s": (moved + state32) * n / t32,
+                "state8_bytes_per_s": (moved + state8) * n / t8}
+            del step32, step8
+    return out
 
 
 def _torch_unscale(views: list[torch.Tensor], found_inf: torch.Tensor):
@@ -97,8 +143,7 @@ def _torch_unscale(views: list[torch.Tensor], found_inf: torch.Tensor):
         def composed(scale: torch.Tensor) -> None:
             norms = torch.stack(torch._foreach_norm(views))
             found_inf.copy_((~norms.isfinite().all()).float())
-            # a 0-dim tensor: the one-element scale the memkern op reads is refused as a
-            # "scalar tensor" with 1 dimension (torch 2.11 on CUDA)
+            # a 0-dim scale: torch 2.11 refuses a 1-element one here (the H200 run crashed)
             torch._foreach_mul_(views, scale.reshape(()))
 
         return composed, "_foreach_norm + _foreach_mul_"
@@ -120,12 +165,12 @@ def bench_unscale(dtype: torch.dtype, device: torch.device) -> dict[str, float]:
         turn[0] ^= 1
         return scales[turn[0]]
 
-    t_memkern = common.median_seconds(lambda: memkern.ops.unscale_(flat, found_inf, next_scale()),
+    t_memkern = common.device_seconds(lambda: memkern.ops.unscale_(flat, found_inf, next_scale()),
                                       device=device)
     torch_unscale, torch_path = _torch_unscale(views, found_inf)
-    t_torch = common.median_seconds(lambda: torch_unscale(next_scale()), device=device)
-    t_norm_memkern = common.median_seconds(lambda: memkern.ops.l2_norm(flat), device=device)
-    t_norm_torch = common.median_seconds(
+    t_torch = common.device_seconds(lambda: torch_unscale(next_scale()), device=device)
+    t_norm_memkern = common.device_seconds(lambda: memkern.ops.l2_norm(flat), device=device)
+    t_norm_torch = common.device_seconds(
         lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(views))), device=device)
     size = flat.element_size()
     return {"dtype": str(dtype).replace("torch.", ""), "params": n, "tensors": len(shapes),
@@ -142,12 +187,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--adam-params", type=int, default=24_000_011,
                         help="flat buffer length for the AdamW step (default 24M, odd)")
+    parser.add_argument("--state8-params", type=int, default=None,
+                        help="flat buffer length for the 8-bit steps (default: 100M on a GPU, "
+                             "8M on the CPU; odd)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--save", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.adam_params < 1:
         parser.error(f"--adam-params must be >= 1, got {args.adam_params}")
+    if args.state8_params is not None and args.state8_params < 1:
+        parser.error(f"--state8-params must be >= 1, got {args.state8_params}")
     device = torch.device(args.device)
+    state8_params = args.state8_params or (100_000_007 if device.type == "cuda" else 8_000_011)
     backend = memkern.backend.select(device)
     copy_bw = common.copy_bandwidth(device)
     print(f"memkern backend on {device}: {backend}; torch {torch.__version__}, "
@@ -159,7 +210,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  torch composition  {adam['torch_s'] * 1e3:9.2f} ms")
     print(f"  memkern fused      {adam['memkern_s'] * 1e3:9.2f} ms   "
           f"speed-up {adam['speedup']:.2f}x   "
-          f"{adam['memkern_bytes_per_s'] / copy_bw:.0%} of copy bandwidth")
+          f"{adam['memkern_bytes_per_s'] / copy_bw:.0%} of copy bandwidth "
+          f"(norm pass + step, 30 B/param; target >= {STEP_TARGET:.0%} on a GPU)")
+    print(f"  adamw_step_ alone  {adam['kernel_s'] * 1e3:9.2f} ms   "
+          f"{adam['kernel_bytes_per_s'] / copy_bw:.0%} of copy bandwidth (28 B/param)")
+
+    state8 = bench_state8(state8_params, device)
+    print(f"\n8-bit / 32-bit optimizer state, {state8_params / 1e6:.1f}M elements, "
+          f"backend {backend} (target <= {RATIO_TARGET}x)")
+    for name, row in state8.items():
+        print(f"  {name:<22} 32-bit {row['state32_s'] * 1e3:8.3f} ms "
+              f"({row['state32_bytes_per_s'] / copy_bw:.0%} of copy)   8-bit "
+              f"{row['state8_s'] * 1e3:8.3f} ms ({row['state8_bytes_per_s'] / copy_bw:.0%})   "
+              f"{row['ratio']:.2f}x")
 
     unscale = [bench_unscale(dtype, device) for dtype in (torch.float32, torch.bfloat16)]
     for row in unscale:
@@ -175,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['norm_memkern_bytes_per_s'] / copy_bw:.0%} of copy bandwidth")
     if args.save:
         common.save(args.save, {"backend": backend, "copy_bytes_per_s": copy_bw,
-                                "adamw": adam, "unscale_and_norm": unscale})
+                                "adamw": adam, "state8": state8, "unscale_and_norm": unscale})
     return 0
 
 

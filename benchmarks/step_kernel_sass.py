@@ -7,10 +7,14 @@ copy bandwidth: ~200 per element); the counts show which kernels spend it.
 
 Rows: bf16 grads and params. ``correctly rounded divisions`` counts FCHK, the range check that
 every IEEE division emits. Triton kernels: the whole kernel (straight-line code, 8 elements per
-thread for every kernel here). CUDA: the loop over quantization blocks of the 8-bit kernels (8
-elements per lane), whose per-element branches make the whole function's count meaningless.
+thread for every kernel here). CUDA: the loop of the vector path, the one all but the last
+few elements take (``kVecWidth`` = 8 elements per thread and trip: a grid-stride loop over
+vector chunks in the 32-bit kernels, over whole quantization blocks in the 8-bit ones, the
+instantiation for aligned buffers); the tail's element path and the rare slow paths of a
+division or a root are not counted.
 
-Usage: python benchmarks/step_kernel_sass.py [--out benchmarks/results/sm90-step-kernel-sass.json]
+Usage: python benchmarks/step_kernel_sass.py [--backends cuda,triton]
+       [--out benchmarks/results/sm90-step-kernel-sass.json]
 """
 from __future__ import annotations
 
@@ -28,7 +32,10 @@ import common
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TRITON_OPS = ("adamw_step_", "adamw8bit_step_", "sgd_step_", "sgd8bit_step_")
-CUDA_KERNELS = ("adamw8bit_step_kernel", "sgd8bit_step_kernel")
+CUDA_KERNELS = {  # kernel -> the mangled template arguments of its bf16/bf16 vector instance
+    "adamw_step_kernel": "I13__nv_bfloat16S2_E", "sgd_step_kernel": "I13__nv_bfloat16S2_E",
+    "adamw8bit_step_kernel": "I13__nv_bfloat16S2_Lb1EE",
+    "sgd8bit_step_kernel": "I13__nv_bfloat16S2_Lb1EE"}
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_.]*[^;]*);")
 
 
@@ -58,10 +65,25 @@ def opcode(instruction: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
 
 
-def summary(instructions: list[str]) -> dict[str, int]:
+def summary(instructions: list[str], elements: int) -> dict[str, int]:
+    """Counts over ``instructions``, code that handles ``elements`` elements per thread."""
     ops = collections.Counter(opcode(t) for t in instructions)
-    return {"instructions": len(instructions), "correctly_rounded_divisions": ops["FCHK"],
-            "special_function_unit": ops["MUFU"], "memory": ops["LDG"] + ops["STG"]}
+    return {"instructions": len(instructions), "elements": elements,
+            "correctly_rounded_divisions": ops["FCHK"], "special_function_unit": ops["MUFU"],
+            "memory": ops["LDG"] + ops["STG"]}
+
+
+def loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(first, last) addresses of every loop: the spans closed by a backward branch."""
+    return [(int(m.group(1), 16), a) for a, t in code
+            for m in [re.search(r"\bBRA\s+(?:`\(\S+\)\s+)?0x([0-9a-f]+)", t)]
+            if m and int(m.group(1), 16) < a]
+
+
+def vector_width() -> int:
+    """Elements per thread and trip of the CUDA flat kernels' vector loop (common.cuh)."""
+    with open(os.path.join(ROOT, "csrc", "cuda", "kernels", "common.cuh")) as fh:
+        return int(re.search(r"constexpr int kVecWidth = (\d+);", fh.read()).group(1))
 
 
 def triton_kernels() -> dict[str, dict[str, int]]:
@@ -76,7 +98,7 @@ def triton_kernels() -> dict[str, dict[str, int]]:
                       if la["signature"].get("grads_ptr") == "*bf16"
                       and la["signature"].get("params_ptr") == "*bf16")
         (name, code), = functions(triton_aot.compile_for(launch, 90).asm["cubin"]).items()
-        out[f"triton {op}"] = summary([t for _, t in code])
+        out[f"triton {op}"] = summary([t for _, t in code], 8)
     return out
 
 
@@ -92,16 +114,14 @@ def cuda_kernels() -> dict[str, dict[str, int]]:
         with open(cubin, "rb") as fh:
             funcs = functions(fh.read())
     out = {}
-    for kernel in CUDA_KERNELS:
-        # mangled name of kernel<__nv_bfloat16, __nv_bfloat16>
-        name = next(n for n in funcs if f"{kernel}I13__nv_bfloat16S2_" in n)
-        code = funcs[name]
-        # the outermost backward branch: the loop over the warp's quantization blocks
-        loops = [(int(m.group(1), 16), a) for a, t in code
-                 for m in [re.search(r"\bBRA\s+(?:`\(\S+\)\s+)?0x([0-9a-f]+)", t)]
-                 if m and int(m.group(1), 16) < a]
-        start, end = max(loops, key=lambda span: span[1] - span[0])
-        out[f"cuda {kernel} (block loop)"] = summary([t for a, t in code if start <= a <= end])
+    for kernel, arguments in CUDA_KERNELS.items():
+        code = funcs[next(n for n in funcs if f"{kernel}{arguments}" in n)]
+        # the loops with 16-byte loads are the vector path (one copy per case the compiler
+        # unswitched, e.g. with and without a params copy): the largest one writes params
+        bodies = [[t for a, t in code if start <= a <= end] for start, end in loops(code)]
+        body = max((b for b in bodies if any(opcode(t) == "LDG" and ".128" in t for t in b)),
+                   key=len)
+        out[f"cuda {kernel} (vector loop)"] = summary(body, vector_width())
     return out
 
 
@@ -109,15 +129,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out",
                         default=os.path.join(HERE, "results", "sm90-step-kernel-sass.json"))
+    parser.add_argument("--backends", default="triton,cuda",
+                        help="comma-separated: which kernels to count (default: both)")
     args = parser.parse_args(argv)
-    rows = {**triton_kernels(), **cuda_kernels()}
+    counters = {"triton": triton_kernels, "cuda": cuda_kernels}
+    chosen = args.backends.split(",")
+    if unknown := set(chosen) - set(counters):
+        parser.error(f"argument --backends: unknown {sorted(unknown)}; choose from "
+                     f"{sorted(counters)}")
+    rows = {name: row for b in chosen for name, row in counters[b]().items()}
     print(f"{'kernel (bf16 grads and params, sm_90)':<46} {'SASS':>6} {'per elt':>8} "
           f"{'divisions':>9} {'MUFU':>5} {'LDG+STG':>7}")
     for name, r in rows.items():
-        print(f"{name:<46} {r['instructions']:>6} {r['instructions'] / 8:>8.0f} "
+        print(f"{name:<46} {r['instructions']:>6} {r['instructions'] / r['elements']:>8.0f} "
               f"{r['correctly_rounded_divisions']:>9} {r['special_function_unit']:>5} "
               f"{r['memory']:>7}")
-    common.save(args.out, {"elements_per_thread": 8, "kernels": rows})
+    common.save(args.out, {"kernels": rows})
     return 0
 
 

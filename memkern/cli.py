@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from memkern.bench.configs import BASELINE, CONFIGS, DEFAULT_CONFIGS
+from memkern.bench.configs import BASELINE, CONFIGS, DEFAULT_CONFIGS, MAX_GRAD_NORM
 from memkern.bench.model import SIZES, GPTConfig
 
 
@@ -53,6 +54,17 @@ def _at_least(minimum: int, why: str = ""):
         return value
 
     return parse
+
+
+def _positive_float(text: str) -> float:
+    """A finite number > 0 (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
 
 
 MIN_STEPS = 3
@@ -178,9 +190,13 @@ def _parser() -> argparse.ArgumentParser:
                        "the first, the profiled one and a few warm-up steps are not timed")
     bench.add_argument("--configs", type=_config_list, default=list(DEFAULT_CONFIGS),
                        help=f"comma-separated subset of: {', '.join(CONFIGS)} (default: all "
-                       "but memkern-fit)")
+                       "but memkern-full-offload and memkern-fit)")
     bench.add_argument("--memory-budget", metavar="BYTES",
                        help="memkern-fit's device memory budget, e.g. 3GiB or 2500MiB")
+    bench.add_argument("--max-grad-norm", type=_positive_float, default=MAX_GRAD_NORM,
+                       help="every configuration clips the gradients' norm to this "
+                       f"(default: {MAX_GRAD_NORM}); a large value (e.g. 1e9) measures the "
+                       "steps where clipping does not bite, as later in training")
     bench.add_argument("--plot", metavar="PATH", type=_chart_file,
                        help="write a bar chart of memory by component per configuration "
                        "(PNG, or another format by the file's suffix)")
@@ -234,14 +250,15 @@ def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
           f"{cfg.layers} layers, width {cfg.width}), batch {args.batch} x seq {cfg.seq} per rank, "
           f"{args.steps} steps on {device}{ranks} (torch {torch.__version__})")
     width = max(len("configuration"), *(len(r.config) for r in rows))
-    head = (f"{'configuration':<{width}} {'peak MiB':>9} {'saved act MiB':>13} {'opt B/param':>11} "
-            f"{'step ms':>8} {'tokens/s':>9} {'final loss':>10}")
+    head = (f"{'configuration':<{width}} {'peak MiB':>9} {'held MiB':>9} {'saved act MiB':>13} "
+            f"{'opt B/param':>11} {'step ms':>8} {'tokens/s':>9} {'final loss':>10}")
     if base is not None:
         head += f" {'peak vs AMP':>11} {'time vs AMP':>11}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        line = (f"{r.config:<{width}} {_mib(r.peak_bytes):>9} {_mib(r.saved_activation_bytes):>13} "
+        line = (f"{r.config:<{width}} {_mib(r.peak_bytes):>9} {_mib(r.held_bytes):>9} "
+                f"{_mib(r.saved_activation_bytes):>13} "
                 f"{r.optimizer_side_bytes_per_param:>11.2f} {r.step_seconds * 1e3:>8.1f} "
                 f"{r.tokens_per_second:>9.0f} {r.final_loss:>10.4f}")
         if base is not None:
@@ -250,6 +267,9 @@ def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
         print(line)
     print("peak: persistent state + the step's peak allocation "
           + ("(CUDA allocator)" if device.type == "cuda" else "(profiler allocation trace)")
+          + "; held: "
+          + ("device memory allocated between steps" if device.type == "cuda"
+             else "persistent state (params, grads, master, optimizer state)")
           + ";\nopt B/param: gradients + the fp32 weights the optimizer updates (master copies, or "
           "fp32 parameters updated in place) + optimizer state, per parameter")
     if device.type == "cuda":
@@ -286,7 +306,8 @@ def _bench(args: argparse.Namespace) -> int:
     for i, name in enumerate(args.configs):
         rows.append(run(name, cfg, corpus, steps=args.steps, batch=args.batch, device=device,
                         seed=args.seed, progress=rank0 and not args.quiet,
-                        compile=args.compile, memory_budget=args.memory_budget))
+                        compile=args.compile, memory_budget=args.memory_budget,
+                        max_grad_norm=args.max_grad_norm))
     if not rank0:
         return 0
     _print_bench(rows, cfg, args, device)
@@ -326,7 +347,7 @@ def _report(args: argparse.Namespace) -> int:
     print("W: processes (ranks); B/param: model-state bytes per parameter on each rank's "
           "device;\nstate MiB: B/param x params; activ. MiB: bytes one micro-batch's forward "
           "saves for backward (measured);\ndevice MiB: state + activations per rank; host MiB: "
-          "optimizer state kept in host memory (offload)")
+          "what offload keeps in host memory per rank")
     if args.json:
         _write_json(args.json, {"command": "report", "size": args.size, "seq": cfg.seq,
                                 "batch": args.batch, "num_params": num_params,

@@ -107,6 +107,12 @@ step overhead-bfloat16 200 90 "grep -E 'memkern-full / torch-amp' \"$out/overhea
   --calls 100 --save "$out/overhead-bfloat16.json"
 step kernels 120 45 "grep -E 'speed-up' \"$out/kernels.log\" | head -1" -- \
   "$python" benchmarks/bench_kernels.py --device cuda --save "$out/kernels.json"
+# The same offload comparison with a threshold clipping never reaches, as later in training:
+# the bench's default (1.0) clips every one of its first steps, and a clipped window's host
+# steps cannot start before the whole gradient's norm is known (memkern.optim.offload).
+step offload-unclipped 150 60 "grep -E '^memkern-full-offload ' \"$out/offload-unclipped.log\" | head -1" -- \
+  "$python" -m memkern.cli bench "${gpt2[@]}" --max-grad-norm 1e9 \
+  --configs memkern-full,memkern-full-offload --json "$out/bench-gpt2-small-unclipped.json"
 step gpt2-compiled 240 120 "grep -E '^memkern-full' \"$out/gpt2-compiled.log\" | head -1" -- \
   "$python" -m memkern.cli bench "${gpt2[@]}" --compile \
   --configs torch-amp-compiled,memkern-full --json "$out/bench-gpt2-small-compiled.json"

@@ -68,6 +68,40 @@ def test_adamw8bit_step_betas_from_zero_state(backend, device, beta1, beta2):
                        it=it)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("beta1", [0.9, 0.3], ids=["lerp-from-start", "lerp-from-end"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adamw8bit_step_cuda_equals_cpu_bits(dtype, beta1):
+    """The CUDA kernel runs the C++ CPU kernel's element math (csrc/math/adamw.h, state8bit.h),
+    which the tests above hold to the float64 oracle: both give the same codes, absmax and
+    master bits. Sizes with whole blocks and a partial last one, an all-zero block (zero codes)
+    and a block with an inf gradient (NaN absmax) in later blocks, over two steps."""
+    dev = fo.need("cuda", "cuda")
+    fo.need("cpu", "cpu")
+    hyper = fo.adamw_hyper() | {"beta1": beta1}
+    for n in (7, 3 * QBLOCK + 5, fo.BIG):
+        state = random_state(n, "cpu")
+        multiplier = fo.odd_multiplier()
+        g = fo.scaled_grads(n, dtype, multiplier)
+        if n > 2 * QBLOCK:
+            g[QBLOCK:2 * QBLOCK] = 0.0
+            state[1][QBLOCK:2 * QBLOCK] = 0
+            state[3][QBLOCK:2 * QBLOCK] = 0
+            g[-QBLOCK] = float("inf")
+        step, mult = scalar(fo.randint(0, 50), "cpu"), scalar(multiplier, "cpu")
+        on_cpu = state + [g, fo.poison(n, dtype, "cpu"), step]
+        on_gpu = [t.to(dev, copy=True) for t in on_cpu]
+        for _ in range(2):
+            with ops.force("cpu"):
+                ops.adamw8bit_step_(*on_cpu, mult, None, *hyper.values())
+            with ops.force("cuda"):
+                ops.adamw8bit_step_(*on_gpu, mult.to(dev), None, *hyper.values())
+        names = ("master", "exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax",
+                 "grads", "params", "step")
+        for name, a, b in zip(names, on_gpu, on_cpu):
+            fo.assert_bits_equal(a, b, f"adamw8bit_step_ {dtype} n={n} beta1={beta1}: {name}")
+
+
 # ------------------------------------------------------------------- the reference itself
 
 

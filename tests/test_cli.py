@@ -92,6 +92,22 @@ def test_report_runs_and_writes_json(tmp_path):
     assert data["activations"]["memkern-full"] < data["activations"]["torch-amp"]
 
 
+def test_bench_max_grad_norm_reaches_every_configuration(monkeypatch):
+    """--max-grad-norm is the clipping threshold of torch's steps and of the ShardedOptimizer."""
+    args = cli._parser().parse_args(["bench", *SHORT, "--max-grad-norm", "0.25"])
+    assert args.max_grad_norm == 0.25
+    cfg, cpu = SIZES["tiny"], torch.device("cpu")
+    thresholds = []
+    clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda params, max_norm, **kw: thresholds.append(max_norm)
+                        or clip(params, max_norm, **kw))
+    x = torch.randint(0, cfg.vocab, (2, cfg.seq))
+    build("torch-fp32", cfg, cpu, max_grad_norm=0.25).train_step(x, x)
+    assert thresholds == [0.25]
+    assert build("memkern-full", cfg, cpu, max_grad_norm=0.25).optimizer.max_grad_norm == 0.25
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["bench", "--steps", "-3"], "argument --steps: must be >= 3"),
     (["bench", "--steps", "0"], "argument --steps: must be >= 3"),
@@ -104,6 +120,9 @@ def test_report_runs_and_writes_json(tmp_path):
     (["report", "--device", "tpu"], "argument --device: 'tpu'"),
     (["bench", "--size", "tiny", "--seq", "5000"], "longer than"),
     (["report", "--world-sizes", "2,0"], "world sizes must be >= 1"),
+    (["bench", "--max-grad-norm", "0"], "argument --max-grad-norm: must be a finite number > 0"),
+    (["bench", "--max-grad-norm", "nan"], "argument --max-grad-norm: must be a finite number"),
+    (["bench", "--max-grad-norm", "one"], "argument --max-grad-norm: must be a number"),
     (["bench", "--size", "tiny", "--batch", "1000000000", "--steps", "3"], "does not fit"),
 ])
 def test_bad_flags_give_one_line_error(flags, needle):

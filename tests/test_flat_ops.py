@@ -231,6 +231,33 @@ def test_adamw_step_betas(backend, device, beta1, beta2):
         _adamw_step_and_check(backend, dev, dtype, state, step, hyper, with_optionals=True, it=it)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("beta1", [0.9, 0.3], ids=["lerp-from-start", "lerp-from-end"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adamw_step_cuda_equals_cpu_bits(dtype, beta1):
+    """The CUDA kernel runs the C++ CPU kernel's functions (csrc/math/adamw.h), which the tests
+    above hold to torch in float64: both give the same bits. Over odd sizes whose vector trips,
+    blocks and scalar tail all run, from an odd multiplier, with an inf and a NaN gradient in
+    later trips and two steps so that the step counter is the device's."""
+    dev = fo.need("cuda", "cuda")
+    fo.need("cpu", "cpu")
+    hyper = fo.adamw_hyper() | {"beta1": beta1}
+    for n in (7, 2053, fo.BIG):
+        state = _adamw_state(n, "cpu")
+        multiplier = fo.odd_multiplier()
+        g = fo.scaled_grads(n, dtype, multiplier)
+        g[n // 2], g[-1] = math.inf, math.nan
+        step, mult = scalar(fo.randint(0, 50), "cpu"), scalar(multiplier, "cpu")
+        on_cpu = [t.clone() for t in state] + [g.clone(), fo.poison(n, dtype, "cpu"), step.clone()]
+        on_gpu = [t.to(dev, copy=True) for t in on_cpu]
+        for _ in range(2):
+            run("cpu", ops.adamw_step_, *on_cpu, mult, None, *hyper.values())
+            run("cuda", ops.adamw_step_, *on_gpu, mult.to(dev), None, *hyper.values())
+        for name, a, b in zip(("master", "exp_avg", "exp_avg_sq", "grads", "params", "step"),
+                              on_gpu, on_cpu):
+            assert_bits_equal(a, b, f"adamw_step_ {dtype} n={n} beta1={beta1}: {name}")
+
+
 # --------------------------------------------------------------------------------------------
 # sgd_step_
 

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "../checks.h"
 #include "adamw_math.h"
@@ -13,12 +14,15 @@ namespace memkern::cpu {
 namespace {
 
 // torch.optim.AdamW's update of n elements, in float32; params gets round(master).
-template <typename grad_t, typename param_t>
+// kLerpFromEnd is c.lerp_end_mask fixed at compile time: with the run-time select GCC leaves
+// the 16-bit instantiations unvectorised ("control flow in loop").
+template <bool kLerpFromEnd, typename grad_t, typename param_t>
 MEMKERN_VECTOR_CLONES void adamw_block(float* __restrict master, float* __restrict exp_avg,
                                        float* __restrict exp_avg_sq,
                                        const grad_t* __restrict grads,
                                        param_t* __restrict params, AdamWCoefficients c,
                                        int64_t n) {
+  c.lerp_end_mask = kLerpFromEnd ? ~0u : 0u;
   for (int64_t i = 0; i < n; ++i) {
     float m = exp_avg[i];
     float v = exp_avg_sq[i];
@@ -49,10 +53,18 @@ void adamw_step_cpu(at::Tensor& master, at::Tensor& exp_avg, at::Tensor& exp_avg
     float* m = master.data_ptr<float>();
     float* avg = exp_avg.data_ptr<float>();
     float* avg_sq = exp_avg_sq.data_ptr<float>();
-    parallel_blocks(master.numel(), [&](int64_t begin, int64_t end) {
-      adamw_block(m + begin, avg + begin, avg_sq + begin, g + begin, params_from(p, begin), c,
-                  end - begin);
-    });
+    const auto run = [&](auto lerp_from_end) {
+      parallel_blocks(master.numel(), [&](int64_t begin, int64_t end) {
+        adamw_block<decltype(lerp_from_end)::value>(m + begin, avg + begin, avg_sq + begin,
+                                                    g + begin, params_from(p, begin), c,
+                                                    end - begin);
+      });
+    };
+    if (c.lerp_end_mask != 0) {
+      run(std::true_type{});
+    } else {
+      run(std::false_type{});
+    }
   });
   *step.data_ptr<float>() = static_cast<float>(t);
 }

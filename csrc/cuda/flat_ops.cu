@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/adamw.cuh"
 #include "kernels/adamw8bit.cuh"
@@ -103,37 +104,37 @@ cudaError_t launch_step(int64_t n, DType grads_dtype, const void* params, DType 
   return launch_advance_step(step, found_inf, stream);
 }
 
-// The launch of an 8-bit step kernel, whose parameters are (master, state..., grads, params,
-// n, step, grad_multiplier, found_inf, constants): kernel_for(grads_tag, params_tag) names its
-// instantiation for the buffers' dtypes, `state` are its codes and absmax buffers.
-template <typename KernelFor, typename Constants, typename... State>
+// The launch of an 8-bit step kernel, whose parameters are (master, moments..., grads, params,
+// n, step, grad_multiplier, found_inf, constants): kernel_for(grads_tag, params_tag,
+// vector_tag) names its instantiation for the buffers' dtypes and whether they allow vector
+// accesses (the absmax buffers need no alignment: one float per block).
+template <typename KernelFor, typename Constants, typename... code_t>
 cudaError_t launch_qblock_step(const KernelFor& kernel_for, float* master, const void* grads,
                                DType grads_dtype, void* params, DType params_dtype, int64_t n,
                                float* step, const float* grad_multiplier,
                                const float* found_inf, const Constants& constants,
-                               cudaStream_t stream, State*... state) {
+                               cudaStream_t stream, device::QMoment<code_t>... moments) {
   const auto launch = [&](auto grads_tag, auto params_tag) {
     using G = typename decltype(grads_tag)::type;
     using P = typename decltype(params_tag)::type;
-    return launch_elementwise(kernel_for(grads_tag, params_tag), n, stream, master, state...,
-                              static_cast<const G*>(grads), static_cast<P*>(params), n, step,
-                              grad_multiplier, found_inf, constants);
+    const bool vectorised = vector_aligned<float>(master) && vector_aligned<G>(grads) &&
+                            vector_aligned<P>(params) &&
+                            (vector_aligned<code_t>(moments.codes) && ...);
+    const auto launch_with = [&](auto vector_tag) {
+      return launch_elementwise(kernel_for(grads_tag, params_tag, vector_tag), n, stream,
+                                master, moments..., static_cast<const G*>(grads),
+                                static_cast<P*>(params), n, step, grad_multiplier, found_inf,
+                                constants);
+    };
+    return vectorised ? launch_with(std::true_type{}) : launch_with(std::false_type{});
   };
   return launch_step(n, grads_dtype, params, params_dtype, step, found_inf, stream, launch);
 }
 
 device::AdamWConstants adamw_constants(double lr, double beta1, double beta2, double eps,
                                        double weight_decay) {
-  device::AdamWConstants constants{};
-  constants.lr = lr;
-  constants.beta1 = beta1;
-  constants.beta2 = beta2;
-  constants.weight_decay_factor = static_cast<float>(1.0 - lr * weight_decay);
-  constants.exp_avg_weight = static_cast<float>(1.0 - beta1);
-  constants.beta2_f32 = static_cast<float>(beta2);
-  constants.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  constants.eps = static_cast<float>(eps);
-  return constants;
+  const math::AdamWHyper hyper{lr, beta1, beta2, eps, weight_decay};
+  return device::AdamWConstants{hyper, math::adamw_coefficients(hyper, 1.0f)};
 }
 
 device::SGDConstants sgd_constants(double lr, double momentum, double dampening,
@@ -209,14 +210,16 @@ cudaError_t adamw8bit_step(float* master, int8_t* exp_avg, float* exp_avg_absmax
                            float* step, const float* grad_multiplier, const float* found_inf,
                            double lr, double beta1, double beta2, double eps,
                            double weight_decay, cudaStream_t stream) {
-  const auto kernel_for = [](auto grads_tag, auto params_tag) {
+  const auto kernel_for = [](auto grads_tag, auto params_tag, auto vector_tag) {
     return device::adamw8bit_step_kernel<typename decltype(grads_tag)::type,
-                                         typename decltype(params_tag)::type>;
+                                         typename decltype(params_tag)::type,
+                                         decltype(vector_tag)::value>;
   };
   return launch_qblock_step(kernel_for, master, grads, grads_dtype, params, params_dtype, n,
                             step, grad_multiplier, found_inf,
                             adamw_constants(lr, beta1, beta2, eps, weight_decay), stream,
-                            exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax);
+                            device::QMoment<int8_t>{exp_avg, exp_avg_absmax},
+                            device::QMoment<uint8_t>{exp_avg_sq, exp_avg_sq_absmax});
 }
 
 cudaError_t sgd_step(float* master, float* momentum_buffer, const void* grads,
@@ -254,14 +257,15 @@ cudaError_t sgd8bit_step(float* master, int8_t* momentum_buffer, float* momentum
   if (momentum <= 0.0) {
     return cudaErrorInvalidValue;  // without momentum there is no state: sgd_step
   }
-  const auto kernel_for = [](auto grads_tag, auto params_tag) {
+  const auto kernel_for = [](auto grads_tag, auto params_tag, auto vector_tag) {
     return device::sgd8bit_step_kernel<typename decltype(grads_tag)::type,
-                                       typename decltype(params_tag)::type>;
+                                       typename decltype(params_tag)::type,
+                                       decltype(vector_tag)::value>;
   };
   return launch_qblock_step(kernel_for, master, grads, grads_dtype, params, params_dtype, n,
                             step, grad_multiplier, found_inf,
                             sgd_constants(lr, momentum, dampening, weight_decay, nesterov),
-                            stream, momentum_buffer, momentum_absmax);
+                            stream, device::QMoment<int8_t>{momentum_buffer, momentum_absmax});
 }
 
 }  // namespace memkern::flat_ops

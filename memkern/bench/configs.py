@@ -18,6 +18,9 @@ memkern-full           memkern modules, bf16 parameters, the flat bf16 gradient 
 memkern-full-ckpt      memkern-full with every transformer block under ``memkern.checkpoint``
 memkern-full-8bit      memkern-full with ``state_precision="8bit"`` (block-wise 8-bit Adam
                        moments for parameters of >= 4096 elements)
+memkern-full-offload   memkern-full with ``offload="cpu"``: master weights and Adam moments in
+                       host memory, each bucket's host step started during backward
+                       (:mod:`memkern.optim.offload`); not in the default set
 memkern-fit            memkern-full with each block's recomputation chosen by
                        :func:`memkern.fit` so that the step fits ``memory_budget`` on the
                        device (``memkern bench --memory-budget``); not in the default set
@@ -40,9 +43,11 @@ from memkern.bench.model import GPT, GPTConfig
 
 CONFIGS = ("torch-fp32", "torch-amp", "torch-amp-compiled", "torch-amp-compiled-budget",
            "memkern-modules", "memkern-full", "memkern-full-ckpt", "memkern-full-8bit",
-           "memkern-fit")
-DEFAULT_CONFIGS = CONFIGS[:-1]
-"""What ``memkern bench`` runs by default: memkern-fit needs a memory budget."""
+           "memkern-full-offload", "memkern-fit")
+DEFAULT_CONFIGS = CONFIGS[:-2]
+"""What ``memkern bench`` runs by default: memkern-fit needs a memory budget, and
+memkern-full-offload is measured against memkern-full when asked for (its host step takes the
+machine's CPU cores, which the default run's CPU configurations share)."""
 BASELINE = "torch-amp"
 LR, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-3, 0.01, 1.0
 MEMORY_BUDGET = 0.5
@@ -77,7 +82,8 @@ def _memkern_modules(model: GPT, *, checkpoint: bool = False) -> GPT:
     return model
 
 
-def _torch_step(model: GPT, optimizer: torch.optim.Optimizer, autocast, scaler=None):
+def _torch_step(model: GPT, optimizer: torch.optim.Optimizer, autocast, max_grad_norm: float,
+                scaler=None):
     def step(x: torch.Tensor, y: torch.Tensor, after_backward=None) -> torch.Tensor:
         with autocast():
             loss = model(x, y)
@@ -88,7 +94,7 @@ def _torch_step(model: GPT, optimizer: torch.optim.Optimizer, autocast, scaler=N
             scaler.unscale_(optimizer)
         if after_backward is not None:
             after_backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM, foreach=True)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
         if scaler is None:
             optimizer.step()
         else:
@@ -131,12 +137,14 @@ def _compile_forward(model: GPT, memory_budget: float | None = None) -> None:
 
 def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0, *,
           compile: bool = False, param_dtype: torch.dtype = torch.bfloat16,
-          batch: int | None = None, memory_budget: int | str | None = None) -> Setup:
+          batch: int | None = None, memory_budget: int | str | None = None,
+          max_grad_norm: float = MAX_GRAD_NORM) -> Setup:
     """The configuration ``name`` on ``device``, from a model initialised with ``seed``;
     ``compile``: the memkern configurations' forward under ``torch.compile``;
     ``param_dtype``: the memkern-full configurations' parameter dtype (float32 takes bfloat16's
     rounding out of a comparison of their optimizers); ``batch`` and ``memory_budget``
-    (bytes, or "3GiB"): memkern-fit's step and budget."""
+    (bytes, or "3GiB"): memkern-fit's step and budget; ``max_grad_norm``: every
+    configuration's clipping threshold."""
     if name not in CONFIGS:
         raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
     if name == "memkern-fit" and (memory_budget is None or batch is None):
@@ -160,8 +168,10 @@ def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0, *,
 
             scaler = torch.amp.GradScaler(device.type)
             return Setup(name, model, optimizer,
-                         _torch_step(model, optimizer, autocast, scaler), autocast)
-        return Setup(name, model, optimizer, _torch_step(model, optimizer, nothing), nothing)
+                         _torch_step(model, optimizer, autocast, max_grad_norm, scaler),
+                         autocast)
+        return Setup(name, model, optimizer, _torch_step(model, optimizer, nothing, max_grad_norm),
+                     nothing)
 
     _memkern_modules(model, checkpoint=name == "memkern-full-ckpt")
     model.to(param_dtype)
@@ -169,8 +179,9 @@ def build(name: str, cfg: GPTConfig, device: torch.device, seed: int = 0, *,
     def make_optimizer(params):
         return memkern.optim.ShardedOptimizer(
             params, "adamw", lr=LR, weight_decay=WEIGHT_DECAY, loss_scale="dynamic",
-            max_grad_norm=MAX_GRAD_NORM,
-            state_precision="8bit" if name == "memkern-full-8bit" else "32bit")
+            max_grad_norm=max_grad_norm,
+            state_precision="8bit" if name == "memkern-full-8bit" else "32bit",
+            offload="cpu" if name == "memkern-full-offload" else None)
 
     if name == "memkern-fit":
         tokens = torch.zeros(batch, cfg.seq, dtype=torch.long, device=device)

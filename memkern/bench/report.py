@@ -24,7 +24,8 @@ class Plan:
     """The bench configuration whose forward is measured for the activations."""
     device_bytes_per_param: object
     """W -> bytes per parameter held on each rank's device."""
-    host_bytes_per_param: float = 0.0
+    host_bytes_per_param: object = lambda w: 0.0
+    """W -> bytes per parameter held in each rank's host memory."""
 
 
 PLANS = (
@@ -32,7 +33,10 @@ PLANS = (
     Plan("memkern ZeRO-1", "memkern-full", lambda w: 4 + 12 / w),
     Plan("memkern ZeRO-2", "memkern-full", lambda w: 2 + 14 / w),
     Plan("memkern ZeRO-2 + ckpt", "memkern-full-ckpt", lambda w: 2 + 14 / w),
-    Plan("memkern offload=cpu", "memkern-full", lambda w: 4.0, host_bytes_per_param=12.0),
+    # offload: master + m + v (12) and pinned copies of the gradients and weights (2 + 2) of
+    # the rank's 1/W; in one process also the copy of the state its early steps keep (12)
+    Plan("memkern offload=cpu", "memkern-full", lambda w: 4.0,
+         host_bytes_per_param=lambda w: 28.0 if w == 1 else 16 / w),
     # state_precision="8bit": 1 + 1 bytes of m and v codes and 2 x 4 bytes of absmax per QBLOCK
     # elements instead of 8 bytes (parameters of >= 4096 elements; smaller ones stay 8).
     Plan("memkern ZeRO-1 8-bit", "memkern-full-8bit", lambda w: 4 + (6 + 8 / QBLOCK) / w),
@@ -64,5 +68,5 @@ def predict(num_params: int, saved: dict[str, int], world_sizes: list[int]) -> l
                          "model_state_bytes": int(state),
                          "activation_bytes": saved[plan.activations_from],
                          "device_bytes": int(state) + saved[plan.activations_from],
-                         "host_bytes": int(plan.host_bytes_per_param * num_params)})
+                         "host_bytes": int(plan.host_bytes_per_param(w) * num_params)})
     return rows

@@ -10,7 +10,7 @@ import time
 import torch
 
 from memkern.bench import host_device
-from memkern.bench.configs import CONFIGS, build
+from memkern.bench.configs import CONFIGS, MAX_GRAD_NORM, build
 from memkern.bench.data import Batches
 from memkern.bench.model import GPTConfig
 from memkern.profile import memory_breakdown, saved_bytes
@@ -49,6 +49,10 @@ class Row:
     after the timed ones; None on the CPU."""
     gpu_seconds: float | None = None
     """On a GPU: one step's kernels' summed time (memkern.bench.host_device); None on the CPU."""
+    held_bytes: int = 0
+    """Bytes held between steps, after the last one (gradients zeroed): on a GPU, what the
+    configuration keeps allocated on the device (state in host memory not counted); on the
+    CPU, the persistent bytes (params, grads, master weights, optimizer state)."""
 
     @property
     def host_device(self) -> host_device.HostDeviceTime | None:
@@ -98,10 +102,10 @@ def _sync(device: torch.device) -> None:
 
 def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: int,
         device: torch.device, seed: int = 0, progress: bool = True, compile: bool = False,
-        memory_budget: int | str | None = None) -> Row:
+        memory_budget: int | str | None = None, max_grad_norm: float = MAX_GRAD_NORM) -> Row:
     """Trains configuration ``name`` for ``steps`` steps (batch × cfg.seq tokens each);
     ``compile``: the memkern configurations compiled (their rows are named ``<name>+compile``);
-    ``memory_budget``: memkern-fit's.
+    ``memory_budget``: memkern-fit's; ``max_grad_norm``: the clipping threshold.
 
     Step 0 warms up (first allocations, lazy initialisation, compilation); step 1 is measured
     for memory (under the profiler on CPU, so it is left out of the timing); up to
@@ -118,7 +122,7 @@ def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: i
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     setup = build(name, cfg, device, seed, compile=compile, batch=batch,
-                  memory_budget=memory_budget)
+                  memory_budget=memory_budget, max_grad_norm=max_grad_norm)
     if compile and name.startswith("memkern"):
         name = f"{name}+compile"
     batches = Batches(corpus, batch, cfg.seq, seed=seed, device=device)
@@ -145,6 +149,12 @@ def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: i
         losses.append(loss.item())
         bar.update(i + 1, losses[-1])
 
+    if device.type == "cuda":
+        _sync(device)
+        held = torch.cuda.memory_allocated(device) - base
+    else:
+        held = persistent
+
     split = None
     if device.type == "cuda":  # a fresh batch per step, fetched before the clock starts
         pending = iter([batches.next() for _ in range(SPLIT_REPS + 1)])
@@ -165,4 +175,5 @@ def run(name: str, cfg: GPTConfig, corpus: torch.Tensor, *, steps: int, batch: i
                batch * cfg.seq / step_seconds, losses, step_seconds_min=min(times),
                step_seconds_max=max(times),
                host_seconds=split.host_seconds if split else None,
-               gpu_seconds=split.gpu_seconds if split else None)
+               gpu_seconds=split.gpu_seconds if split else None,
+               held_bytes=held)

@@ -60,13 +60,21 @@ def scaled_grad_norm(grad_buffer: GradBuffer, shards: Shards | None,
     return packet[0].sqrt().float(), packet[1]
 
 
+def unclipped_multiplier(scaler: LossScaler, normaliser: torch.Tensor | int,
+                         device: torch.device) -> torch.Tensor:
+    """``1 / (scale · normaliser)``, the multiplier of a window that is not clipped: a
+    one-element float32 tensor on ``device``. Known before the window's gradients are (offload
+    steps with it during the last backward pass); :func:`grad_multiplier` multiplies it by the
+    clip coefficient, so a coefficient of 1 leaves it bit for bit as it is."""
+    return (scaler.inv_scale(device).double() / normaliser).float()
+
+
 def grad_multiplier(scaler: LossScaler, norm: torch.Tensor, normaliser: torch.Tensor | int,
                     max_grad_norm: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(multiplier, true_norm)``: ``1 / (scale · normaliser) · clip_coef`` as a one-element
     float32 device tensor, and the window gradient's norm unscaled and normalised (before
     clipping; inf/NaN when the window overflowed)."""
-    inv_scale = scaler.inv_scale(norm.device)
-    unscale = (inv_scale.double() / normaliser).float()
+    unscale = unclipped_multiplier(scaler, normaliser, norm.device)
     true_norm = norm * unscale
     if max_grad_norm is None:
         return unscale, true_norm

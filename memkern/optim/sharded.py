@@ -55,6 +55,9 @@ micro-batches x W: the mean over micro-batches and ranks, as one large batch spl
 
 ``offload="cpu"`` moves the masters, the optimizer state and the step counters to host memory
 and runs phase 3 with the C++ CPU kernel (:mod:`memkern.optim.offload`), in one process or many.
+In one process phase 3 starts during the window's last backward pass, bucket by bucket as
+their gradients become final, and the window's end only settles it (kept, undone on an
+overflow, redone when clipped): the same bits as phase 3 run after phase 2.
 
 Where each part lives: this module is the step (the window's end above, its CUDA-graph
 capture, and where phase 3 runs: on the device, or on the host through
@@ -79,7 +82,9 @@ from memkern.optim.flat_state import FlatOptimizer, Segment
 from memkern.optim.fused_adamw import AdamW
 from memkern.optim.fused_sgd import SGD
 from memkern.optim.grad_buffer import GradBuffer
-from memkern.optim.scaling import grad_multiplier, loss_scaler_for, scaled_grad_norm
+from memkern.optim.offload import OverlappedHostStep
+from memkern.optim.scaling import (grad_multiplier, loss_scaler_for, scaled_grad_norm,
+                                   unclipped_multiplier)
 from memkern.optim.state_io import StateIO
 from memkern.optim.window import AccumulationWindow
 from memkern.optim.zero import Shards, _weak_hook
@@ -138,7 +143,9 @@ class ShardedOptimizer(FlatOptimizer):
             (a static scale) or a :class:`~memkern.LossScaler` for custom settings.
         max_grad_norm: clip the window's gradient to this total L2 norm (None: no clipping).
         offload: None, or ``"cpu"``: float32 masters, optimizer state and step counters in
-            host memory, stepped by the C++ CPU kernel (:mod:`memkern.optim.offload`).
+            host memory, stepped by the C++ CPU kernel (:mod:`memkern.optim.offload`); in one
+            process each bucket's step starts during the window's last backward pass, and
+            :meth:`step` settles it (the parameters change in :meth:`step` only).
         bucket_size_mb: the largest communication bucket across ranks, in MiB of gradients
             (> 0); a larger parameter is a bucket of its own.
 
@@ -218,6 +225,11 @@ class ShardedOptimizer(FlatOptimizer):
         self._grad_norm: torch.Tensor | None = None
         self._io = StateIO(self, self._shards, self._window, self.scaler, self._skipped, group,
                            self.rank, self.world_size)
+        # offload="cpu" in one process: the host steps start during the window's last
+        # backward pass (memkern.optim.offload).
+        self._overlap = (OverlappedHostStep(self._segments, self._update_segment,
+                                            self._shards.host, torch.get_num_threads())
+                         if offload == "cpu" and self.world_size == 1 else None)
         # A gradient that arrives outside backward() (a plain loss.backward(), accelerate's
         # backward) is neither scaled nor counted: step() refuses it instead of stepping wrong.
         for p in self._params():
@@ -267,6 +279,13 @@ class ShardedOptimizer(FlatOptimizer):
             window.add_items(num_items)
         window.check_before_backward(loss)
         scaled = self.scaler.scale(loss)
+        overlap = self._overlap
+        if overlap is not None:
+            overlap.undo()  # a backward after the window's last one voids its early steps
+            if window.micro_batches + 1 < self.accumulation_steps:
+                overlap = None
+            else:
+                self._begin_overlap(overlap, mode)
         with window.backward_pass():
             if self._shards is None:
                 scaled.backward()
@@ -276,9 +295,27 @@ class ShardedOptimizer(FlatOptimizer):
                     scaled.backward()
                 except BaseException:
                     self._shards.abandon_backward()
+                    if overlap is not None:
+                        self._shards.watch_units(None)
+                        overlap.undo()
                     raise
                 self._shards.end_backward()
+                if overlap is not None:
+                    self._shards.watch_units(None)
+                    overlap.end()
         window.add_micro_batch(mode, self.world_size)
+
+    def _begin_overlap(self, overlap: OverlappedHostStep, mode: str) -> None:
+        """Before the window's last backward pass (offload, one process): the host steps of
+        its segments start as their gradients become final."""
+        # Autograd must accumulate into the buffer's views, which the steps read.
+        self.grad_buffer.claim_grads()
+        if not self._state_ready:
+            self._init_state()
+        window = self._window
+        normaliser = window.num_items if mode == "items" else window.gradients + self.world_size
+        overlap.begin(unclipped_multiplier(self.scaler, normaliser, self.grad_buffer.device))
+        self._shards.watch_units(overlap.segment_ready)
 
     # -------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -409,16 +446,26 @@ class ShardedOptimizer(FlatOptimizer):
                       found_inf: torch.Tensor | None) -> None:
         """The update phase: one kernel call per segment (this rank's slices), on the CPU
         with host copies of the gradients and weights when offloading from a GPU."""
+        if self._overlap is not None and self._overlap.active:
+            self._overlap.finish(grad_multiplier, found_inf)
+            return
         host = self._shards.host if self._shards is not None else None
         if host is None:
             super()._apply_update(grad_multiplier, found_inf)
             return
         if not self._state_ready:
             self._init_state()
-        host.step(self._segments,
-                  lambda seg, gm, fi: self.algorithm.update(seg, self.param_groups[seg.group],
-                                                            gm, fi),
-                  grad_multiplier, found_inf)
+        host.step(self._segments, self._update_segment, grad_multiplier, found_inf)
+
+    def _update_segment(self, seg: Segment, grad_multiplier: torch.Tensor | None,
+                        found_inf: torch.Tensor | None) -> None:
+        self.algorithm.update(seg, self.param_groups[seg.group], grad_multiplier, found_inf)
+
+    def _settle_host_steps(self) -> None:
+        """Before the state is read or replaced: undoes offload's early steps of an open
+        window (its ``step()`` then runs them after the verdict)."""
+        if self._overlap is not None:
+            self._overlap.undo()
 
     def _gather_parameters(self) -> None:
         """Across ranks: all-gather the updated weights, bucket by bucket. One process holds
@@ -474,6 +521,7 @@ class ShardedOptimizer(FlatOptimizer):
         every rank as CPU tensors (the full state in host memory on each rank: for large
         models use :meth:`save_sharded`). In one process its tensors are views of the live
         state. Reads the device (not for the step loop)."""
+        self._settle_host_steps()
         with self._float_state(write_back=False):
             state_dict = super().state_dict()
             if self._shards is not None and self.world_size > 1:
@@ -489,6 +537,7 @@ class ShardedOptimizer(FlatOptimizer):
         """Loads :meth:`state_dict`'s output, saved at any world size and zero stage (or a
         plain torch-format optimizer state dict, which restores the optimizer state only and
         leaves no window open). Collective across ranks: each rank keeps its slices."""
+        self._settle_host_steps()
         super().load_state_dict(state_dict)
         self._io.load_front_end_state(state_dict.get("memkern"))
 
@@ -498,6 +547,7 @@ class ShardedOptimizer(FlatOptimizer):
         and zero stage. Atomic: written to ``<path>.incomplete`` and renamed to ``path`` once
         complete (a save that dies midway leaves ``path`` as it was). See
         :mod:`memkern.optim.checkpoint`. Collective."""
+        self._settle_host_steps()
         with self._float_state(write_back=False):
             checkpoint.save_sharded(self._io, path)
 
@@ -505,5 +555,6 @@ class ShardedOptimizer(FlatOptimizer):
         """Loads a checkpoint written by :meth:`save_sharded`, at any world size; each rank
         reads the parts of the saved slices it now owns. Raises if the checkpoint is
         incomplete. Collective."""
+        self._settle_host_steps()
         with self._float_state(write_back=True):
             checkpoint.load_sharded(self._io, path)

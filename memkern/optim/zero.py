@@ -241,6 +241,10 @@ class Shards:
         self._staging: dict[int, torch.Tensor] = {}
         self._next = 0
         self._order: list[Unit] = []
+        # Offload's overlap (one process): called with a unit's index once its gradients are
+        # final in the current backward pass (watch_units).
+        self._watch: Callable[[int], None] | None = None
+        self._final: list[set[int]] = []
 
     # ------------------------------------------------------------------------ construction
     def check_consistent(self, groups: list[dict[str, Any]], settings: dict[str, Any]) -> None:
@@ -279,9 +283,11 @@ class Shards:
     def make_segments(self, buffer: GradBuffer) -> list[Segment]:
         """The units and, for each, the segment of this rank's slice: its gradients (stage 1:
         a slice of the flat buffer; stage 2: of the rank's gradient shard), its weights (a
-        slice of the flat weights, or of host copies when offloading from a GPU)."""
-        on_host = self.offload == "cpu" and buffer.device.type != "cpu"
-        if on_host and buffer.device.type != "cuda":
+        slice of the flat weights, or of host copies when offloading from a GPU, or in one
+        process, where the host steps start before step() and must not touch the model's
+        weights: memkern.optim.offload)."""
+        on_host = self.offload == "cpu" and (buffer.device.type != "cpu" or self.world == 1)
+        if on_host and buffer.device.type not in ("cpu", "cuda"):
             raise ValueError(f"memkern.ShardedOptimizer: offload='cpu' needs the model on the CPU "
                              f"or a CUDA GPU, not on {buffer.device}; use offload=None")
         for bucket in buffer.buckets:
@@ -300,6 +306,9 @@ class Shards:
                 self.shard_grads[id(bucket)] = torch.zeros(
                     bucket.numel // self.world, dtype=bucket.grad_dtype, device=buffer.device)
         self._order = self.units[::-1]
+        if self.offload == "cpu" and self.world == 1 and self.zero_stage == 1:
+            for p in buffer.params:  # stage 2 knows when a unit is final: its reduction
+                p.register_post_accumulate_grad_hook(_weak_hook(self._grad_accumulated))
         device_views = [(self.shard_grads_of(u), u.bucket.weights[u.owned(self.rank)])
                         for u in self.units]
         if on_host:
@@ -336,8 +345,13 @@ class Shards:
     # ------------------------------------------------------------------------- collectives
     def _launch(self, work: Any, finish: Callable[[], None] | None = None,
                 keep: torch.Tensor | None = None) -> None:
-        """Tracks an asynchronous collective (None: already done, one rank); ``finish`` runs
-        once it completed; ``keep`` is a buffer that must live until then."""
+        """Tracks an asynchronous collective (None: already done, one rank: ``finish`` runs
+        now); ``finish`` runs once it completed; ``keep`` is a buffer that must live until
+        then."""
+        if work is None:
+            if finish is not None:
+                finish()
+            return
         self._in_flight.append((work, finish, keep))
         while len(self._in_flight) > IN_FLIGHT:
             self._finish_oldest()
@@ -437,8 +451,31 @@ class Shards:
                                   device=unit.bucket.weights.device)
         reduced = torch.empty(unit.shard, dtype=staging.dtype, device=staging.device)
         shard = self.shard_grads_of(unit)
-        self._launch(self._reduce_scatter(reduced, staging), lambda: shard.add_(reduced),
-                     keep=staging)
+
+        def finish() -> None:
+            shard.add_(reduced)
+            if self._watch is not None:
+                self._watch(unit.index)
+
+        self._launch(self._reduce_scatter(reduced, staging), finish, keep=staging)
+
+    def watch_units(self, callback: Callable[[int], None] | None) -> None:
+        """While set (one process, offload: the window's last backward pass),
+        ``callback(unit.index)`` runs once each unit's gradients are final in the current
+        backward pass: stage 1, all its parameters' gradients accumulated in the buffer;
+        stage 2, its reduction added into the shard. None stops it."""
+        self._watch = callback
+        self._final = [set() for _ in self.units]
+
+    def _grad_accumulated(self, p: torch.Tensor) -> None:
+        """Post-accumulate hook (stage 1, offload, one process): counts a unit's gradients."""
+        if self._watch is None:
+            return
+        unit, _ = self._place[id(p)]
+        final = self._final[unit.index]
+        final.add(id(p))
+        if len(final) == len(unit.params):
+            self._watch(unit.index)
 
     def end_backward(self) -> None:
         """After a backward pass (stage 2): launches the units still waiting, in order, and
