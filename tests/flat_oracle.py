@@ -57,7 +57,10 @@ def need(backend: str, device: str) -> torch.device:
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of ``t`` as integers (NaN == NaN, -0 != +0)."""
+    """The raw bits of ``t`` as integers, every NaN as one NaN (NaN == NaN whatever its sign
+    and payload: x86 CPUs produce -NaN where GPUs produce +NaN; -0 != +0)."""
+    if t.is_floating_point():
+        t = t.masked_fill(t.isnan(), math.nan)
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 

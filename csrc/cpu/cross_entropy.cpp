@@ -51,7 +51,7 @@ template <bool Capped, typename scalar_t, typename acc_t>
 MEMKERN_VECTOR_CLONES ce::Online<acc_t> row_normaliser(const scalar_t* row, int64_t V, acc_t cap) {
   constexpr int Tile = kTile<scalar_t>;
   const ce::RowTiles<Tile> tiles{V, ce::head_of(reinterpret_cast<uintptr_t>(row),
-                                                sizeof(scalar_t))};
+                                                sizeof(scalar_t), V)};
   acc_t max[kLanes], sum[kLanes], total[kLanes];
   for (int l = 0; l < kLanes; ++l) {
     const ce::Online<acc_t> start = ce::online_start<acc_t>();

@@ -134,7 +134,7 @@ void backward_rows(const scalar_t* __restrict dy, const scalar_t* __restrict x,
     for (int64_t i = 0; i < D; ++i) {
       xhat[i] = math::norm_xhat(widen(x[r * D + i]), mu, rs);
       g[i] = widen(dy[r * D + i]);
-      gw[i] = w == nullptr ? g[i] : g[i] * w[i];
+      gw[i] = w == nullptr ? g[i] : math::norm_weighted_grad(g[i], w[i]);
     }
     // LayerNorm: dx = rstd (gw - mean(gw) - xhat mean(gw xhat)); RMSNorm: no mean(gw) term.
     const acc_t mean_gw = mean == nullptr ? acc_t(0) : lane_dot<acc_t>(gw, nullptr, D) * inv_d;

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define MEMKERN_HOST_DEVICE __host__ __device__ __forceinline__
@@ -35,13 +36,49 @@ MEMKERN_HOST_DEVICE float fma_rn(float a, float b, float c) {
 #endif
 }
 
-// a * b rounded to float32 (on the GPU an explicit mul.rn, which ptxas never fuses with a
+MEMKERN_HOST_DEVICE double fma_rn(double a, double b, double c) {
+#if defined(__CUDA_ARCH__)
+  return __fma_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+// a * b rounded to its type (on the GPU an explicit mul.rn, which ptxas never fuses with a
 // later addition).
 MEMKERN_HOST_DEVICE float mul_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);
 #else
   return a * b;
+#endif
+}
+
+MEMKERN_HOST_DEVICE double mul_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+// exp(x) and sqrt(x) for float (the float functions on the device, not the double ones) and
+// double.
+template <typename T>
+MEMKERN_HOST_DEVICE T exp_of(T x) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, float>) return ::expf(x); else return ::exp(x);
+#else
+  return std::exp(x);
+#endif
+}
+
+template <typename T>
+MEMKERN_HOST_DEVICE T sqrt_of(T x) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, float>) return ::sqrtf(x); else return ::sqrt(x);
+#else
+  return std::sqrt(x);
 #endif
 }
 

@@ -52,7 +52,7 @@ __device__ __forceinline__ T narrow(acc_t<T> x) {
 
 template <typename T>
 __device__ __forceinline__ ce::RowTiles<kTile<T>> row_tiles(const T* row, int64_t n) {
-  return {n, ce::head_of(reinterpret_cast<uintptr_t>(row), sizeof(T))};
+  return {n, ce::head_of(reinterpret_cast<uintptr_t>(row), sizeof(T), n)};
 }
 
 // The logits of tile i, soft-capped, in the math type; returns how many.

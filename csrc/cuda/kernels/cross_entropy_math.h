@@ -164,11 +164,13 @@ struct RowTiles {
   }
 };
 
-// The head of a row that starts at byte address `address`, with `bytes` bytes per logit
-// (a power of two <= 16).
-MEMKERN_CE_HD int64_t head_of(uintptr_t address, int64_t bytes) {
+// The head of a row of n logits that starts at byte address `address`, with `bytes` bytes per
+// logit (a power of two <= 16): the values before the first 16-byte boundary, and never more
+// than the row holds (a row shorter than a tile may end before that boundary).
+MEMKERN_CE_HD int64_t head_of(uintptr_t address, int64_t bytes, int64_t n) {
   const int64_t misalignment = static_cast<int64_t>(address % 16);
-  return misalignment == 0 ? 0 : (16 - misalignment) / bytes;
+  const int64_t head = misalignment == 0 ? 0 : (16 - misalignment) / bytes;
+  return head < n ? head : n;
 }
 
 // Soft-capping (Gemma 2's final_logit_softcapping): the logit cap * tanh(z / cap) when cap > 0,

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "host_device.h"
+#include "../../math/host_device.h"
 
 namespace memkern::math {
 

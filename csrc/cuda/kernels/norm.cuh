@@ -77,7 +77,8 @@ __global__ void norm_input_grad_kernel(const T* dy, const T* x, const P* weight,
     // sums[0]: of gw = dy * weight; sums[1]: of gw * xhat.
     acc_t sums[2] = {0, 0};
     for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
-      const acc_t gw = to_compute(dyr[i]) * param_or<T>(weight, i, acc_t(1));
+      const acc_t gw =
+          math::norm_weighted_grad(to_compute(dyr[i]), param_or<T>(weight, i, acc_t(1)));
       sums[0] += gw;
       sums[1] += gw * math::norm_xhat(to_compute(xr[i]), mu, rs);
     }
@@ -86,7 +87,8 @@ __global__ void norm_input_grad_kernel(const T* dy, const T* x, const P* weight,
     const acc_t mean_gw_xhat = math::norm_mean(sums[1], inv_d);
     T* dxr = dx + r * D;
     for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
-      const acc_t gw = to_compute(dyr[i]) * param_or<T>(weight, i, acc_t(1));
+      const acc_t gw =
+          math::norm_weighted_grad(to_compute(dyr[i]), param_or<T>(weight, i, acc_t(1)));
       const acc_t xhat = math::norm_xhat(to_compute(xr[i]), mu, rs);
       dxr[i] = from_compute<T>(math::norm_input_grad(gw, xhat, rs, mean_gw, mean_gw_xhat));
     }

@@ -6,7 +6,7 @@
 // inputs (rounded once by the caller), double for float64.
 #pragma once
 
-#include "host_device.h"
+#include "../../math/host_device.h"
 
 namespace memkern::math {
 
@@ -41,6 +41,13 @@ MEMKERN_HOST_DEVICE acc_t norm_xhat(acc_t x, acc_t mean, acc_t rstd) {
   return (x - mean) * rstd;
 }
 
+// gw = dy * weight, rounded to the math type by itself: a compiler that fused the product
+// into the subtraction of norm_input_grad (nvcc does, in device code) would leave its rounding
+// error in dx, which a row of one element, where gw - mean(gw) is exactly 0, shows.
+template <typename acc_t>
+MEMKERN_HOST_DEVICE acc_t norm_weighted_grad(acc_t dy, acc_t weight) {
+  return mul_rn(dy, weight);
+}
 // One element of dx from gw = dy * weight (dy without a weight), its xhat and the row means
 // mean(gw) (0 for RMSNorm) and mean(gw * xhat):
 // dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)).

@@ -4,7 +4,7 @@
 // the caller), double for float64.
 #pragma once
 
-#include "host_device.h"
+#include "../../math/host_device.h"
 
 namespace memkern::math {
 
