@@ -1,7 +1,7 @@
 """The planner against measured peaks: the GPU records, and (``--cpu``) this machine's own.
 
 GPU: what ``memkern.profile.plan_training_step`` plans for a Hopper GPU, next to the peaks the
-H200 run of 2026-11-26 recorded (torch 2.11, transformers 5.17; the planner runs here, on
+H200 runs of 2026-11-26 recorded (torch 2.11, transformers 5.17; the planner runs here, on
 whatever torch and transformers are installed):
 
 * ``memkern bench --device cuda --size gpt2-small --batch 8`` (seq 1024): its peak is
@@ -49,6 +49,15 @@ GPU_RECORDS = [  # (model, configuration, recorded MiB, what was recorded)
     ("Llama 160M b4x2048", "plain", 6882.0, "HF script"),
     ("Llama 160M b4x2048", "memkern.patch", 3112.0, "HF script"),
     ("Llama 160M b4x2048", "memkern.patch(recompute='full')", 3112.0, "HF script"),
+    # the second H200 run (benchmarks/results/h200-2026-11-26): memkern bench --steps 12, which
+    # collects the previous configuration's garbage first (the first run's memkern-full row
+    # above did not), and bench_hf.py's step peak
+    ("GPT-2 small b8", "torch-amp", 9096.0, "memkern bench 2"),
+    ("GPT-2 small b8", "memkern-full", 3623.4, "memkern bench 2"),
+    ("GPT-2 small b8", "memkern-full-8bit", 2943.5, "memkern bench 2"),
+    ("Llama 160M b4x2048", "plain", 6801.1, "bench_hf.py 2"),
+    ("Llama 160M b4x2048", "memkern.patch", 2496.6, "bench_hf.py 2"),
+    ("Llama 160M b4x2048", "memkern.patch(recompute='full')", 1880.1, "bench_hf.py 2"),
 ]
 
 
@@ -64,7 +73,15 @@ def gpu_rows() -> list[dict]:
                 build = hf_workload(cfg, batch=4, seq=2048, patch=HF_VARIANTS[config])
             plans[(model, config)] = plan_training_step(build, device="cuda")
         plan = plans[(model, config)]
-        planned = plan.run_peak if source == "memkern bench" else plan.peak_bytes
+        if source.startswith("memkern bench"):
+            planned = plan.run_peak
+        elif source.startswith("bench_hf.py"):
+            # what bench_hf.py measures: parameters + optimizer state + the step's peak above
+            # its start
+            planned = (plan.held["parameters"] + plan.held["optimizer state"]
+                       + plan.step_peak_above_start)
+        else:
+            planned = plan.peak_bytes
         rows.append(dict(model=model, config=config, source=source, recorded_mib=recorded,
                          planned_mib=planned / MIB, ratio=planned / MIB / recorded,
                          peak_phase=plan.peak.phase, peak_at=f"{plan.peak.op} ({plan.peak.where})",
