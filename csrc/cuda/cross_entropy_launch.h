@@ -6,26 +6,26 @@
 //
 // Each launcher enqueues its kernel on `stream` (on the current device) and returns the launch
 // status: cudaSuccess, the error from cudaGetLastError, or cudaErrorInvalidValue for a bad
-// LogitsType.
+// DType.
 #pragma once
 
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
 
+#include "dtype.h"
+
 namespace memkern::cross_entropy_launch {
 
-enum class LogitsType { f32, bf16, f16, f64 };
-
 // logits [n, V] contiguous; row_scale (nullable) [n]; loss, lse [n] written.
-cudaError_t rows(void* logits, LogitsType type, int64_t n, int64_t V, const int64_t* target,
+cudaError_t rows(void* logits, DType type, int64_t n, int64_t V, const int64_t* target,
                  const void* row_scale, void* loss, void* lse, int64_t ignore_index,
                  double label_smoothing, double softcap, bool compute_grad,
                  cudaStream_t stream);
 
 // logits [n, width] contiguous: classes class_offset .. class_offset + width - 1 of
 // num_classes; lse [n]; row_scale[r * scale_stride] scales row r (stride 0: one scale).
-cudaError_t block_grad(void* logits, LogitsType type, int64_t n, int64_t width,
+cudaError_t block_grad(void* logits, DType type, int64_t n, int64_t width,
                        const void* lse, const int64_t* target, const void* row_scale,
                        int64_t scale_stride, int64_t class_offset, int64_t num_classes,
                        int64_t ignore_index, double label_smoothing, double softcap,

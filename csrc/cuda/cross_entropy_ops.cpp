@@ -21,12 +21,12 @@ namespace {
 namespace checks = memkern::cross_entropy_checks;
 namespace launch = memkern::cross_entropy_launch;
 
-launch::LogitsType logits_type(const at::Tensor& logits) {
+memkern::DType logits_type(const at::Tensor& logits) {
   switch (logits.scalar_type()) {
-    case at::kBFloat16: return launch::LogitsType::bf16;
-    case at::kHalf: return launch::LogitsType::f16;
-    case at::kDouble: return launch::LogitsType::f64;
-    default: return launch::LogitsType::f32;  // checks::logits accepted nothing else
+    case at::kBFloat16: return memkern::DType::bf16;
+    case at::kHalf: return memkern::DType::f16;
+    case at::kDouble: return memkern::DType::f64;
+    default: return memkern::DType::f32;  // checks::logits accepted nothing else
   }
 }
 

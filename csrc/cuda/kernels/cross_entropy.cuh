@@ -12,10 +12,9 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
-#include "common.cuh"
 #include "cross_entropy_math.h"
+#include "layer_common.cuh"
 
 namespace memkern::device::cross_entropy {
 
@@ -24,31 +23,9 @@ namespace ce = memkern::cross_entropy;
 constexpr int kRowThreads = 512;
 constexpr int kWarps = kRowThreads / 32;
 
-// The math type: float for float32/bfloat16/float16 logits, double for float64.
-template <typename T>
-using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
-
 // Logits per tile: one 16-byte vector.
 template <typename T>
 constexpr int kTile = static_cast<int>(16 / sizeof(T));
-
-template <typename T>
-__device__ __forceinline__ acc_t<T> widen(T x) {
-  if constexpr (std::is_same_v<T, double>) {
-    return x;
-  } else {
-    return to_float(x);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ T narrow(acc_t<T> x) {
-  if constexpr (std::is_same_v<T, double>) {
-    return x;
-  } else {
-    return from_float<T>(x);
-  }
-}
 
 template <typename T>
 __device__ __forceinline__ ce::RowTiles<kTile<T>> row_tiles(const T* row, int64_t n) {
@@ -58,19 +35,19 @@ __device__ __forceinline__ ce::RowTiles<kTile<T>> row_tiles(const T* row, int64_
 // The logits of tile i, soft-capped, in the math type; returns how many.
 template <typename T>
 __device__ __forceinline__ int load_tile(const T* row, const ce::RowTiles<kTile<T>>& tiles,
-                                         int64_t i, acc_t<T> cap, acc_t<T>* z) {
-  using A = acc_t<T>;
+                                         int64_t i, compute_t<T> cap, compute_t<T>* z) {
+  using A = compute_t<T>;
   constexpr int Tile = kTile<T>;
   const int64_t first = tiles.first(i);
   A slope;
   if (tiles.full(i)) {
     const Vec<T, Tile> v = load<Tile>(row, first);
 #pragma unroll
-    for (int j = 0; j < Tile; ++j) z[j] = ce::capped(widen(v.v[j]), cap, &slope);
+    for (int j = 0; j < Tile; ++j) z[j] = ce::capped(to_compute(v.v[j]), cap, &slope);
     return Tile;
   }
   const int k = tiles.size(i);
-  for (int j = 0; j < k; ++j) z[j] = ce::capped(widen(row[first + j]), cap, &slope);
+  for (int j = 0; j < k; ++j) z[j] = ce::capped(to_compute(row[first + j]), cap, &slope);
   return k;
 }
 
@@ -91,8 +68,8 @@ struct GradRow {
 // Tile i of `row` overwritten with its gradient.
 template <typename T>
 __device__ __forceinline__ void write_grad_tile(T* row, const ce::RowTiles<kTile<T>>& tiles,
-                                                int64_t i, const GradRow<acc_t<T>>& g) {
-  using A = acc_t<T>;
+                                                int64_t i, const GradRow<compute_t<T>>& g) {
+  using A = compute_t<T>;
   constexpr int Tile = kTile<T>;
   const int64_t first = tiles.first(i);
   const int64_t column = g.class_offset + first;
@@ -101,9 +78,9 @@ __device__ __forceinline__ void write_grad_tile(T* row, const ce::RowTiles<kTile
 #pragma unroll
     for (int j = 0; j < Tile; ++j) {
       A slope;
-      const A z = ce::capped(widen(v.v[j]), g.cap, &slope);
+      const A z = ce::capped(to_compute(v.v[j]), g.cap, &slope);
       const A hit = column + j == g.target ? g.keep : A(0);
-      v.v[j] = narrow<T>(
+      v.v[j] = from_compute<T>(
           ce::grad_value(ce::log_prob(z, g.max, g.log_sum), hit, g.spread, g.scale, slope));
     }
     store<Tile>(row, first, v);
@@ -112,9 +89,9 @@ __device__ __forceinline__ void write_grad_tile(T* row, const ce::RowTiles<kTile
   const int k = tiles.size(i);
   for (int j = 0; j < k; ++j) {
     A slope;
-    const A z = ce::capped(widen(row[first + j]), g.cap, &slope);
+    const A z = ce::capped(to_compute(row[first + j]), g.cap, &slope);
     const A hit = column + j == g.target ? g.keep : A(0);
-    row[first + j] = narrow<T>(
+    row[first + j] = from_compute<T>(
         ce::grad_value(ce::log_prob(z, g.max, g.log_sum), hit, g.spread, g.scale, slope));
   }
 }
@@ -127,12 +104,12 @@ __device__ __forceinline__ void zero_tile(T* row, const ce::RowTiles<kTile<T>>& 
   if (tiles.full(i)) {
     Vec<T, Tile> v;
 #pragma unroll
-    for (int j = 0; j < Tile; ++j) v.v[j] = narrow<T>(acc_t<T>(0));
+    for (int j = 0; j < Tile; ++j) v.v[j] = from_compute<T>(compute_t<T>(0));
     store<Tile>(row, first, v);
     return;
   }
   const int k = tiles.size(i);
-  for (int j = 0; j < k; ++j) row[first + j] = narrow<T>(acc_t<T>(0));
+  for (int j = 0; j < k; ++j) row[first + j] = from_compute<T>(compute_t<T>(0));
 }
 
 template <typename A>
@@ -164,9 +141,9 @@ __device__ __forceinline__ ce::Online<A> block_merge(ce::Online<A> a, ce::Online
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
     rows_kernel(T* logits, int64_t n, int64_t V, const int64_t* target,
-                const acc_t<T>* row_scale, acc_t<T>* loss, acc_t<T>* lse, int64_t ignore_index,
-                acc_t<T> eps, acc_t<T> cap, bool compute_grad) {
-  using A = acc_t<T>;
+                const compute_t<T>* row_scale, compute_t<T>* loss, compute_t<T>* lse, int64_t ignore_index,
+                compute_t<T> eps, compute_t<T> cap, bool compute_grad) {
+  using A = compute_t<T>;
   constexpr int Tile = kTile<T>;
   __shared__ ce::Online<A> warp_stats[kWarps];
   __shared__ A row_max, row_log_sum;
@@ -194,7 +171,7 @@ __global__ void __launch_bounds__(kRowThreads)
       const A l = ce::online_lse(acc);
       const bool in_range = t >= 0 && t < V;  // never read outside the row
       A slope;
-      const A z_t = in_range ? ce::capped(widen(row[t]), cap, &slope) : A(0);
+      const A z_t = in_range ? ce::capped(to_compute(row[t]), cap, &slope) : A(0);
       loss[r] = ce::row_loss(l, in_range, z_t, acc.total, V, eps);
       lse[r] = l;
       row_max = acc.max;
@@ -211,12 +188,12 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 template <typename T>
-__global__ void block_grad_kernel(T* logits, int64_t n, int64_t width, const acc_t<T>* lse,
-                                  const int64_t* target, const acc_t<T>* row_scale,
+__global__ void block_grad_kernel(T* logits, int64_t n, int64_t width, const compute_t<T>* lse,
+                                  const int64_t* target, const compute_t<T>* row_scale,
                                   int64_t scale_stride, int64_t class_offset,
-                                  int64_t num_classes, int64_t ignore_index, acc_t<T> eps,
-                                  acc_t<T> cap) {
-  using A = acc_t<T>;
+                                  int64_t num_classes, int64_t ignore_index, compute_t<T> eps,
+                                  compute_t<T> cap) {
+  using A = compute_t<T>;
   for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
     T* row = logits + r * width;
     const int64_t t = target[r];
