@@ -48,3 +48,13 @@ def fake_mode():
     mode = FakeTensorMode()
     mode.fake_tensor_converter.set_tensor_memo = lambda tensor, fake: None
     return mode
+
+
+def without_dispatch_modes():
+    """A context manager under which no dispatch mode is active (fake or any other): real
+    tensors and real kernels, unseen by the modes of the code around it. For the planner's
+    measurements of a CPU library's scratch; torch has this only in
+    ``torch.utils._python_dispatch``."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()

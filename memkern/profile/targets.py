@@ -24,13 +24,20 @@ those differences, and the planner applies them:
   returns.
 
 The CPU target has the exact allocator; memkern's C++ CPU kernels allocate nothing beyond
-their outputs.
+their outputs, but torch's 16-bit GEMMs on the CPU (oneDNN) do: packed copies of their
+operands, freed when they return, whose size depends on the shapes and strides in ways the
+library does not document. The planner measures them: one real GEMM of each shape, stride
+and dtype on this CPU (up to ``CPU_GEMM_MEASURED_MACS``; larger ones, whose scratch is small
+beside their operands, are taken to have none).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
+
+from memkern import _fake
 
 from memkern.profile.caching_allocator import CudaCachingAllocator, ExactAllocator
 
@@ -48,6 +55,25 @@ GEMMS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.b
 
 _ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _HALF = (torch.float16, torch.bfloat16)
+_CPU_GEMMS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}
+"""The CPU GEMMs whose 16-bit scratch is measured, with the positions of their two operands."""
+CPU_GEMM_MEASURED_MACS = 1 << 28
+"""The largest CPU GEMM (multiply-adds) whose scratch the planner measures by running it."""
+
+
+@functools.cache
+def _cpu_gemm_scratch(func, layouts: tuple) -> int:
+    """Bytes a real ``func`` on this CPU allocates beyond its output, for arguments of these
+    ``(shape, stride, dtype)`` layouts (None: a non-tensor argument, passed as 1)."""
+    from memkern.profile.allocations import allocation_stats
+
+    with _fake.without_dispatch_modes():
+        args = [1 if layout is None else
+                torch.empty_strided(layout[0], layout[1], dtype=layout[2]).uniform_(-1, 1)
+                for layout in layouts]
+        stats = allocation_stats(func, *args)
+        out = stats.result
+        return max(0, stats.peak - out.untyped_storage().nbytes())
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -85,9 +111,12 @@ class Target:
     def workspaces(self, func, args, kwargs) -> list[int]:
         """Bytes ``func`` allocates and frees inside itself on the target (besides its outputs):
         on a GPU, flash attention's backward scratch (16-bit inputs; the stand-in's attention
-        op saves and returns what the GPU's flash kernels do). (The fused cross-entropy row
-        ops allocate nothing inside: an online softmax over the logits in place.)"""
-        if self.name == "cpu" or func is not _ATTENTION_BACKWARD or args[1].dtype not in _HALF:
+        op saves and returns what the GPU's flash kernels do); on the CPU, a 16-bit GEMM's
+        packed operands (measured: this module's docstring). (The fused cross-entropy row ops
+        allocate nothing inside: an online softmax over the logits in place.)"""
+        if self.name == "cpu":
+            return self._cpu_workspaces(func, args)
+        if func is not _ATTENTION_BACKWARD or args[1].dtype not in _HALF:
             return []
         q, k = args[1], args[2]
         b, h, t, d = q.shape
@@ -96,6 +125,22 @@ class Target:
         if k.shape[1] != h:  # grouped-query attention: dk, dv of every query head, then summed
             sizes += [b * k.shape[2] * h * d * q.element_size()] * 2
         return sizes
+
+
+    @staticmethod
+    def _cpu_workspaces(func, args) -> list[int]:
+        operands = _CPU_GEMMS.get(func)
+        if operands is None or len(args) < 3 - (func is aten.mm.default):
+            return []
+        a, b = args[operands[0]], args[operands[1]]
+        if a.dtype not in _HALF or a.dim() != 2 or b.dim() != 2:
+            return []
+        if a.shape[0] * a.shape[1] * b.shape[1] > CPU_GEMM_MEASURED_MACS:
+            return []
+        layouts = tuple((tuple(t.shape), tuple(t.stride()), t.dtype)
+                        if isinstance(t, torch.Tensor) else None for t in args[:operands[1] + 1])
+        scratch = _cpu_gemm_scratch(func, layouts)
+        return [scratch] if scratch else []
 
 
 TARGETS = {"cuda": Target("cuda"), "cuda-sm80": Target("cuda", "sm80"), "cpu": Target("cpu")}
