@@ -79,6 +79,10 @@ def want_cuda() -> bool:
         reason = f"torch {torch.__version__} was built without CUDA"
     elif CUDA_HOME is None:
         reason = "no CUDA toolkit found (set CUDA_HOME)"
+    elif not os.path.isfile(os.path.join(CUDA_HOME, "include", "cuda_runtime.h")):
+        # torch takes the folder above the nvcc on the PATH, which may be a wrapper's
+        reason = (f"{CUDA_HOME}/include has no cuda_runtime.h (set CUDA_HOME to the toolkit's "
+                  "folder: the one holding bin/nvcc and include/cuda_runtime.h)")
     else:
         major = toolkit_major(CUDA_HOME)
         torch_major = int(torch.version.cuda.split(".")[0])
