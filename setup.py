@@ -4,7 +4,8 @@ Environment switches
     MEMKERN_BUILD_EXT=0        build no extension at all (memkern then runs on the reference
                                and Triton backends and says so at import)
     MEMKERN_BUILD_CUDA=auto    (default) compile the CUDA kernels when torch was built with
-                               CUDA and a toolkit of the same major version is found;
+                               CUDA and a toolkit of the same major version is found, with
+                               its headers (CUDA_HOME/include/cuda_runtime.h);
                        =1      require them (fail if impossible);  =0  never
     TORCH_CUDA_ARCH_LIST       GPU architectures (default "8.0;9.0": A100 and H100/H200)
     MAX_JOBS                   parallel compile jobs (ninja)
