@@ -38,7 +38,6 @@ import functools
 import torch
 
 from memkern import _fake
-
 from memkern.profile.caching_allocator import CudaCachingAllocator, ExactAllocator
 
 aten = torch.ops.aten
@@ -63,14 +62,13 @@ CPU_GEMM_MEASURED_MACS = 1 << 28
 
 @functools.cache
 def _cpu_gemm_scratch(func, layouts: tuple) -> int:
-    """Bytes a real ``func`` on this CPU allocates beyond its output, for arguments of these
-    ``(shape, stride, dtype)`` layouts (None: a non-tensor argument, passed as 1)."""
+    """Bytes a real ``func`` on this CPU allocates beyond its output, for tensor arguments of
+    these ``(shape, stride, dtype)`` layouts."""
     from memkern.profile.allocations import allocation_stats
 
     with _fake.without_dispatch_modes():
-        args = [1 if layout is None else
-                torch.empty_strided(layout[0], layout[1], dtype=layout[2]).uniform_(-1, 1)
-                for layout in layouts]
+        args = [torch.empty_strided(shape, stride, dtype=dtype).uniform_(-1, 1)
+                for shape, stride, dtype in layouts]
         stats = allocation_stats(func, *args)
         out = stats.result
         return max(0, stats.peak - out.untyped_storage().nbytes())
@@ -126,11 +124,10 @@ class Target:
             sizes += [b * k.shape[2] * h * d * q.element_size()] * 2
         return sizes
 
-
     @staticmethod
     def _cpu_workspaces(func, args) -> list[int]:
         operands = _CPU_GEMMS.get(func)
-        if operands is None or len(args) < 3 - (func is aten.mm.default):
+        if operands is None:
             return []
         a, b = args[operands[0]], args[operands[1]]
         if a.dtype not in _HALF or a.dim() != 2 or b.dim() != 2:
@@ -138,7 +135,7 @@ class Target:
         if a.shape[0] * a.shape[1] * b.shape[1] > CPU_GEMM_MEASURED_MACS:
             return []
         layouts = tuple((tuple(t.shape), tuple(t.stride()), t.dtype)
-                        if isinstance(t, torch.Tensor) else None for t in args[:operands[1] + 1])
+                        for t in args[:operands[1] + 1])
         scratch = _cpu_gemm_scratch(func, layouts)
         return [scratch] if scratch else []
 
