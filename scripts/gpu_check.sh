@@ -32,7 +32,8 @@
 #                             so a suite cut by its limit still records what ran
 # A step that cannot run (a missing script, option or configuration, no compute-sanitizer)
 # prints a line saying why and frees its time for the suite. Further steps that no default
-# run has time for: gpt2-eager, hf (Llama 160M), front-end, 8bit-step; GPU_CHECK_STEPS="..."
+# run has time for: gpt2-eager, hf (Llama 160M), front-end, lce-sweep (the linear
+# cross-entropy's vocabulary block against its backward GEMMs), 8bit-step; GPU_CHECK_STEPS="..."
 # runs exactly the steps it names, in plan order (e.g. GPU_CHECK_STEPS="build hf front-end" for
 # a second call), GPU_CHECK_SKIP="..." leaves the named ones out.
 #
@@ -322,6 +323,10 @@ step hf 150 "HF Llama 160M against Liger-Kernel" "" "tail -n 1 \"$out/hf.log\"" 
   "$python" benchmarks/bench_hf.py --device cuda --size 160m --save "$out/hf.json"
 step front-end 90 "the optimizer front ends" "" "tail -n 1 \"$out/front-end.log\"" -- \
   "$python" benchmarks/bench_front_end.py --device cuda --save "$out/front-end.json"
+step lce-sweep 120 "#37.5 LCE backward GEMMs: vocab block sweep" "" \
+  "grep -E 'memkern / liger' \"$out/lce-sweep.log\" | head -1" -- \
+  "$python" benchmarks/bench_lce.py --device cuda --shapes 16384x50304x768:bfloat16 \
+  --variants 960:768,960:1536,960:2304,1920:1536 --reps 5 --save "$out/lce-sweep.json"
 step 8bit-step 120 "8-bit state step and bytes" "" "tail -n 1 \"$out/8bit-step.log\"" -- \
   "$python" benchmarks/bench_8bit_state.py --device cuda --sections step,bytes \
   --save "$out/8bit-step.json"
