@@ -330,7 +330,7 @@ __global__ void __launch_bounds__(kMaxVecThreads, Slots == 1 ? 2 : 1)
   // With one or two slots the next row's loads are in flight during this row's reduction;
   // with four the registers of a second row are not there (ptxas spilled the accumulators).
   constexpr bool kPrefetch = Slots <= 2;
-  Packed<T, W> dy_next[Slots], x_next[Slots];
+  Packed<T, W> dy_next[Slots] = {}, x_next[Slots] = {};
   if (kPrefetch && first < last) {
     load_slots(dy + first * D, nvec, dy_next);
     load_slots(x + first * D, nvec, x_next);
