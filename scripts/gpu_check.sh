@@ -40,7 +40,8 @@
 # Record: $GPU_CHECK_OUT, default benchmarks/results/<gpu>-<date>/ (e.g. h200-2026-11-27): a
 # log per step, each benchmark's JSON, plan.txt and summary.txt, appended to after every step.
 # GPU_CHECK_TAR=PATH also packs the record into PATH (.tar.gz) after every step, for a machine
-# that returns a few files only: what a cut-off call leaves there is what ran.
+# that returns a few files only: what a cut-off call leaves there is what ran. plan.txt names
+# the tree by its commit, or by $GPU_CHECK_TREE where the copy has no .git.
 #
 # Liger-Kernel (the linear cross-entropy's peer) is not on the GPU machines: wheels in .whl/
 # of the repository root (`pip download --no-deps liger-kernel==0.8.5 -d .whl`, carried with
@@ -137,7 +138,7 @@ summary_file="$out/summary.txt"
 if [ "$dry_run" -eq 0 ]; then
   {
     echo "memkern GPU check on $gpu (sm_${arch/./}), $versions, $(date -u '+%F %T UTC')"
-    echo "tree: $(git rev-parse --short HEAD 2>/dev/null || echo 'not a git checkout')$(git status --porcelain 2>/dev/null | grep -q . && echo ' (with changes)')"
+    echo "tree: ${GPU_CHECK_TREE:-$(git rev-parse --short HEAD 2>/dev/null || echo 'not a git checkout (GPU_CHECK_TREE names it)')$(git status --porcelain 2>/dev/null | grep -q . && echo ' (with changes)')}"
     echo "budget ${budget}s; record $out"
   } >"$out/plan.txt"
   printf '%-18s %-8s %7s  %s\n' step result time detail >"$summary_file"
