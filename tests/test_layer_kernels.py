@@ -154,12 +154,12 @@ def test_swiglu_kernels_match_float64(device, shape, layout, dtype):
 # Row widths: the CPU sums a row in 16 lanes; the CUDA general path gives each row up to 512
 # threads (about D / 4) that loop over the row, so 4099 takes 9 trips there and 257 trips on
 # the CPU. The CUDA vector path (a whole number of 16-byte vectors per row: D % 8 == 0 here)
-# holds a row in 1, 2 or 4 vectors per thread: 1032 in one (129 bfloat16 vectors: a part-used
-# warp), 6152 in two (bfloat16, float16) or four (float32), 12296 in four (bfloat16, float16;
-# float32 takes the general path there). These run on CUDA only: the CPU kernels have no such
-# path, and their loops are covered by WIDTHS.
+# holds a row in 1, 2 or 4 vectors per thread: 2056 in one (257 bfloat16 vectors on 288
+# threads: a part-used warp) or two (float32), 6152 in two (bfloat16, float16) or four
+# (float32), 12296 in four (bfloat16, float16; float32 takes the general path there). These
+# run on CUDA only: the CPU kernels have no such path, and their loops are covered by WIDTHS.
 WIDTHS = [1, 67, 4099]
-VECTOR_WIDTHS = [1032, 6152, 12296]
+VECTOR_WIDTHS = [2056, 6152, 12296]
 NORM_SHAPES = [pytest.param(dev.values[0], D, marks=dev.marks, id=f"{dev.id}-{D}")
                for dev in DEVICES for D in WIDTHS + (VECTOR_WIDTHS if dev.id == "cuda" else [])]
 
@@ -188,9 +188,9 @@ def test_norm_kernels_match_float64(device, affine, rms, dtype, D, rows):
     (summed in 8 lanes, 5 trips each, on the general path; the vector path's block of a chunk
     takes its 36 rows in turn, loading the next while it reduces one); a weight of x's dtype,
     of float32, or of another dtype (converted to the math type)."""
-    if rows == 9001 and D > 1032:
+    if rows == 9001 and D > 2056:
         pytest.skip("9001 rows this wide are slow in float64 autograd; 9001 x 67 and "
-                    "9001 x 1032 cover the chunks")
+                    "9001 x 2056 cover the chunks")
     x, w, b, dy = _norm_case(rows, D, dtype, affine, rms)
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     stat_tol = 1e-12 if dtype == torch.float64 else 2e-6

@@ -61,6 +61,12 @@ VecShape vec_shape(int64_t D) {
   return {slots, static_cast<int>((per_slot + kWarpSize - 1) / kWarpSize * kWarpSize)};
 }
 
+// The vector backward runs one block per row chunk (at most kMaxChunks): below this many
+// threads per block its grid holds too few threads to keep the loads in flight (at width 768
+// bf16, 256 blocks of 96 threads: 6 warps per multiprocessor), and the general path, whose
+// grid holds many more blocks, takes the rows.
+constexpr int kMinVecBackwardThreads = 256;
+
 // Whether every buffer allows the vector path's accesses: rows of T, parameters of P (null
 // passes).
 template <typename T, typename P>
@@ -178,7 +184,8 @@ cudaError_t norm_backward(const void* dy, const void* x, DType x_dtype, const vo
     bool fused = false;  // dx and the weight gradients' partial sums by the vector path
     if constexpr (!std::is_same_v<T, double>) {
       const VecShape shape = vec_shape<T>(D);
-      if (rows > 0 && shape.slots > 0 && vec_aligned<T, P>({dy, x, dx}, {weight}) &&
+      if (rows > 0 && shape.slots > 0 && shape.threads >= kMinVecBackwardThreads &&
+          vec_aligned<T, P>({dy, x, dx}, {weight}) &&
           launch::vector_aligned<Acc>(workspace, device::kRowVecWidth<T>)) {
         // One block per chunk of rows: the weight gradients' fixed chunks (every one, an empty
         // chunk's partial sums are 0), or without them about as many as the general path's grid.
