@@ -154,12 +154,14 @@ def test_swiglu_kernels_match_float64(device, shape, layout, dtype):
 # Row widths: the CPU sums a row in 16 lanes; the CUDA general path gives each row up to 512
 # threads (about D / 4) that loop over the row, so 4099 takes 9 trips there and 257 trips on
 # the CPU. The CUDA vector path (a whole number of 16-byte vectors per row: D % 8 == 0 here)
-# holds a row in 1, 2 or 4 vectors per thread: 2056 in one (257 bfloat16 vectors on 288
-# threads: a part-used warp) or two (float32), 6152 in two (bfloat16, float16) or four
-# (float32), 12296 in four (bfloat16, float16; float32 takes the general path there). These
-# run on CUDA only: the CPU kernels have no such path, and their loops are covered by WIDTHS.
+# holds a row in 1, 2 or 4 vectors per thread, its backward from 256 vectors: 1024 in one
+# (float32: 256 vectors, the backward's one-slot kernel; 16-bit: the forward's, the general
+# backward), 2056 in two (257 bfloat16 vectors on 160 threads, 514 float32 on 288: part-used
+# warps), 6152 in two (bfloat16, float16) or four (float32), 12296 in four (bfloat16,
+# float16; float32 takes the general path there). These run on CUDA only: the CPU kernels
+# have no such path, and their loops are covered by WIDTHS.
 WIDTHS = [1, 67, 4099]
-VECTOR_WIDTHS = [2056, 6152, 12296]
+VECTOR_WIDTHS = [1024, 2056, 6152, 12296]
 NORM_SHAPES = [pytest.param(dev.values[0], D, marks=dev.marks, id=f"{dev.id}-{D}")
                for dev in DEVICES for D in WIDTHS + (VECTOR_WIDTHS if dev.id == "cuda" else [])]
 

@@ -41,10 +41,17 @@ int64_t chunk_count(int64_t rows) {
 constexpr int64_t kMaxGridX = int64_t{1} << 16;
 
 // The vector path's shape for rows of D elements of T (norm.cuh): `slots` vectors per thread
-// (1, 2 or 4) and `threads` per block; slots = 0 where D is not a whole number of vectors or
-// is wider than kRowSlots * kMaxVecThreads vectors (the general path takes those; float64 rows
-// always take it).
+// and `threads` per block; slots = 0 where D is not a whole number of vectors or is wider than
+// kRowSlots * kMaxVecThreads vectors (the general path takes those; float64 rows always take
+// it). One slot up to kOneSlotVectors vectors, two up to 2 * kMaxVecThreads, else four: a
+// block's reduction per row (shuffles, two barriers) is then spread over 16 elements per
+// thread at 4096 bf16 instead of 8 (RMSNorm's row loop: 19 SASS instructions per element
+// forward, 33 backward, against 29 and 44 with one slot on 512 threads), for the same bytes
+// in flight per multiprocessor; four slots only past 1024 vectors, where the 16-bit backward
+// spills.
+constexpr int64_t kOneSlotVectors = 256;
 struct VecShape {
+  int64_t vectors = 0;
   int slots = 0;
   int threads = 0;
 };
@@ -55,17 +62,16 @@ VecShape vec_shape(int64_t D) {
     return {};
   }
   const int64_t nvec = D / W;
-  constexpr int64_t kMax = device::kMaxVecThreads;
-  const int slots = nvec <= kMax ? 1 : nvec <= 2 * kMax ? 2 : 4;
+  const int slots = nvec <= kOneSlotVectors ? 1 : nvec <= 2 * device::kMaxVecThreads ? 2 : 4;
   const int64_t per_slot = (nvec + slots - 1) / slots;
-  return {slots, static_cast<int>((per_slot + kWarpSize - 1) / kWarpSize * kWarpSize)};
+  return {nvec, slots, static_cast<int>((per_slot + kWarpSize - 1) / kWarpSize * kWarpSize)};
 }
 
-// The vector backward runs one block per row chunk (at most kMaxChunks): below this many
-// threads per block its grid holds too few threads to keep the loads in flight (at width 768
-// bf16, 256 blocks of 96 threads: 6 warps per multiprocessor), and the general path, whose
-// grid holds many more blocks, takes the rows.
-constexpr int kMinVecBackwardThreads = 256;
+// The vector backward runs one block per row chunk (at most kMaxChunks): for rows of fewer
+// vectors its grid holds too few loads in flight (at width 768 bf16, 256 blocks of 96
+// threads: 6 warps per multiprocessor), and the general path, whose grid holds many more
+// blocks, takes the rows.
+constexpr int64_t kMinVecBackwardVectors = 256;
 
 // Whether every buffer allows the vector path's accesses: rows of T, parameters of P (null
 // passes).
@@ -184,7 +190,7 @@ cudaError_t norm_backward(const void* dy, const void* x, DType x_dtype, const vo
     bool fused = false;  // dx and the weight gradients' partial sums by the vector path
     if constexpr (!std::is_same_v<T, double>) {
       const VecShape shape = vec_shape<T>(D);
-      if (rows > 0 && shape.slots > 0 && shape.threads >= kMinVecBackwardThreads &&
+      if (rows > 0 && shape.slots > 0 && shape.vectors >= kMinVecBackwardVectors &&
           vec_aligned<T, P>({dy, x, dx}, {weight}) &&
           launch::vector_aligned<Acc>(workspace, device::kRowVecWidth<T>)) {
         // One block per chunk of rows: the weight gradients' fixed chunks (every one, an empty

@@ -310,8 +310,10 @@ __global__ void __launch_bounds__(kMaxVecThreads)
 // as norm_weight_grad_partials_kernel, on the vector path: block c takes the rows
 // [c * rows_per_chunk, (c + 1) * rows_per_chunk) (grid: one block per chunk), each column's
 // sums in the registers of the thread that holds it, added in row order.
-// With one slot, two blocks of kMaxVecThreads per multiprocessor (at most 64 registers): a
-// grid of 256 chunks then runs in one wave on 128 or more multiprocessors.
+// Registers: at most 64 with one slot (the prefetched row and the sums fit: ptxas spilled
+// neither), at most 128 with two or four (what a block of 512 threads may hold); at 4096 bf16,
+// two slots on 256 threads, two blocks fit a multiprocessor, so a grid of 256 chunks runs in
+// one wave on 128 or more.
 template <typename T, typename P, int Slots>
 __global__ void __launch_bounds__(kMaxVecThreads, Slots == 1 ? 2 : 1)
     norm_backward_vec_kernel(const T* dy, const T* x, const P* weight, const compute_t<T>* mean,
