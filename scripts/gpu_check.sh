@@ -130,6 +130,12 @@ print(f"graph breaks per run: {sum(counts.values())} ({len(counts)} reasons)")
 PY
 }
 
+# pytest's closing line, or for a suite its limit cut the results logged so far.
+suite_result() {
+  grep -E '^=+ .*(passed|failed|error)' "$1" | tail -n 1 | grep . ||
+    echo "cut by its limit: $(grep -c ' PASSED ' "$1") passed, $(grep -c ' FAILED ' "$1") failed so far"
+}
+
 deadline=$((SECONDS + budget))
 planned=0   # the limits of the steps so far: where the next one starts at the latest
 rows=()
@@ -309,7 +315,7 @@ fi
 # -rA -v: each test's result is logged as it ends. MEMKERN_REQUIRE_EXT=cuda: a build whose
 # CUDA kernels failed to load fails the tests instead of falling back to Triton unnoticed.
 step cuda-tests 140+ "#37.1 the cuda-marked suite: 0 failures" "" \
-  "grep -qE '^=+ .*(passed|failed|error)' \"$out/cuda-tests.log\" && grep -E '^=+ .*(passed|failed|error)' \"$out/cuda-tests.log\" | tail -1 || printf 'cut by its limit: %s passed, %s failed so far' \"\$(grep -c ' PASSED ' \"$out/cuda-tests.log\")\" \"\$(grep -c ' FAILED ' \"$out/cuda-tests.log\")\"" -- \
+  "suite_result \"$out/cuda-tests.log\"" -- \
   env MEMKERN_REQUIRE_EXT=cuda "$python" -m pytest -v -p no:cacheprovider -p no:benchmark \
   "${parallel[@]}" --durations=20 -m cuda tests
 

@@ -57,4 +57,5 @@ def test_a_short_budget_names_the_steps_it_cuts():
 def test_a_bad_budget_is_refused(budget):
     result = dry_run(budget)
     assert result.returncode == 2
-    assert f"BUDGET_SECONDS must be a whole number of seconds above 0, got '{budget}'" in result.stderr
+    message = f"BUDGET_SECONDS must be a whole number of seconds above 0, got '{budget}'"
+    assert message in result.stderr
