@@ -9,11 +9,19 @@ a file store in a fresh directory, not a TCP port, so launches from parallel pyt
 launch an overall timeout; when a rank fails the others get a few seconds to fail too (a rank
 left waiting in a collective for the failed one is killed), and the test failure shows every
 rank's exit status and the end of its output: nothing hangs, and no rank's error is lost.
+
+:func:`run_launcher` does the same for a launcher that starts the ranks itself (``torchrun``,
+``accelerate launch``) with ``--tee 3``: each rank's lines reach its output prefixed with
+``[default<rank>]:``, and a failure or a timeout reports them rank by rank. The launcher runs
+in a session of its own, so that a timeout kills it with the ranks it started.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -111,3 +119,60 @@ def launch(script: str, world: int, scenarios: list[str], out: str, seed: int,
                     pytrace=False)
     return {name: [torch.load(os.path.join(out, f"{name}.{r}.pt"), weights_only=False)
                    for r in range(world)] for name in scenarios}
+
+
+# ---------------------------------------------------------------- launchers (torchrun, accelerate)
+TAIL = 4000
+"""Characters of each rank's output a launcher's failure report shows (its end)."""
+
+
+def launcher_environment(**extra: str) -> dict[str, str]:
+    """The ranks' environment: this tree first on the path, one intra-op thread per process."""
+    return {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", **extra}
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a launcher's rendezvous (``--main_process_port``):
+    launches from parallel pytest workers must not share one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_RANK_PREFIX = re.compile(r"^\[\w*?(\d+)\]:")
+
+
+def by_rank(output: str) -> dict[str, str]:
+    """A ``--tee 3`` launcher's output split by rank (``[default1]:...`` lines go to rank 1),
+    the launcher's own lines under "launcher"."""
+    parts: dict[str, list[str]] = {}
+    for line in output.splitlines():
+        match = _RANK_PREFIX.match(line)
+        who = f"rank {match.group(1)}" if match else "launcher"
+        parts.setdefault(who, []).append(line[match.end():] if match else line)
+    return {who: "\n".join(lines) for who, lines in sorted(parts.items())}
+
+
+def _launcher_report(what: str, output: str) -> str:
+    return what + "".join(f"\n----- {who} (last {TAIL} characters):\n{out[-TAIL:]}"
+                          for who, out in by_rank(output).items())
+
+
+def run_launcher(argv: list[str], *, timeout: float = LAUNCH_TIMEOUT, what: str,
+                 **env: str) -> str:
+    """Runs a launcher command line that starts the ranks itself (with ``--tee 3``) in the
+    repository, with ``env`` added to the environment, until it ends or ``timeout`` seconds
+    pass; returns its output. A timeout or a non-zero exit fails the test with each rank's
+    output and the launcher's own."""
+    proc = subprocess.Popen(argv, cwd=REPO, env=launcher_environment(**env),
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
+        pytest.fail(_launcher_report(f"{what}: did not finish in {timeout:.0f} s",
+                                     proc.communicate()[0] or ""), pytrace=False)
+    if proc.returncode:
+        pytest.fail(_launcher_report(f"{what}: exit {proc.returncode}", output), pytrace=False)
+    return output

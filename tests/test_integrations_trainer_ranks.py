@@ -6,12 +6,14 @@ differ between the ranks, clipping and a warm-up schedule, fp32).
 
 One launch trains 6 steps at W=2 (ZeRO-1, torchrun) and saves a checkpoint at step 3; a second
 resumes it at W=2 (ZeRO-2, accelerate launch), a third in one process: every logged loss equals
-plain Trainer's. Each launch runs under a timeout that reports every rank's output
-(tests/launch.py).
+plain Trainer's. The torchrun and accelerate commands of docs/distributed.md run as written.
+Each launch runs under a timeout that reports every rank's output (tests/multiprocess.py).
 """
 import importlib.util
 import json
 import os
+import re
+import shlex
 import sys
 
 import pytest
@@ -21,12 +23,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from memkern.optim.grad_buffer import ALIGN  # noqa: E402
-from launch import REPO, free_port, run_launcher  # noqa: E402
+from multiprocess import REPO, free_port, run_launcher  # noqa: E402
 from test_integrations_transformers import one_thread  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "tests", "scripts", "trainer_ranks.py")
 STEPS, SAVED_AT = 6, 3
-LAUNCH_TIMEOUT = 300
 TOLERANCE = 1e-4
 """Relative, on the logged float32 losses (the same math, the ranks' gradients summed in
 another order; measured: at most 1e-7)."""
@@ -59,14 +60,14 @@ def runs(tmp_path_factory):
                   "--nproc-per-node", "2", "--tee", "3", SCRIPT, "--zero-stage", "1",
                   "--save-steps", str(SAVED_AT), "--out", str(tmp / "zero1"),
                   "--result", str(tmp / "zero1.json"), *common],
-                 timeout=LAUNCH_TIMEOUT, what="torchrun, 2 ranks, ZeRO-1")
+                 what="torchrun, 2 ranks, ZeRO-1")
     checkpoint = str(tmp / "zero1" / f"checkpoint-{SAVED_AT}")
     run_launcher([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
                   "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                   "--dynamo_backend", "no", "--main_process_port", str(free_port()),
                   "--tee", "3", SCRIPT, "--zero-stage", "2", "--resume", checkpoint,
                   "--out", str(tmp / "zero2"), "--result", str(tmp / "zero2.json"), *common],
-                 timeout=LAUNCH_TIMEOUT, what="accelerate launch, 2 ranks, ZeRO-2, resumed")
+                 what="accelerate launch, 2 ranks, ZeRO-2, resumed")
     _in_process("--resume", checkpoint, "--out", str(tmp / "one"),
                 "--result", str(tmp / "one.json"), *common)
     return {name: _result(tmp / f"{name}.json") for name in ("plain", "zero1", "zero2", "one")}
@@ -103,3 +104,27 @@ def test_resumed_from_the_two_rank_checkpoint(runs, name, world, stage):
     _assert_losses_equal(resumed["losses"], runs["plain"]["losses"],
                          range(SAVED_AT + 1, STEPS + 1))
     assert [(r["world"], r["zero_stage"]) for r in resumed["ranks"]] == [(world, stage)] * world
+
+
+LAUNCHERS = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--tee", "3"],
+             "accelerate launch": [sys.executable, "-m", "accelerate.commands.launch",
+                                   "--tee", "3"]}
+"""A command's launcher as this interpreter runs it, with each rank's output prefixed."""
+
+
+def _documented_launches() -> list[str]:
+    text = open(os.path.join(REPO, "docs", "distributed.md")).read()
+    section = text.split("## Launching", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return block.strip().splitlines()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", _documented_launches())
+def test_documented_launch_commands_run_as_written(command, tmp_path):
+    launcher = next(name for name in LAUNCHERS if command.startswith(name + " "))
+    argv = LAUNCHERS[launcher] + shlex.split(command[len(launcher):])
+    output = run_launcher(argv, what=command, TMPDIR=str(tmp_path))  # checkpoints there
+    zero = re.search(r"--zero-stage (\d)", command)
+    assert re.search(rf"trained 4 steps, .* 2 process\(es\), ZeRO-{zero.group(1) if zero else 1}",
+                     output), output[-3000:]

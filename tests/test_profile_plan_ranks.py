@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from launch import REPO, run_launcher  # noqa: E402
+from multiprocess import REPO, run_launcher  # noqa: E402
 from memkern.profile import hf_config, hf_workload, plan_training_step  # noqa: E402
 
 CONFIG = dict(hidden_size=96, intermediate_size=200, num_hidden_layers=2, num_attention_heads=4,
@@ -34,7 +34,7 @@ def measured(tmp_path_factory):
                   "--nproc-per-node", "2", "--tee", "3", f"{REPO}/tests/scripts/plan_ranks.py",
                   "--config", json.dumps(CONFIG), "--result", str(result), "--workloads",
                   json.dumps([dict(COMMON, **w) for w in WORKLOADS.values()])],
-                 timeout=300, what="torchrun, 2 ranks, measuring sharded steps")
+                 what="torchrun, 2 ranks, measuring sharded steps")
     with open(result) as fh:
         return dict(zip(WORKLOADS, json.load(fh)))
 

@@ -118,7 +118,8 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
     ``patch``: None (plain transformers) or the keyword arguments of :func:`memkern.patch`
     (``{}`` for its defaults, ``{"recompute": "full"}``, ``{"mlp": False}``...).
     ``optimizer``: "adamw-fused" (``torch.optim.AdamW(fused=True)``), "adamw" (foreach),
-    "memkern-adamw" (:class:`memkern.optim.FusedAdamW`) or "sharded" (
+    "memkern-adamw" (:class:`memkern.optim.FusedAdamW`), "memkern-adamw-8bit" (its 8-bit
+    state) or "sharded" (
     :class:`memkern.optim.ShardedOptimizer`, AdamW, dynamic loss scale, clipping at 1.0).
 
     ``sharding`` (over the default process group: plan with ``world_size``), each rank
@@ -131,7 +132,7 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
 
     import memkern
 
-    optimizers = ("adamw-fused", "adamw", "memkern-adamw", "sharded")
+    optimizers = ("adamw-fused", "adamw", "memkern-adamw", "memkern-adamw-8bit", "sharded")
     if optimizer not in optimizers:
         raise ValueError(f"optimizer={optimizer!r}: choose from {', '.join(optimizers)}")
     if sharding is not None and sharding not in SHARDINGS:
@@ -160,6 +161,8 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
             opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
         elif optimizer == "memkern-adamw":
             opt = memkern.optim.FusedAdamW(params, lr=1e-4)
+        elif optimizer == "memkern-adamw-8bit":
+            opt = memkern.optim.FusedAdamW(params, lr=1e-4, state_precision="8bit")
         else:
             opt = sharded = memkern.optim.ShardedOptimizer(
                 params, "adamw", lr=1e-4, loss_scale="dynamic", max_grad_norm=1.0,

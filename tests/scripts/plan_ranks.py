@@ -11,20 +11,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from memkern._fake import local_tensor
-from memkern.profile import allocation_stats, hf_config, hf_workload
-from memkern.profile.memory import _state_tensors
-
-
-def held_bytes(model: torch.nn.Module, optimizer) -> int:
-    """Each storage of the parameters, their gradients and the optimizer state, once."""
-    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
-               *(t for _, t in _state_tensors(optimizer))]
-    storages = {}
-    for t in tensors:
-        storage = local_tensor(t).untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+from memkern.profile import allocation_stats, hf_config, hf_workload, memory_breakdown
 
 
 def main() -> None:
@@ -41,7 +28,7 @@ def main() -> None:
         workload["dtype"] = getattr(torch, workload["dtype"])
         setup = hf_workload(hf_config("llama", json.loads(args.config)), **workload)()
         setup.step()  # the optimizer's state exists from here on, as in the plan's measured step
-        held = held_bytes(setup.model, setup.optimizer)
+        held = memory_breakdown(setup.model, setup.optimizer).total
         measured.append({"held": held, "step_peak": allocation_stats(setup.step).peak})
         del setup
     if dist.get_rank() == 0:
