@@ -22,17 +22,13 @@ Usage: python benchmarks/bench_distributed.py [--world 2] [--batch 2] [--seq 256
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -123,17 +119,6 @@ def run(rank: int, world: int, args) -> dict | None:
     }
 
 
-def spawned(rank: int, world: int, port: int, args, queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=600))
-    try:
-        result = run(rank, world, args)
-        if result is not None:
-            queue.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2)
@@ -143,18 +128,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--save", help="write the results as JSON here")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(spawned, args=(args.world, port, args, queue), nprocs=args.world)
-    result = queue.get()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.save:
-        with open(args.save, "w") as fh:
-            fh.write(text + "\n")
-
+    common.print_and_save(common.on_gloo_ranks(run, args.world, args), args.save)
 
 if __name__ == "__main__":
     main()

@@ -73,3 +73,18 @@ def test_world_size_and_sharding_are_checked():
         hf_workload(cfg, batch=1, seq=8, sharding="zero3")
     with pytest.raises(ValueError, match="use optimizer='sharded'"):
         hf_workload(cfg, batch=1, seq=8, sharding="zero2")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--world-size", "2"], "--world-size above 1 and --sharding go together"),
+    (["--sharding", "zero2"], "use optimizer='sharded'"),
+    (["--sharding", "fsdp2", "--optimizer", "sharded"], "not 'sharded'"),
+])
+def test_plan_command_bad_sharding_is_one_line(flags, needle):
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "memkern.cli", "plan", "--device", "cpu",
+                           "--hf", "llama", "--world-size", "2", *flags],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
