@@ -128,3 +128,16 @@ def test_documented_launch_commands_run_as_written(command, tmp_path):
     zero = re.search(r"--zero-stage (\d)", command)
     assert re.search(rf"trained 4 steps, .* 2 process\(es\), ZeRO-{zero.group(1) if zero else 1}",
                      output), output[-3000:]
+
+
+def test_fsdp_settings_are_refused_in_one_line(tmp_path):
+    """On the CPU accelerate drops TrainingArguments' fsdp settings and Trainer wraps the model
+    in DDP; MemkernTrainer says what to do instead."""
+    from test_integrations_transformers import Sequences, arguments, tiny_gpt2
+
+    from memkern.integrations.transformers import MemkernTrainer
+
+    with pytest.raises(ValueError, match=r"MemkernTrainer shards its optimizer .* for FSDP2 "
+                                         r"train in a loop of your own"):
+        MemkernTrainer(model=tiny_gpt2(), train_dataset=Sequences(8, 0),
+                       args=arguments(tmp_path, fsdp=True, fsdp_config={"version": 2}))
