@@ -125,7 +125,10 @@ def scenario_step(rank, world, seed, out):
             local_oracle=[p.detach().clone() for p in shards],
             state={k: (type(v).__name__, getattr(v, "placements", None) == w.placements)
                    for k, v in moments(opt).items()},
-            placements=w.placements)
+            placements=w.placements,
+            state_bytes=sum(t.numel() * t.element_size() for seg in opt.segments
+                            for t in seg.stored_tensors().values()),
+            local_numel=sum(p.to_local().numel() for p in params))
     return results
 
 
@@ -300,6 +303,9 @@ def test_step_on_local_shards_equals_the_full_tensors(runs, algorithm, precision
         assert all(map(torch.equal, r["local"], r["local_oracle"])), rank
         if precision == "32bit":
             assert all(map(torch.equal, r["gathered"], r["full"])), rank
+            # float32 parameters: the moments (or momentum buffer) of this rank's shards only
+            per_element = {"adamw": 8, "sgd": 4}[algorithm]
+            assert r["state_bytes"] == per_element * r["local_numel"], rank
         else:  # quantization blocks start at each shard's start, not the full tensor's
             assert params_rel_err(r["gathered"], r["full"]) <= 1e-2
 
