@@ -1,7 +1,7 @@
 """Runs a test file's scenarios in W real processes (gloo on the CPU) and collects their results.
 
 A multi-process test file defines ``scenario_<name>(rank, world, seed, out)`` functions, calls
-:func:`worker` from its ``if __name__ == "__main__"`` block, and from its tests calls
+:func:`serve` from its ``if __name__ == "__main__"`` block, and from its tests calls
 :func:`launch`, which runs the file as a script in W processes, each running the named
 scenarios in order and saving what each returned; the tests compare. The processes meet through
 a file store in a fresh directory, not a TCP port, so launches from parallel pytest workers
@@ -37,6 +37,20 @@ def scenarios_of(namespace: dict[str, object]) -> dict[str, Scenario]:
     """A module's ``scenario_<name>`` functions by name (pass ``globals()``)."""
     return {name.removeprefix("scenario_"): fn for name, fn in namespace.items()
             if name.startswith("scenario_")}
+
+
+def serve(namespace: dict[str, object]) -> None:
+    """A test file run as a script by :func:`launch` (``script worker ...``): one rank running
+    the file's scenarios (pass ``globals()``)."""
+    if sys.argv[1:2] == ["worker"]:
+        worker(sys.argv[2:], scenarios_of(namespace))
+
+
+def fresh_seed() -> int:
+    """A random seed for a launch's data, printed so that a failure can be replayed."""
+    seed = int(torch.randint(2**20, ()))
+    print(f"multi-process seed: {seed}")
+    return seed
 
 
 def worker(argv: list[str], scenarios: dict[str, Scenario]) -> None:
@@ -94,7 +108,7 @@ def launch(script: str, world: int, scenarios: list[str], out: str, seed: int,
                  "--out", out], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     failure = None
-    while any(p.poll() is None for p in procs):
+    while [p.poll() for p in procs].count(None):  # polls every rank (any() would stop early)
         if failure is None and any(p.returncode for p in procs if p.returncode is not None):
             failure = "a rank failed"
             deadline = min(deadline, time.monotonic() + GRACE)

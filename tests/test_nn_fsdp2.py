@@ -13,7 +13,6 @@ tests/multiprocess.py.
 from __future__ import annotations
 
 import copy
-import sys
 
 import pytest
 import torch
@@ -130,16 +129,13 @@ def scenario_gradients(rank, world, seed, out):
     return results
 
 
-SCENARIOS = multiprocess.scenarios_of(globals())
-
-if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    multiprocess.worker(sys.argv[2:], SCENARIOS)
+if __name__ == "__main__":
+    multiprocess.serve(globals())
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    seed = int(torch.randint(2**20, ()))
-    print(f"seed {seed}")
+    seed = multiprocess.fresh_seed()
     return multiprocess.launch(__file__, 2, ["gradients"], str(tmp_path_factory.mktemp("fsdp2")),
                                seed)["gradients"]
 

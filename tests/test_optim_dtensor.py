@@ -13,7 +13,6 @@ optimizer is all that differs between the runs. Launched through tests/multiproc
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -271,10 +270,8 @@ def scenario_checkpoint_load(rank, world, seed, out):
     return results
 
 
-SCENARIOS = multiprocess.scenarios_of(globals())
-
-if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    multiprocess.worker(sys.argv[2:], SCENARIOS)
+if __name__ == "__main__":
+    multiprocess.serve(globals())
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -283,8 +280,7 @@ def runs(tmp_path_factory):
     """W=1 saves, W=2 runs everything and loads W=1's checkpoint and saves its own, which a
     second W=1 launch loads."""
     out = str(tmp_path_factory.mktemp("dtensor"))
-    seed = int(torch.randint(2**20, ()))
-    print(f"seed {seed}")
+    seed = multiprocess.fresh_seed()
     first = multiprocess.launch(__file__, 1, ["checkpoint_save"], out, seed)
     two = multiprocess.launch(__file__, 2, ["step", "found_inf", "clip_2d", "errors",
                                             "checkpoint_save", "checkpoint_load"], out, seed)
