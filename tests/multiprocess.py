@@ -1,7 +1,7 @@
 """Runs a test file's scenarios in W real processes (gloo on the CPU) and collects their results.
 
 A multi-process test file defines ``scenario_<name>(rank, world, seed, out)`` functions, calls
-:func:`worker` from its ``if __name__ == "__main__"`` block, and from its tests calls
+:func:`serve` from its ``if __name__ == "__main__"`` block, and from its tests calls
 :func:`launch`, which runs the file as a script in W processes, each running the named
 scenarios in order and saving what each returned; the tests compare. The processes meet through
 a file store in a fresh directory, not a TCP port, so launches from parallel pytest workers
@@ -45,6 +45,20 @@ def scenarios_of(namespace: dict[str, object]) -> dict[str, Scenario]:
     """A module's ``scenario_<name>`` functions by name (pass ``globals()``)."""
     return {name.removeprefix("scenario_"): fn for name, fn in namespace.items()
             if name.startswith("scenario_")}
+
+
+def serve(namespace: dict[str, object]) -> None:
+    """A test file run as a script by :func:`launch` (``script worker ...``): one rank running
+    the file's scenarios (pass ``globals()``)."""
+    if sys.argv[1:2] == ["worker"]:
+        worker(sys.argv[2:], scenarios_of(namespace))
+
+
+def fresh_seed() -> int:
+    """A random seed for a launch's data, printed so that a failure can be replayed."""
+    seed = int(torch.randint(2**20, ()))
+    print(f"multi-process seed: {seed}")
+    return seed
 
 
 def worker(argv: list[str], scenarios: dict[str, Scenario]) -> None:
@@ -91,7 +105,7 @@ def launch(script: str, world: int, scenarios: list[str], out: str, seed: int,
     results. Fails the calling test, with every rank's output, if a rank fails or the launch
     takes longer than ``timeout`` seconds."""
     store = new_store(out)
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env = rank_environment()
     logs = [os.path.join(os.path.dirname(store), f"rank{r}.log") for r in range(world)]
     procs = []
     for rank, log in enumerate(logs):
@@ -102,7 +116,7 @@ def launch(script: str, world: int, scenarios: list[str], out: str, seed: int,
                  "--out", out], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     failure = None
-    while any(p.poll() is None for p in procs):
+    while [p.poll() for p in procs].count(None):  # polls every rank (any() would stop early)
         if failure is None and any(p.returncode for p in procs if p.returncode is not None):
             failure = "a rank failed"
             deadline = min(deadline, time.monotonic() + GRACE)
@@ -126,8 +140,9 @@ TAIL = 4000
 """Characters of each rank's output a launcher's failure report shows (its end)."""
 
 
-def launcher_environment(**extra: str) -> dict[str, str]:
-    """The ranks' environment: this tree first on the path, one intra-op thread per process."""
+def rank_environment(**extra: str) -> dict[str, str]:
+    """The ranks' environment: this tree first on the path, one intra-op thread per process
+    (the ranks share the machine's cores)."""
     return {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", **extra}
 
 
@@ -164,7 +179,7 @@ def run_launcher(argv: list[str], *, timeout: float = LAUNCH_TIMEOUT, what: str,
     repository, with ``env`` added to the environment, until it ends or ``timeout`` seconds
     pass; returns its output. A timeout or a non-zero exit fails the test with each rank's
     output and the launcher's own."""
-    proc = subprocess.Popen(argv, cwd=REPO, env=launcher_environment(**env),
+    proc = subprocess.Popen(argv, cwd=REPO, env=rank_environment(**env),
                             stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

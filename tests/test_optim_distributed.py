@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from datetime import timedelta
 
 import pytest
@@ -416,9 +415,6 @@ def scenario_mismatch(rank, world, seed, shared):
     return errors
 
 
-SCENARIOS = multiprocess.scenarios_of(globals())
-
-
 # --------------------------------------------------------------------------------- launch
 def launch(world: int, scenarios: list[str], out: str, seed: int) -> dict[str, list]:
     """Runs the scenarios in ``world`` processes; returns each scenario's per-rank results."""
@@ -696,8 +692,8 @@ def test_offload_from_a_gpu_equals_the_gpu_run():
     assert params_rel_err(results[1], results[0]) <= 1e-6
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    multiprocess.worker(sys.argv[2:], SCENARIOS)
+if __name__ == "__main__":
+    multiprocess.serve(globals())
 
 
 # --------------------------------------------------------------------------- 8-bit state

@@ -13,7 +13,6 @@ optimizer is all that differs between the runs. Launched through tests/multiproc
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -125,7 +124,10 @@ def scenario_step(rank, world, seed, out):
             local_oracle=[p.detach().clone() for p in shards],
             state={k: (type(v).__name__, getattr(v, "placements", None) == w.placements)
                    for k, v in moments(opt).items()},
-            placements=w.placements)
+            placements=w.placements,
+            state_bytes=sum(t.numel() * t.element_size() for seg in opt.segments
+                            for t in seg.stored_tensors().values()),
+            local_numel=sum(p.to_local().numel() for p in params))
     return results
 
 
@@ -268,10 +270,8 @@ def scenario_checkpoint_load(rank, world, seed, out):
     return results
 
 
-SCENARIOS = multiprocess.scenarios_of(globals())
-
-if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    multiprocess.worker(sys.argv[2:], SCENARIOS)
+if __name__ == "__main__":
+    multiprocess.serve(globals())
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -280,8 +280,7 @@ def runs(tmp_path_factory):
     """W=1 saves, W=2 runs everything and loads W=1's checkpoint and saves its own, which a
     second W=1 launch loads."""
     out = str(tmp_path_factory.mktemp("dtensor"))
-    seed = int(torch.randint(2**20, ()))
-    print(f"seed {seed}")
+    seed = multiprocess.fresh_seed()
     first = multiprocess.launch(__file__, 1, ["checkpoint_save"], out, seed)
     two = multiprocess.launch(__file__, 2, ["step", "found_inf", "clip_2d", "errors",
                                             "checkpoint_save", "checkpoint_load"], out, seed)
@@ -300,6 +299,9 @@ def test_step_on_local_shards_equals_the_full_tensors(runs, algorithm, precision
         assert all(map(torch.equal, r["local"], r["local_oracle"])), rank
         if precision == "32bit":
             assert all(map(torch.equal, r["gathered"], r["full"])), rank
+            # float32 parameters: the moments (or momentum buffer) of this rank's shards only
+            per_element = {"adamw": 8, "sgd": 4}[algorithm]
+            assert r["state_bytes"] == per_element * r["local_numel"], rank
         else:  # quantization blocks start at each shard's start, not the full tensor's
             assert params_rel_err(r["gathered"], r["full"]) <= 1e-2
 
