@@ -21,10 +21,11 @@ import torch
 from memkern.profile.plan import CATEGORIES, StepPlan, plan_training_step
 from memkern.profile.plan_report import MIB, format_plan, plan_chart
 from memkern.profile.targets import TARGETS
-from memkern.profile.workloads import PATCH_OPTIONS, bench_workload, hf_config, hf_workload
+from memkern.profile.workloads import (PATCH_OPTIONS, SHARDINGS, bench_workload, hf_config,
+                                       hf_workload)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-OPTIMIZERS = ("adamw-fused", "adamw", "memkern-adamw", "sharded")
+OPTIMIZERS = ("adamw-fused", "adamw", "memkern-adamw", "memkern-adamw-8bit", "sharded")
 
 
 def _variant(text: str) -> tuple[str, dict | None]:
@@ -83,7 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser, size_choices, config_names,
                         help="with --hf: parameter dtype (default: bfloat16)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw-fused",
                         help="with --hf: torch AdamW fused (default) or foreach, memkern's "
-                        "FusedAdamW, or ShardedOptimizer")
+                        "FusedAdamW (32-bit or 8-bit state), or ShardedOptimizer")
+    parser.add_argument("--world-size", type=positive_int, default=1,
+                        help="with --hf and --sharding: plan one rank of this many (default: 1)")
+    parser.add_argument("--sharding", choices=SHARDINGS,
+                        help="with --hf: zero1 / zero2 (ShardedOptimizer's stages: use "
+                        "--optimizer sharded) or fsdp2 (fully_shard per decoder layer and on "
+                        "the model), over --world-size ranks; each rank trains --batch sequences")
     parser.add_argument("--plot", metavar="PATH", type=chart_file,
                         help="write a bar chart of each peak by category (PNG, or another "
                         "format by the file's suffix)")
@@ -96,12 +103,15 @@ def _plans(args: argparse.Namespace) -> list[tuple[str, StepPlan]]:
         cfg = hf_config(args.hf, args.set)
         seq = args.seq or getattr(cfg, "max_position_embeddings", None) or 2048
         variants = args.variant or [_variant("plain"), _variant("patch")]
+        if (args.world_size > 1) != (args.sharding is not None):
+            raise ValueError("--world-size above 1 and --sharding go together")
         return [(name, plan_training_step(
             hf_workload(cfg, batch=args.batch, seq=seq, dtype=DTYPES[args.dtype], patch=patch,
-                        optimizer=args.optimizer), device=args.device))
+                        optimizer=args.optimizer, sharding=args.sharding),
+            device=args.device, world_size=args.world_size))
                 for name, patch in variants]
-    if args.set or args.variant:
-        raise ValueError("--set and --variant go with --hf")
+    if args.set or args.variant or args.sharding or args.world_size > 1:
+        raise ValueError("--set, --variant, --sharding and --world-size go with --hf")
     from memkern.bench.configs import DEFAULT_CONFIGS
 
     names = args.configs or [c for c in DEFAULT_CONFIGS if "compiled" not in c]
@@ -125,8 +135,10 @@ def _summary(plans: list[tuple[str, StepPlan]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     plans = _plans(args)
+    ranks = (f"; one rank of {args.world_size}, {args.sharding}" if args.world_size > 1
+             else "")
     print(f"memkern plan: {TARGETS[args.device].describe()}; planned on fake tensors "
-          f"(torch {torch.__version__})")
+          f"(torch {torch.__version__}){ranks}")
     print(_summary(plans))
     print("columns: the peak's bytes by category (allocator blocks); 2nd: the highest moment of "
           "another phase")

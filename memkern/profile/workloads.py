@@ -16,6 +16,8 @@ from memkern.profile.plan import TrainingSetup, on_host
 
 PATCH_OPTIONS = ("linear", "norm", "mlp", "dropout", "loss")
 """The on/off families of :func:`memkern.patch` (see ``memkern.nn.patch``)."""
+SHARDINGS = ("zero1", "zero2", "fsdp2")
+"""How :func:`hf_workload` shards across the ranks of the default process group."""
 
 
 def bench_workload(config: str, size: str = "small", *, batch: int = 8, seq: int | None = None,
@@ -107,7 +109,8 @@ def _parse(text: str) -> tuple[str, object]:
 
 def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bfloat16,
                 patch: dict | None = None, optimizer: str = "adamw-fused",
-                gradient_checkpointing: bool = False) -> Callable[[], TrainingSetup]:
+                gradient_checkpointing: bool = False,
+                sharding: str | None = None) -> Callable[[], TrainingSetup]:
     """A ``transformers`` causal LM from ``config`` (:func:`hf_config`), parameters in
     ``dtype``, trained as ``benchmarks/bench_hf.py`` trains it: ``model(input_ids=ids,
     labels=ids).loss``, ``backward()``, the optimizer's step, ``zero_grad(set_to_none=True)``.
@@ -115,16 +118,30 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
     ``patch``: None (plain transformers) or the keyword arguments of :func:`memkern.patch`
     (``{}`` for its defaults, ``{"recompute": "full"}``, ``{"mlp": False}``...).
     ``optimizer``: "adamw-fused" (``torch.optim.AdamW(fused=True)``), "adamw" (foreach),
-    "memkern-adamw" (:class:`memkern.optim.FusedAdamW`) or "sharded" (
+    "memkern-adamw" (:class:`memkern.optim.FusedAdamW`), "memkern-adamw-8bit" (its 8-bit
+    state) or "sharded" (
     :class:`memkern.optim.ShardedOptimizer`, AdamW, dynamic loss scale, clipping at 1.0).
+
+    ``sharding`` (over the default process group: plan with ``world_size``), each rank
+    training on its own ``batch`` sequences: "zero1" / "zero2" (the ``"sharded"`` optimizer,
+    ``zero_stage`` 1 / 2: a whole model per rank, the optimizer state split), or "fsdp2"
+    (``fully_shard`` on each decoder layer, then on the model, as torchtitan does; then the
+    optimizer on the sharded parameters).
     """
     import transformers
 
     import memkern
 
-    optimizers = ("adamw-fused", "adamw", "memkern-adamw", "sharded")
+    optimizers = ("adamw-fused", "adamw", "memkern-adamw", "memkern-adamw-8bit", "sharded")
     if optimizer not in optimizers:
         raise ValueError(f"optimizer={optimizer!r}: choose from {', '.join(optimizers)}")
+    if sharding is not None and sharding not in SHARDINGS:
+        raise ValueError(f"sharding={sharding!r}: choose from {', '.join(SHARDINGS)}")
+    if sharding in ("zero1", "zero2") and optimizer != "sharded":
+        raise ValueError(f"sharding={sharding!r} is ShardedOptimizer's: use optimizer='sharded'")
+    if sharding == "fsdp2" and optimizer == "sharded":
+        raise ValueError("sharding='fsdp2' shards the parameters: use a torch optimizer or "
+                         "memkern-adamw, not 'sharded'")
 
     def make() -> TrainingSetup:
         with on_host():  # built on the CPU in float32, then moved (and cast) to the device
@@ -134,6 +151,8 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
             model.gradient_checkpointing_enable()
         if patch is not None:
             memkern.patch(model, **patch)
+        if sharding == "fsdp2":
+            _fully_shard(model)
         params = model.parameters()
         sharded = None
         if optimizer == "adamw-fused":
@@ -142,9 +161,12 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
             opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
         elif optimizer == "memkern-adamw":
             opt = memkern.optim.FusedAdamW(params, lr=1e-4)
+        elif optimizer == "memkern-adamw-8bit":
+            opt = memkern.optim.FusedAdamW(params, lr=1e-4, state_precision="8bit")
         else:
             opt = sharded = memkern.optim.ShardedOptimizer(
-                params, "adamw", lr=1e-4, loss_scale="dynamic", max_grad_norm=1.0)
+                params, "adamw", lr=1e-4, loss_scale="dynamic", max_grad_norm=1.0,
+                zero_stage=2 if sharding == "zero2" else 1)
         ids = torch.randint(1, config.vocab_size, (batch, seq))
 
         def step() -> None:
@@ -160,8 +182,28 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
 
         how = "plain" if patch is None else "memkern.patch(" + ", ".join(
             f"{k}={v!r}" for k, v in patch.items()) + ")"
+        ranks = "" if sharding is None else \
+            f", {sharding} over {torch.distributed.get_world_size()} ranks"
         return TrainingSetup(model, opt, step,
                              f"{type(model).__name__} {how}, {dtype}, {optimizer}, "
-                             f"batch {batch} x {seq}")
+                             f"batch {batch} x {seq}{ranks}")
 
     return make
+
+
+def _fully_shard(model: torch.nn.Module) -> None:
+    """FSDP2 over the default process group: ``fully_shard`` on each block of the model's
+    largest ``ModuleList`` (a causal LM's decoder layers), then on the model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from memkern import _fake
+
+    blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len,
+                 default=[])
+    device = next(model.parameters()).device.type
+    with _fake.without_dispatch_modes():  # the mesh's rank table is real even when planning
+        mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
