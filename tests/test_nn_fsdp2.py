@@ -8,7 +8,8 @@ Oracle: the plain transformers model, unpatched and unsharded, on each rank's ba
 gradients averaged over the ranks as FSDP2 averages them (float32: <= 1e-6 relative); under
 mixed precision, the plain model sharded the same way, within bfloat16's rounding. Tiny GPT-2
 (tied embeddings), Llama and Qwen2 built from their configs. Launched through
-tests/multiprocess.py.
+tests/multiprocess.py. In one process: a wrapper that subclasses the output layer and makes its
+weight present only during its call (as FSDP2 does), against the plain model.
 """
 from __future__ import annotations
 
@@ -151,3 +152,41 @@ def test_gradients_equal_the_plain_model(runs, family, layout):
         for name, expected in r["expected"].items():
             err = rel_err(r["got"][name], expected)
             assert err <= tol, (rank, name, err)
+
+
+class _Wrapper:
+    """A mixin with no forward of its own, as FSDP2's FSDPModule: a wrapper subclasses the
+    module's class dynamically."""
+
+
+def test_fused_loss_reads_the_head_weight_only_inside_its_call():
+    """In one process: the output layer is given a dynamic subclass whose hooks make its
+    weight present only during its call (as FSDP2 unshards and reshards it). The fused loss
+    still runs, calls the layer once, and gives the plain model's loss and gradients."""
+    torch.manual_seed(0)
+    plain = FAMILIES["llama"]().train()
+    model = mk.patch(copy.deepcopy(plain))
+    head = model.lm_head
+    weight, absent = head.weight, torch.nn.Parameter(torch.empty(0))
+    head.__class__ = type(f"Wrapped{type(head).__name__}", (_Wrapper, type(head)), {})
+    calls = []
+
+    def unshard(module, args):
+        calls.append(args[0].shape)
+        module._parameters["weight"] = weight
+
+    def reshard(module, args, output):
+        module._parameters["weight"] = absent
+
+    head.register_forward_pre_hook(unshard)
+    head.register_forward_hook(reshard)
+    reshard(head, (), None)
+    ids, labels = batch(1, 0)
+    output = model(input_ids=ids, labels=labels)
+    output.loss.backward()
+    assert output.logits is None and len(calls) == 1  # fused, and the layer called once
+    unshard(head, (ids,))  # to read its gradient
+    expected, _ = gradients(plain, ids, labels)
+    assert rel_err(output.loss, expected.pop("loss")) <= 1e-6
+    for name, p in model.named_parameters():
+        assert rel_err(p.grad, expected[name]) <= 1e-6, name

@@ -48,15 +48,15 @@ class Net(torch.nn.Module):
         return self.fc2(torch.tanh(self.fc1(x))) * self.gain
 
 
-def make_net(seed: int) -> Net:
+def make_net(seed: int, dtype: torch.dtype = torch.float32) -> Net:
     torch.manual_seed(seed)
-    return Net()
+    return Net().to(dtype)
 
 
-def sharded_net(seed: int, mesh) -> Net:
+def sharded_net(seed: int, mesh, dtype: torch.dtype = torch.float32) -> Net:
     """FSDP2 per layer and at the root, with one forward and backward run (FSDP2's lazy
     initialisation reallocates uneven shards: the optimizer, built before, must follow)."""
-    net = make_net(seed)
+    net = make_net(seed, dtype)
     fully_shard(net.fc1, mesh=mesh)
     fully_shard(net.fc2, mesh=mesh)
     return fully_shard(net, mesh=mesh)
@@ -89,7 +89,7 @@ def moments(opt) -> dict[str, torch.Tensor]:
 
 
 def first_use(net, opt) -> None:
-    net(torch.randn(3, 67)).sum().backward()
+    net(torch.randn(3, 67, dtype=net.fc1.weight.dtype)).sum().backward()
     opt.zero_grad()
 
 
@@ -128,6 +128,31 @@ def scenario_step(rank, world, seed, out):
             state_bytes=sum(t.numel() * t.element_size() for seg in opt.segments
                             for t in seg.stored_tensors().values()),
             local_numel=sum(p.to_local().numel() for p in params))
+    return results
+
+
+def scenario_step_bf16(rank, world, seed, out):
+    """bfloat16 sharded parameters (float32 masters kept by the optimizer), 32-bit state."""
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for algorithm in ALGORITHMS:
+        full, net = make_net(seed, torch.bfloat16), sharded_net(seed, mesh, torch.bfloat16)
+        opt_full = make_optimizer(full.parameters(), algorithm, "32bit")
+        opt = make_optimizer(net.parameters(), algorithm, "32bit")
+        first_use(net, opt)
+        params = list(net.parameters())
+        for step in range(STEPS):
+            grads = [g.bfloat16() for g in full_grads(params, seed, step)]
+            give_grads(full.parameters(), grads)
+            give_grads(params, grads)
+            opt_full.step()
+            opt.step()
+        master = opt.state_dict()["state"][1]["master_param"]
+        results[algorithm] = dict(
+            full=[p.detach().clone() for p in full.parameters()],
+            gathered=[p.full_tensor() for p in params],
+            master=(type(master).__name__, master.full_tensor().clone()),
+            full_master=opt_full.state_dict()["state"][1]["master_param"].clone())
     return results
 
 
@@ -282,7 +307,7 @@ def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("dtensor"))
     seed = multiprocess.fresh_seed()
     first = multiprocess.launch(__file__, 1, ["checkpoint_save"], out, seed)
-    two = multiprocess.launch(__file__, 2, ["step", "found_inf", "clip_2d", "errors",
+    two = multiprocess.launch(__file__, 2, ["step", "step_bf16", "found_inf", "clip_2d", "errors",
                                             "checkpoint_save", "checkpoint_load"], out, seed)
     last = multiprocess.launch(__file__, 1, ["checkpoint_load"], out, seed)
     return {1: dict(first, **last), 2: two}
@@ -304,6 +329,16 @@ def test_step_on_local_shards_equals_the_full_tensors(runs, algorithm, precision
             assert r["state_bytes"] == per_element * r["local_numel"], rank
         else:  # quantization blocks start at each shard's start, not the full tensor's
             assert params_rel_err(r["gathered"], r["full"]) <= 1e-2
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_bf16_shards_with_float32_masters_equal_the_full_tensors(runs, algorithm):
+    for result in runs[2]["step_bf16"]:
+        r = result[algorithm]
+        assert all(map(torch.equal, r["gathered"], r["full"]))
+        kind, master = r["master"]
+        assert kind == "DTensor" and master.dtype == torch.float32
+        assert torch.equal(master, r["full_master"])
 
 
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank(runs):
