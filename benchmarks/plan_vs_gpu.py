@@ -30,7 +30,8 @@ import common  # noqa: E402
 
 from memkern.profile import allocation_stats  # noqa: E402
 from memkern.profile.plan import plan_training_step  # noqa: E402
-from memkern.profile.workloads import bench_workload, hf_config, hf_workload  # noqa: E402
+from memkern.bench.workload import bench_workload  # noqa: E402
+from memkern.profile.workloads import hf_config, hf_workload  # noqa: E402
 
 MIB = 1 << 20
 LLAMA_160M = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,

@@ -1,9 +1,11 @@
 // The Python module memkern._C: importing it registers the C++ (and CUDA) kernels with the
 // dispatcher (their TORCH_LIBRARY_IMPL blocks in csrc/cpu and csrc/cuda); the op schemas are
 // defined in memkern/ops. The module itself reports how it was built and holds the layers'
-// direct entry points (python_entries.h).
+// direct entry points (python_entries.h) and the constants the Python side shares with the C++
+// code (constants.h).
 #include <pybind11/pybind11.h>
 
+#include "constants.h"
 #include "python_entries.h"
 
 #ifndef MEMKERN_CUDA_ARCHS
@@ -30,4 +32,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_archs", [] { return std::string(MEMKERN_CUDA_ARCHS); },
         "The CUDA architectures the kernels were compiled for ('' without CUDA).");
   memkern::add_layer_entries(m);
+  memkern::add_constants(m);
 }

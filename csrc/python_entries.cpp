@@ -34,10 +34,9 @@ using autograd::WeakNormRecipe;
 // The Python type of WeakNormRecipe (memkern._C.NormRecipe), set when the module is made.
 PyTypeObject* norm_recipe_type = nullptr;
 
-// The attribute of a memkern norm's output that holds its recipe (_ATTR of
-// memkern/nn/functional/_saved.py).
+// kNormRecipeAttr, as an interned Python string.
 PyObject* recipe_attr() {
-  static PyObject* const name = PyUnicode_InternFromString("_memkern_recipe");
+  static PyObject* const name = PyUnicode_InternFromString(kNormRecipeAttr);
   return name;
 }
 
@@ -135,23 +134,31 @@ std::optional<GemmInput> gemm_input(
   return GemmInput{*x, std::move(*recipe)};
 }
 
-// memkern.nn.functional.linear: memkern::linear with x's norm recipe (input_recipe), or
-// torch's own linear when there is nothing memkern does differently (no weight.grad to add
-// into, no recipe, not transposed); None for a call the Python path handles (mixed dtypes,
-// autocast, mismatched shapes, a recipe of the Python path).
-OptTensor linear(py::handle x_obj, const at::Tensor& weight, const OptTensor& bias,
-                 bool transposed) {
+// Whether a Linear call of one dtype without autocast is torch's own linear: when memkern
+// does nothing differently (no recipe to save instead of x, not transposed, no weight.grad to
+// add into). The Python path's rule too (memkern/nn/functional/linear.py checks at import that
+// it is this one).
+bool linear_is_torch_linear(bool has_recipe, bool transposed, bool weight_has_grad) {
+  return !has_recipe && !transposed && !weight_has_grad;
+}
+
+// memkern.nn.functional.linear: memkern::linear_layer with x's norm recipe (input_recipe), or
+// torch's own linear (linear_is_torch_linear); None for a call the Python path handles (mixed
+// dtypes, autocast, mismatched shapes, a recipe of the Python path).
+OptTensor linear_layer(py::handle x_obj, const at::Tensor& weight, const OptTensor& bias,
+                       bool transposed) {
   const auto in = gemm_input(x_obj, {{&weight, &bias}}, transposed ? 0 : 1, /*min_dim=*/1);
   if (!in) {
     return std::nullopt;
   }
   const NormRecipe& recipe = in->recipe;
-  if (recipe.kind == autograd::kNoNorm && !transposed && !weight.grad().defined()) {
+  if (linear_is_torch_linear(recipe.kind != autograd::kNoNorm, transposed,
+                             weight.grad().defined())) {
     return at::linear(in->x, weight, bias);
   }
   static const auto op =
       c10::Dispatcher::singleton()
-          .findSchemaOrThrow("memkern::linear", "")
+          .findSchemaOrThrow("memkern::linear_layer", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
                             const OptTensor&, const OptTensor&, const OptTensor&, int64_t,
                             int64_t, double)>();
@@ -161,7 +168,7 @@ OptTensor linear(py::handle x_obj, const at::Tensor& weight, const OptTensor& bi
 
 // memkern.nn.functional.mlp: memkern::mlp_layer with x's norm recipe, or None (see
 // gemm_layer_call, input_recipe).
-OptTensor mlp(py::handle x_obj, const at::Tensor& fc1_weight, const OptTensor& fc1_bias,
+OptTensor mlp_layer(py::handle x_obj, const at::Tensor& fc1_weight, const OptTensor& fc1_bias,
               const at::Tensor& fc2_weight, const OptTensor& fc2_bias,
               const std::string& activation, const std::string& recompute, bool transposed) {
   const auto in =
@@ -184,7 +191,7 @@ OptTensor mlp(py::handle x_obj, const at::Tensor& fc1_weight, const OptTensor& f
 
 // memkern.nn.functional.swiglu: memkern::swiglu_layer with x's norm recipe, or None (see
 // gemm_layer_call, input_recipe).
-OptTensor swiglu(py::handle x_obj, const at::Tensor& gate_weight, const OptTensor& gate_bias,
+OptTensor swiglu_layer(py::handle x_obj, const at::Tensor& gate_weight, const OptTensor& gate_bias,
                  const at::Tensor& up_weight, const OptTensor& up_bias,
                  const at::Tensor& down_weight, const OptTensor& down_bias,
                  const std::string& recompute) {
@@ -221,13 +228,17 @@ bool shape_is(const OptTensor& t, at::IntArrayRef shape) {
   return !t.has_value() || !t->defined() || t->sizes() == shape;
 }
 
-// Whether torch's native_layer_norm saves what memkern's op does (float32 statistics, never the
-// output): float32/float64 input, or 16-bit on CUDA, with parameters of its dtype (the rule of
-// _native_layer_norm_ok in memkern/nn/functional/norm.py, which serves the Python path).
-bool native_layer_norm_ok(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias) {
-  const at::ScalarType dtype = x.scalar_type();
+// Whether torch's native_layer_norm saves what memkern's op does for an input of `dtype` (with
+// parameters of its dtype): float32 statistics (float64 for float64), never the output. So for
+// float32/float64, and for 16-bit on CUDA (on the CPU its statistics would be 16-bit). The
+// Python path's rule too (memkern/nn/functional/norm.py checks at import that it is this one).
+bool native_layer_norm_saves_statistics(at::ScalarType dtype, bool on_cuda) {
   const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
-  return (dtype == at::kFloat || dtype == at::kDouble || (x.is_cuda() && half)) &&
+  return dtype == at::kFloat || dtype == at::kDouble || (on_cuda && half);
+}
+
+bool native_layer_norm_ok(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias) {
+  return native_layer_norm_saves_statistics(x.scalar_type(), x.is_cuda()) &&
          one_dtype(x, weight.value_or(x), bias);
 }
 
@@ -276,7 +287,7 @@ py::object norm(py::handle x_obj, py::handle normalized_shape, const OptTensor& 
 }
 
 // memkern.nn.functional.dropout with a drawn seed: memkern::dropout_layer.
-at::Tensor dropout(const at::Tensor& x, double p) {
+at::Tensor dropout_layer(const at::Tensor& x, double p) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("memkern::dropout_layer", "")
@@ -285,15 +296,15 @@ at::Tensor dropout(const at::Tensor& x, double p) {
 }
 
 // memkern.nn.functional.linear_cross_entropy with num_items absent or a tensor, on any device
-// and dtype: memkern::linear_cross_entropy on the flattened inputs, the loss viewed as target's
-// shape for reduction "none"; chunk_size and vocab_block -1 for their defaults (0 for the op).
-// None for anything else — including every invalid argument, which the Python path then
-// reports.
-OptTensor linear_cross_entropy(const at::Tensor& input, const at::Tensor& weight,
-                               const at::Tensor& target, const OptTensor& bias,
-                               int64_t ignore_index, const std::string& reduction,
-                               double label_smoothing, const OptTensor& num_items,
-                               double softcap, int64_t chunk_size, int64_t vocab_block) {
+// and dtype: memkern::linear_cross_entropy_layer on the flattened inputs, the loss viewed as
+// target's shape for reduction "none"; chunk_size and vocab_block -1 for their defaults (0
+// for the op). None for anything else — including every invalid argument, which the Python
+// path then reports.
+OptTensor linear_cross_entropy_layer(const at::Tensor& input, const at::Tensor& weight,
+                                     const at::Tensor& target, const OptTensor& bias,
+                                     int64_t ignore_index, const std::string& reduction,
+                                     double label_smoothing, const OptTensor& num_items,
+                                     double softcap, int64_t chunk_size, int64_t vocab_block) {
   const bool has_items = num_items.has_value() && num_items->defined();
   if ((reduction != "mean" && reduction != "sum" && reduction != "none") ||
       (has_items && (reduction == "none" || num_items->device() != input.device())) ||
@@ -307,7 +318,7 @@ OptTensor linear_cross_entropy(const at::Tensor& input, const at::Tensor& weight
   }
   static const auto op =
       c10::Dispatcher::singleton()
-          .findSchemaOrThrow("memkern::linear_cross_entropy", "")
+          .findSchemaOrThrow("memkern::linear_cross_entropy_layer", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
                             const at::Tensor&, const OptTensor&, std::optional<double>,
                             c10::string_view, int64_t, double, int64_t, int64_t, double)>();
@@ -356,16 +367,16 @@ void add_layer_entries(py::module_& m) {
           .def_property_readonly("dims", &WeakNormRecipe::dims)
           .def_property_readonly("eps", &WeakNormRecipe::eps);
   norm_recipe_type = reinterpret_cast<PyTypeObject*>(recipe_class.ptr());
-  m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"),
+  m.def("linear_layer", &linear_layer, py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("transposed"),
-        "memkern.nn.functional.linear's eager call: memkern::linear with x's norm recipe (or "
+        "memkern.nn.functional.linear's eager call: memkern::linear_layer with x's norm recipe (or "
         "torch's linear), or None when the Python path must take the call.");
-  m.def("mlp_layer", &mlp, py::arg("x"), py::arg("fc1_weight"), py::arg("fc1_bias"),
+  m.def("mlp_layer", &mlp_layer, py::arg("x"), py::arg("fc1_weight"), py::arg("fc1_bias"),
         py::arg("fc2_weight"), py::arg("fc2_bias"), py::arg("activation"), py::arg("recompute"),
         py::arg("transposed"),
         "memkern.nn.functional.mlp's eager call: memkern::mlp_layer with x's norm recipe, or "
         "None when the Python path must take the call.");
-  m.def("swiglu_layer", &swiglu, py::arg("x"), py::arg("gate_weight"), py::arg("gate_bias"),
+  m.def("swiglu_layer", &swiglu_layer, py::arg("x"), py::arg("gate_weight"), py::arg("gate_bias"),
         py::arg("up_weight"), py::arg("up_bias"), py::arg("down_weight"), py::arg("down_bias"),
         py::arg("recompute"),
         "memkern.nn.functional.swiglu's eager call: memkern::swiglu_layer with x's norm "
@@ -377,25 +388,26 @@ void add_layer_entries(py::module_& m) {
   m.def("norm_layer", &norm_layer, py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("n_norm"), py::arg("eps"), py::arg("rms"),
         "The norms' autograd on the C++ path: memkern::norm_layer.");
-  m.def("dropout_layer", &dropout, py::arg("x"), py::arg("p"),
+  m.def("dropout_layer", &dropout_layer, py::arg("x"), py::arg("p"),
         "memkern.nn.functional.dropout's eager call with a drawn seed: memkern::dropout_layer.");
-  m.def("linear_cross_entropy", &linear_cross_entropy, py::arg("input"), py::arg("weight"),
-        py::arg("target"), py::arg("bias"), py::arg("ignore_index"), py::arg("reduction"),
-        py::arg("label_smoothing"), py::arg("num_items"), py::arg("softcap"),
-        py::arg("chunk_size"), py::arg("vocab_block"),
+  m.def("linear_cross_entropy_layer", &linear_cross_entropy_layer, py::arg("input"),
+        py::arg("weight"), py::arg("target"), py::arg("bias"), py::arg("ignore_index"),
+        py::arg("reduction"), py::arg("label_smoothing"), py::arg("num_items"),
+        py::arg("softcap"), py::arg("chunk_size"), py::arg("vocab_block"),
         "memkern.nn.functional.linear_cross_entropy's eager call on the C++ path "
-        "(memkern::linear_cross_entropy), or None when the Python path must take the call.");
-  // The C++ twin of memkern.ops.linear_cross_entropy.block_sizes and its constants, which the
-  // Python module compares with its own at import.
+        "(memkern::linear_cross_entropy_layer), or None when the Python path must take it.");
+  m.def("linear_is_torch_linear", &linear_is_torch_linear, py::arg("has_recipe"),
+        py::arg("transposed"), py::arg("weight_has_grad"),
+        "Whether a Linear call of one dtype without autocast is torch's own linear.");
+  m.def("native_layer_norm_saves_statistics", &native_layer_norm_saves_statistics,
+        py::arg("dtype"), py::arg("on_cuda"),
+        "Whether torch's native_layer_norm saves what memkern's norm op does for this dtype.");
+  // The C++ twin of memkern.ops.linear_cross_entropy.block_sizes (its constants:
+  // constants.cpp).
   m.def("linear_cross_entropy_block_sizes", &lce::block_sizes, py::arg("n_tokens"),
         py::arg("n_classes"), py::arg("hidden"), py::arg("element_size"),
         py::arg("weight_grad"), py::arg("split"),
         "(tokens per forward chunk, classes per backward block), by the C++ rule.");
-  m.attr("LCE_MIN_BLOCK_BYTES") = lce::kMinBlockBytes;
-  m.attr("LCE_ROW_ALIGN") = lce::kRowAlign;
-  m.attr("LCE_CLASS_ALIGN") = lce::kClassAlign;
-  m.attr("LCE_CHUNK_ENV") = lce::kChunkEnv;
-  m.attr("LCE_VOCAB_BLOCK_ENV") = lce::kVocabBlockEnv;
 }
 
 }  // namespace memkern

@@ -5,6 +5,11 @@
 
 namespace memkern {
 
+// The attribute of a memkern norm's output that holds its recipe (memkern._C.NormRecipe): the
+// norm's entry sets it, the GEMM layers' entries read it (memkern/nn/functional/_saved.py
+// reads and sets it on the Python path).
+inline constexpr const char* kNormRecipeAttr = "_memkern_recipe";
+
 // Adds the entry points to the module memkern._C.
 void add_layer_entries(pybind11::module_& m);
 

@@ -67,3 +67,39 @@ if not compiled.has_cpu:
         RuntimeWarning,
         stacklevel=2,
     )
+
+
+_REBUILD = ("the extension was built from other sources; rebuild it (pip install "
+            "--no-build-isolation -e .)")
+
+
+def check_same_in_cpp(module: str, ours: dict[str, object]) -> None:
+    """Raise ImportError unless each constant of ``ours`` (its ``memkern._C`` name: the value
+    ``module`` uses) is what the extension exports (csrc/constants.cpp): an extension built from
+    other sources would compute otherwise. Nothing to check without the extension."""
+    if not compiled.has_cpu:
+        return
+    from memkern import _C
+
+    for name, value in ours.items():
+        theirs = getattr(_C, name, None)
+        if theirs != value:
+            raise ImportError(f"memkern._C.{name} is {theirs!r} but {module} uses {value!r}: "
+                              f"{_REBUILD}")
+
+
+def check_same_rule_in_cpp(module: str, rule, name: str, cases) -> None:
+    """Raise ImportError unless ``rule(*case)`` equals ``memkern._C.<name>(*case)`` for every
+    case: ``module``'s Python path decides a call as the C++ entry points do. Nothing to check
+    without the extension."""
+    if not compiled.has_cpu:
+        return
+    from memkern import _C
+
+    cpp_rule = getattr(_C, name, None)
+    for case in cases:
+        ours = rule(*case)
+        theirs = None if cpp_rule is None else cpp_rule(*case)
+        if theirs != ours:
+            raise ImportError(f"memkern._C.{name}{case} is {theirs!r} but {module} decides "
+                              f"{ours!r}: {_REBUILD}")

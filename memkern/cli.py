@@ -216,7 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     model_flags(report, batch=8)
     report.add_argument("--world-sizes", type=_int_list, default=[1, 2, 4, 8],
                         help="comma-separated world sizes (default: 1,2,4,8)")
-    from memkern.profile import plan_command
+    from memkern import plan_command
 
     plan = sub.add_parser(
         "plan", help="plan a training step's device memory on fake tensors",
@@ -382,7 +382,7 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "plan":
-        from memkern.profile import plan_command
+        from memkern import plan_command
 
         try:
             return plan_command.run(args)

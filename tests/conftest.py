@@ -47,14 +47,14 @@ def cpu_backends() -> list[str]:
     return [b for b in memkern.backend.NAMES if memkern.backend.runs_on(b, cpu)]
 
 
-# The layers whose autograd runs in C++ when the extension is built (memkern.ops.linear,
+# The layers whose autograd runs in C++ when the extension is built (memkern.ops.linear_layer,
 # dropout_layer, norm_layer, linear_cross_entropy_layer, mlp_layer, swiglu_layer), named by the
 # memkern.nn.functional module that routes them and what that module reads to choose: the op's
 # direct entry point (None without the extension), or the extension's build info.
-_CPP_AUTOGRAD_ROUTES = {"linear": ("linear_entry",), "dropout": ("dropout_layer_entry",),
+_CPP_AUTOGRAD_ROUTES = {"linear": ("linear_layer_entry",), "dropout": ("dropout_layer_entry",),
                         "norm": ("norm_entry", "norm_layer_entry"), "mlp": ("mlp_layer_entry",),
                         "swiglu": ("swiglu_layer_entry",),
-                        "linear_cross_entropy": ("compiled", "linear_cross_entropy_entry")}
+                        "linear_cross_entropy": ("compiled", "linear_cross_entropy_layer_entry")}
 
 
 def use_python_autograd(monkeypatch) -> None:
@@ -64,9 +64,9 @@ def use_python_autograd(monkeypatch) -> None:
 
     from memkern._extension import compiled
     without_extension = {"compiled": dataclasses.replace(compiled, has_cpu=False),
-                         "linear_entry": None, "dropout_layer_entry": None,
+                         "linear_layer_entry": None, "dropout_layer_entry": None,
                          "norm_entry": None, "norm_layer_entry": None, "mlp_layer_entry": None,
-                         "swiglu_layer_entry": None, "linear_cross_entropy_entry": None}
+                         "swiglu_layer_entry": None, "linear_cross_entropy_layer_entry": None}
     for name, switches in _CPP_AUTOGRAD_ROUTES.items():  # the modules, not the functions
         for switch in switches:
             monkeypatch.setattr(sys.modules[f"memkern.nn.functional.{name}"], switch,
@@ -75,16 +75,14 @@ def use_python_autograd(monkeypatch) -> None:
 
 def runs_cpp_autograd(node) -> bool:
     """Whether autograd node ``node`` (a ``grad_fn``) is one of memkern's C++ ones: a
-    ``torch::autograd::Node`` named ``memkern::<Layer>Backward``, or the ``CppNode<...>`` of a
-    ``torch::autograd::Function``."""
-    name = node.name()
-    return name.startswith("memkern::") or "CppNode" in name
+    ``torch::autograd::Node`` named ``memkern::<Layer>Backward``."""
+    return node.name().startswith("memkern::")
 
 
 @pytest.fixture(params=["cpp", "python"])
 def layer_autograd(request, monkeypatch):
-    """The two implementations of the layers' algorithms: C++ autograd (``memkern::linear``,
-    ``memkern::dropout_layer``, ``memkern::norm_layer``, ``memkern::linear_cross_entropy``,
+    """The two implementations of the layers' algorithms: C++ autograd (``memkern::linear_layer``,
+    ``memkern::dropout_layer``, ``memkern::norm_layer``, ``memkern::linear_cross_entropy_layer``,
     ``memkern::mlp_layer``, ``memkern::swiglu_layer``; extension built) and the Python
     ``autograd.Function``s (no extension, autocast, compile, a forced backend, ...)."""
     from memkern._extension import compiled

@@ -1,10 +1,16 @@
 """memkern without its compiled extension: one notice at import, every op still runs (the
 reference is registered for the CPU dispatch key in place of the C++ kernels) and computes
 the right values (checked against hand-computed float64 ones); and with
-``MEMKERN_REQUIRE_EXT=1`` (what CI sets) a missing extension is an import error instead."""
+``MEMKERN_REQUIRE_EXT=1`` (what CI sets) a missing extension is an import error instead. With
+the extension: every constant it shares with the Python modules is checked by one at import."""
 import os
+import pathlib
+import re
 import subprocess
 import sys
+
+import pytest
+import torch
 
 SCRIPT = r"""
 import math
@@ -67,3 +73,46 @@ def test_required_cuda_kernels_match_what_was_built():
     else:
         assert proc.returncode != 0
         assert "MEMKERN_REQUIRE_EXT=cuda" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_every_constant_the_extension_exports_is_checked_by_a_python_module():
+    """Each upper-case attribute of memkern._C (csrc/constants.cpp) is a constant some Python
+    module shares with the C++ code: it is named in a check_same_in_cpp call of memkern's
+    sources, so that module refuses an extension whose value differs."""
+    from memkern._extension import compiled
+    if not compiled.has_cpu:
+        pytest.skip("the compiled extension is not built")
+    from memkern import _C
+
+    exported = {name for name in dir(_C) if name.isupper()}
+    root = pathlib.Path(__file__).resolve().parents[1] / "memkern"
+    checked = set()
+    for path in root.rglob("*.py"):
+        for call in re.findall(r"check_same_in_cpp\(__name__, \{(.*?)\}\)", path.read_text(),
+                               re.S):
+            checked |= set(re.findall(r'"([A-Z0-9_]+)":', call))
+    assert exported and exported == checked, (sorted(exported - checked),
+                                              sorted(checked - exported))
+
+
+def test_a_constant_or_rule_that_differs_from_the_extension_fails_the_import(monkeypatch):
+    """The checks themselves: a planted difference in a constant or in a rule is an
+    ImportError naming it."""
+    from memkern import _extension
+    if not _extension.compiled.has_cpu:
+        pytest.skip("the compiled extension is not built")
+    from memkern import _C
+
+    _extension.check_same_in_cpp("m", {"DROPOUT_SEED_HIGH": 1 << 62})
+    with pytest.raises(ImportError, match=r"memkern._C.DROPOUT_SEED_HIGH is 4611686018427387904 "
+                                          r"but m uses 4611686018427387903"):
+        _extension.check_same_in_cpp("m", {"DROPOUT_SEED_HIGH": (1 << 62) - 1})
+    cases = [(False, False, False), (True, False, False)]
+    _extension.check_same_rule_in_cpp("m", lambda r, t, g: not (r or t or g),
+                                      "linear_is_torch_linear", cases)
+    with pytest.raises(ImportError, match=r"linear_is_torch_linear\(True, False, False\) is "
+                                          r"False but m decides True"):
+        _extension.check_same_rule_in_cpp("m", lambda r, t, g: not (t or g),
+                                          "linear_is_torch_linear", cases)
+    assert _C.native_layer_norm_saves_statistics(torch.bfloat16, True)
+    assert not _C.native_layer_norm_saves_statistics(torch.bfloat16, False)

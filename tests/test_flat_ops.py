@@ -231,31 +231,75 @@ def test_adamw_step_betas(backend, device, beta1, beta2):
         _adamw_step_and_check(backend, dev, dtype, state, step, hyper, with_optionals=True, it=it)
 
 
-@pytest.mark.cuda
+STEP_BITS_CASES = [pytest.param("triton", "cpu", id="triton-cpu"),
+                   pytest.param("cuda", "cuda", marks=pytest.mark.cuda, id="cuda"),
+                   pytest.param("triton", "cuda", marks=pytest.mark.cuda, id="triton-cuda")]
+"""The backends held to the C++ CPU kernel's bits: they run csrc/math's operations in its
+order (the CUDA kernel the same functions, the Triton kernels the same operations)."""
+
+
+def _same_steps_as_cpu(backend, dev, op, state, g, multiplier, hyper, what, steps=2):
+    """``steps`` calls of ``op`` on the C++ CPU kernel and on ``backend`` from the same
+    ``state`` (the step counter last), gradients ``g`` and multiplier: the same bits."""
+    mult = scalar(multiplier, "cpu")
+    on_cpu = [None if t is None else t.clone() for t in state[:-1]]
+    on_cpu += [g.clone(), fo.poison(g.numel(), g.dtype, "cpu"), state[-1].clone()]
+    on_dev = [None if t is None else t.to(dev, copy=True) for t in on_cpu]
+    for _ in range(steps):
+        run("cpu", op, *on_cpu, mult, None, *hyper.values())
+        run(backend, op, *on_dev, mult.to(dev), None, *hyper.values())
+    names = ["master"] + ["state"] * (len(state) - 2) + ["grads", "params", "step"]
+    for name, a, b in zip(names, on_dev, on_cpu):
+        if b is not None:
+            assert_bits_equal(a.cpu(), b, f"{what}: {name}")
+
+
 @pytest.mark.parametrize("beta1", [0.9, 0.3], ids=["lerp-from-start", "lerp-from-end"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_adamw_step_cuda_equals_cpu_bits(dtype, beta1):
+@pytest.mark.parametrize("backend,device", STEP_BITS_CASES)
+def test_adamw_step_equals_cpu_bits(backend, device, dtype, beta1):
     """The CUDA kernel runs the C++ CPU kernel's functions (csrc/math/adamw.h), which the tests
-    above hold to torch in float64: both give the same bits. Over odd sizes whose vector trips,
-    blocks and scalar tail all run, from an odd multiplier, with an inf and a NaN gradient in
-    later trips and two steps so that the step counter is the device's."""
-    dev = fo.need("cuda", "cuda")
+    above hold to torch in float64, and the Triton kernel the same operations (``tl.fma`` where
+    they fuse a product and a sum; the interpreter's fma rounds once too): the same bits. The
+    one place they may differ is the step's float64 factors, ``beta ** t`` by the C library's
+    ``pow`` or by repeated squaring, a last-bit difference in float64 that the rounding to
+    float32 removes unless the value lies within 2**-29 of a float32 rounding boundary: on
+    these steps (t <= 51) it never does. Over odd sizes whose vector trips, blocks and scalar
+    tail all run, from an odd multiplier, with an inf and a NaN gradient in later trips and two
+    steps so that the step counter is the backend's."""
+    dev = fo.need(backend, device)
     fo.need("cpu", "cpu")
     hyper = fo.adamw_hyper() | {"beta1": beta1}
-    for n in (7, 2053, fo.BIG):
-        state = _adamw_state(n, "cpu")
+    for n in (7, 2053) + ((fo.BIG,) if backend == "cuda" else ()):
         multiplier = fo.odd_multiplier()
         g = fo.scaled_grads(n, dtype, multiplier)
         g[n // 2], g[-1] = math.inf, math.nan
-        step, mult = scalar(fo.randint(0, 50), "cpu"), scalar(multiplier, "cpu")
-        on_cpu = [t.clone() for t in state] + [g.clone(), fo.poison(n, dtype, "cpu"), step.clone()]
-        on_gpu = [t.to(dev, copy=True) for t in on_cpu]
-        for _ in range(2):
-            run("cpu", ops.adamw_step_, *on_cpu, mult, None, *hyper.values())
-            run("cuda", ops.adamw_step_, *on_gpu, mult.to(dev), None, *hyper.values())
-        for name, a, b in zip(("master", "exp_avg", "exp_avg_sq", "grads", "params", "step"),
-                              on_gpu, on_cpu):
-            assert_bits_equal(a, b, f"adamw_step_ {dtype} n={n} beta1={beta1}: {name}")
+        state = _adamw_state(n, "cpu") + [scalar(fo.randint(0, 50), "cpu")]
+        _same_steps_as_cpu(backend, dev, ops.adamw_step_, state, g, multiplier, hyper,
+                           f"adamw_step_ {backend} {dtype} n={n} beta1={beta1}")
+
+
+@pytest.mark.parametrize("variant", ["plain", "wd", "momentum", "nesterov"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend,device", STEP_BITS_CASES)
+def test_sgd_step_equals_cpu_bits(backend, device, dtype, variant):
+    """csrc/math/sgd.h on the CPU, the same functions on CUDA, the same operations in Triton:
+    the same bits, from the first step (the buffer started from d) to the next, with an inf
+    and a NaN gradient and an infinite master weight."""
+    dev = fo.need(backend, device)
+    fo.need("cpu", "cpu")
+    momentum, dampening, nesterov, weight_decay, _ = SGD_VARIANTS[variant]()
+    hyper = dict(lr=fo.uniform(0.01, 0.5), momentum=momentum, dampening=dampening,
+                 weight_decay=weight_decay, nesterov=nesterov)
+    for n in (7, 2053) + ((fo.BIG,) if backend == "cuda" else ()):
+        multiplier = fo.odd_multiplier()
+        g = fo.scaled_grads(n, dtype, multiplier)
+        g[n // 2], g[-1] = math.inf, math.nan
+        master = torch.randn(n) * fo.uniform(0.02, 1.0)
+        master[n // 3] = -math.inf
+        state = [master, fo.poison(n, torch.float32, "cpu") if momentum else None, scalar(0, "cpu")]
+        _same_steps_as_cpu(backend, dev, ops.sgd_step_, state, g, multiplier, hyper,
+                           f"sgd_step_ {backend} {dtype} n={n} {variant}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,6 +360,27 @@ def test_sgd_step(backend, device, n, variant, start, dtype):
     for it in range(calls(n)):  # "first": the initialisation, then an ordinary momentum step
         _sgd_step_and_check(backend, dev, dtype, master, buf, step, hyper,
                             with_optionals=with_optionals, it=it)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["plain", "momentum"])
+@pytest.mark.parametrize("backend,device", BACKEND_CASES)
+def test_sgd_step_keeps_an_infinite_master_without_weight_decay(backend, device, momentum):
+    """weight_decay = 0 adds no decay term: an infinite master weight stays infinite, as in
+    torch (0 * inf would make it NaN; the C++ CPU kernel once did)."""
+    dev = fo.need(backend, device)
+    n = 37
+    master = torch.randn(n)
+    master[3], master[-1] = math.inf, -math.inf
+    buf = (torch.randn(n) * 0.1) if momentum else None
+    g = torch.randn(n)
+    step = scalar(fo.randint(1, 50), "cpu")
+    hyper = (0.1, momentum, 0.0, 0.0, False)
+    oracle_master, _ = fo.sgd_torch(master, buf, g, step, None, None, *hyper)
+    on_dev = [t.to(dev) if t is not None else None for t in (master, buf, g, step)]
+    run(backend, ops.sgd_step_, on_dev[0], on_dev[1], on_dev[2], None, on_dev[3], None, None,
+        *hyper)
+    assert oracle_master[3] == math.inf and oracle_master[-1] == -math.inf
+    assert_close64(on_dev[0].cpu(), oracle_master, f"sgd_step_ {backend}: master")
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ LOW_IDS = ["float32", "bfloat16", "float16"]
 
 @pytest.fixture(autouse=True)
 def _both_implementations(layer_autograd):
-    """Every test runs on the C++ op (memkern::linear_cross_entropy) and the Python Function."""
+    """Every test runs on the C++ op (memkern::linear_cross_entropy_layer) and the Python
+    Function."""
     return layer_autograd
 
 

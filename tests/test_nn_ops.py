@@ -480,6 +480,43 @@ def test_every_nn_op_is_opchecked():
     assert {op.name for op in ops.NN_OPS} == {name for name, _ in _opcheck_cases()}
 
 
+def _layer_opcheck_cases():
+    """The layer ops, with inputs that need gradients: opcheck also runs their C++ autograd
+    (the Autograd-key kernel) eagerly and traced by AOTAutograd, against each other."""
+    def leaf(*shape, dtype=torch.float32):
+        return torch.randn(*shape, dtype=dtype, requires_grad=True)
+
+    x = leaf(2, 3, 17)
+    return [
+        ("linear_layer", (x, leaf(11, 17), leaf(11), False)),
+        ("linear_layer", (x, leaf(17, 11), None, True)),
+        ("norm_layer", (x, leaf(17), leaf(17), 1, 1e-5, False)),
+        ("norm_layer", (x, leaf(17), None, 1, 1e-6, True)),
+        ("mlp_layer", (x, leaf(13, 17), leaf(13), leaf(11, 13), None, "gelu", "activation",
+                       False)),
+        ("mlp_layer", (x, leaf(17, 13), None, leaf(13, 11), leaf(11), "silu", "full", True)),
+        ("swiglu_layer", (x, leaf(13, 17), None, leaf(13, 17), leaf(13), leaf(11, 13), None,
+                          "none")),
+        ("dropout_layer", (x, torch.tensor(12345, dtype=torch.int64), 0.25)),
+        ("linear_cross_entropy_layer", (leaf(6, 17), leaf(11, 17), leaf(11),
+                                        torch.randint(0, 11, (6,)), None, None, "mean", -100,
+                                        0.1, 4, 8, 0.0)),
+    ]
+
+
+@pytest.mark.parametrize("name,args", _layer_opcheck_cases(),
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_layer_op_opcheck(name, args):
+    if not compiled.has_cpu:
+        pytest.skip("the layer ops' kernels are the compiled extension's")
+    torch.library.opcheck(getattr(torch.ops.memkern, name).default, args)
+
+
+def test_every_layer_op_is_opchecked():
+    layer_ops = {name for name in ops.__all__ if name.endswith("_layer")}
+    assert layer_ops == {name for name, _ in _layer_opcheck_cases()}
+
+
 # ----------------------------------------------------------------------------------------------
 # argument checks: the error names the argument and says what to do
 

@@ -24,7 +24,8 @@ from memkern.bench.runner import run
 from memkern.profile import allocation_stats
 from memkern.profile.caching_allocator import CudaCachingAllocator
 from memkern.profile.plan import CATEGORIES, plan_training_step
-from memkern.profile.workloads import bench_workload, hf_config, hf_workload
+from memkern.bench.workload import bench_workload
+from memkern.profile.workloads import hf_config, hf_workload
 
 KIB, MIB = 1 << 10, 1 << 20
 TOLERANCE = 0.05

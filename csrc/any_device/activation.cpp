@@ -14,15 +14,18 @@
 
 #include <string_view>
 
+#include "../layer_constants.h"
+
 namespace memkern::any_device {
 namespace {
 
 [[noreturn]] void unknown_kind(const char* op, std::string_view kind) {
   TORCH_CHECK(false, "memkern.ops.", op, ": kind='", std::string(kind),
-              "' is not an activation; use one of ('gelu', 'gelu_tanh', 'relu', 'silu')");
+              "' is not an activation; use one of ", quoted_tuple(kActivationKinds));
 }
 
 at::Tensor act_forward(const at::Tensor& x, c10::string_view kind) {
+  // kActivationKinds, in order
   if (kind == "gelu") return at::gelu(x);
   if (kind == "gelu_tanh") return at::gelu(x, "tanh");
   if (kind == "relu") return at::relu(x);

@@ -13,13 +13,13 @@
 
 #include <optional>
 
+#include "../layer_constants.h"
 #include "node.h"
 
 namespace {
 
 using torch::autograd::variable_list;
 
-constexpr int64_t kSeedHigh = int64_t{1} << 62;  // memkern.nn.functional.dropout._SEED_HIGH
 
 at::Tensor masked(const at::Tensor& x, const at::Tensor& seed, double p) {
   static const auto op = c10::Dispatcher::singleton()
@@ -32,7 +32,7 @@ at::Tensor seed_or_draw(const at::Tensor& x, const std::optional<at::Tensor>& se
   if (seed.has_value() && seed->defined()) {
     return *seed;
   }
-  return at::randint(0, kSeedHigh, {}, x.options().dtype(at::kLong));
+  return at::randint(0, memkern::kDropoutSeedHigh, {}, x.options().dtype(at::kLong));
 }
 
 // The backward of one call; its one input (next edge) is x.

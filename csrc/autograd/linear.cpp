@@ -1,5 +1,6 @@
-// memkern::linear: the autograd of memkern's Linear in C++ (a torch::autograd::Node, node.h), so
-// a layer call costs what nn.Linear's does on the host: no Python autograd.Function per call.
+// memkern::linear_layer: the autograd of memkern's Linear in C++ (a torch::autograd::Node,
+// node.h), so a layer call costs what nn.Linear's does on the host: no Python
+// autograd.Function per call.
 //
 // What it computes and saves is memkern.nn.functional.linear's LinearFunction for one dtype and
 // no autocast (the Python module routes only those calls here): out = x @ W^T + b (x @ W + b
@@ -104,6 +105,8 @@ at::Tensor linear_no_autograd(const at::Tensor& x, const at::Tensor& weight,
 }  // namespace
 
 // The schema is defined in memkern/ops/linear.py.
-TORCH_LIBRARY_IMPL(memkern, Autograd, m) { m.impl("linear", linear_autograd); }
+TORCH_LIBRARY_IMPL(memkern, Autograd, m) { m.impl("linear_layer", linear_autograd); }
 // Below autograd (inference mode, or tensors that never need gradients).
-TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) { m.impl("linear", linear_no_autograd); }
+TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
+  m.impl("linear_layer", linear_no_autograd);
+}

@@ -1,7 +1,7 @@
 // memkern's linear cross-entropy in C++, on every device: the ops
 // memkern::linear_cross_entropy_forward / _backward (the twins of forward_impl / backward_impl in
 // memkern/ops/linear_cross_entropy.py, ATen call for ATen call, so both give the same bits) and
-// memkern::linear_cross_entropy, the layer with its autograd (the twin of
+// memkern::linear_cross_entropy_layer, the layer with its autograd (the twin of
 // LinearCrossEntropyFunction in memkern/nn/functional/linear_cross_entropy.py: the same choice
 // of algorithm, the same saved tensors), so that a call costs no Python autograd.Function and no
 // Python loop. The GEMMs are torch's (cuBLAS on a GPU, 16-bit inputs included: every GEMM writes
@@ -412,10 +412,10 @@ Tensor lce_autograd(const Tensor& x, const Tensor& weight, const std::optional<T
 // The schemas are defined in memkern/ops/linear_cross_entropy.py and
 // memkern/ops/linear_cross_entropy_layer.py.
 TORCH_LIBRARY_IMPL(memkern, Autograd, m) {
-  m.impl("linear_cross_entropy", memkern::lce::lce_autograd);
+  m.impl("linear_cross_entropy_layer", memkern::lce::lce_autograd);
 }
 TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
-  m.impl("linear_cross_entropy", memkern::lce::lce_forward);
+  m.impl("linear_cross_entropy_layer", memkern::lce::lce_forward);
   m.impl("linear_cross_entropy_forward", memkern::lce::forward_chunks);
   m.impl("linear_cross_entropy_backward", memkern::lce::backward_blocks);
 }

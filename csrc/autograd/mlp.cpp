@@ -1,6 +1,6 @@
-// memkern::mlp_layer: the autograd of memkern's MLP fc2(act(fc1(x))) in C++
-// (torch::autograd::Function), so a layer call costs on the host what torch's composition of
-// C++ autograd nodes does: no Python autograd.Function per call.
+// memkern::mlp_layer: the autograd of memkern's MLP fc2(act(fc1(x))) in C++ (a
+// torch::autograd::Node, node.h), so a layer call costs on the host what torch's composition
+// of C++ autograd nodes does: no Python autograd.Function per call.
 //
 // What it computes, saves and recomputes is memkern.nn.functional.mlp's MLPFunction for one
 // dtype and no autocast (the Python functional routes only those calls here): per recompute,
@@ -11,15 +11,13 @@
 // straight into .grad when that gives exactly what autograd would (weight_grad.h).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/util/Exception.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <string>
 
+#include "../layer_constants.h"
 #include "gemm.h"
-#include "needs_grad.h"
 #include "node.h"
 #include "saved_input.h"
 #include "weight_grad.h"
@@ -27,20 +25,9 @@
 namespace {
 
 using memkern::autograd::NormRecipe;
-using torch::autograd::AutogradContext;
+using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 namespace mka = memkern::autograd;
-
-// memkern.nn.functional.mlp.RECOMPUTE, in order.
-enum Recompute : int64_t { kNone = 0, kActivation = 1, kFull = 2 };
-
-Recompute parse_recompute(c10::string_view recompute) {
-  if (recompute == "none") return kNone;
-  if (recompute == "activation") return kActivation;
-  TORCH_CHECK(recompute == "full", "memkern::mlp_layer: recompute='", recompute,
-              "' is not one of ('none', 'activation', 'full')");
-  return kFull;
-}
 
 at::Tensor act_forward(const at::Tensor& x, const std::string& kind) {
   static const auto op = c10::Dispatcher::singleton()
@@ -67,81 +54,76 @@ at::Tensor forward_only(const at::Tensor& x, const at::Tensor& w1,
   return out.view(mka::with_last(x.sizes(), out.size(-1)));
 }
 
-// Slots of save_for_backward after the saved input.
-constexpr size_t kPre = mka::kSavedInputSlots, kH = kPre + 1, kW1 = kPre + 2, kW2 = kPre + 3,
-                 kB1 = kPre + 4;
+// The backward of one call; its inputs (next edges) are x, fc1_weight, fc1_bias, fc2_weight,
+// fc2_bias.
+struct MLPBackward : public torch::autograd::Node {
+  mka::SavedInput input;
+  SavedVariable pre, h, w1, w2, b1;  // pre: not for "full"; h: "none" only
+  std::string activation;
+  bool transposed = false;
+  bool has_b2 = false;
 
-struct MLPFunction : public torch::autograd::Function<MLPFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1,
-                            const std::optional<at::Tensor>& b1, const at::Tensor& w2,
-                            const std::optional<at::Tensor>& b2, const std::string& activation,
-                            int64_t recompute, bool transposed, const NormRecipe& recipe) {
-    const at::Tensor pre = mka::layer_mm(mka::rows(x), w1, b1, transposed);
-    const at::Tensor h = act_forward(pre, activation);
-    const at::Tensor out = mka::layer_mm(h, w2, b2, transposed);
-    std::vector<at::Tensor> to_save;
-    mka::save_input(ctx, to_save, x, recipe);
-    to_save.insert(to_save.end(), {recompute != kFull ? pre : at::Tensor(),
-                                   recompute == kNone ? h : at::Tensor(), w1, w2,
-                                   b1.value_or(at::Tensor())});
-    ctx->save_for_backward(to_save);
-    ctx->saved_data["activation"] = activation;
-    ctx->saved_data["transposed"] = transposed;
-    ctx->saved_data["has_b2"] = b2.has_value() && b2->defined();
-    return out.view(mka::with_last(x.sizes(), out.size(-1)));
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+  variable_list apply(variable_list&& grads) override {
     mka::check_not_double_backward("MLP");
-    const auto saved = ctx->get_saved_variables();
-    const std::string activation = ctx->saved_data["activation"].toStringRef();
-    const bool transposed = ctx->saved_data["transposed"].toBool();
-    const at::Tensor& w1 = saved[kW1];
-    const at::Tensor& w2 = saved[kW2];
-    const at::Tensor& grad_out = grad_outputs[0];
+    variable_list out(5);
+    const at::Tensor& grad_out = grads[0];
+    if (!grad_out.defined()) {
+      return out;
+    }
+    const at::Tensor w1_ = w1.unpack();
+    const at::Tensor w2_ = w2.unpack();
     const at::Tensor g = mka::rows(grad_out);
     // x, fc1_weight, fc1_bias, fc2_weight, fc2_bias
-    const auto need = mka::needs_input_grad<5>(
-        ctx, {true, true, saved[kB1].defined(), true, ctx->saved_data["has_b2"].toBool()});
-    at::Tensor pre = saved[kPre];
-    at::Tensor h = saved[kH];
+    const bool need[5] = {task_should_compute_output(0), task_should_compute_output(1),
+                          task_should_compute_output(2), task_should_compute_output(3),
+                          has_b2 && task_should_compute_output(4)};
+    at::Tensor pre_ = pre.unpack();
+    at::Tensor h_ = h.unpack();
     at::Tensor x2;  // rebuilt only where needed: the first GEMM again, or fc1's weight gradient
-    if (!pre.defined() || need[1]) {
-      x2 = mka::rows(mka::load_input(ctx, saved));
+    if (!pre_.defined() || need[1]) {
+      x2 = mka::rows(input.load());
     }
-    if (!pre.defined()) {  // "full": the first GEMM again
-      pre = mka::layer_mm(x2, w1, saved[kB1], transposed);
+    if (!pre_.defined()) {  // "full": the first GEMM again
+      pre_ = mka::layer_mm(x2, w1_, b1.unpack(), transposed);
     }
-    at::Tensor dx, dw1, db1, dw2, db2;
     if (need[3]) {
-      if (!h.defined()) {  // "activation"/"full": the activation again
-        h = act_forward(pre, activation);
+      if (!h_.defined()) {  // "activation"/"full": the activation again
+        h_ = act_forward(pre_, activation);
       }
-      const auto [a, b] = mka::weight_grad_operands(g, h, transposed);
-      dw2 = mka::weight_grad(w2, a, b);
+      const auto [a, b] = mka::weight_grad_operands(g, h_, transposed);
+      out[3] = mka::weight_grad(w2_, a, b);
     }
-    h.reset();
+    h_.reset();
     if (need[4]) {
-      db2 = g.sum(0);
+      out[4] = g.sum(0);
     }
     if (need[0] || need[1] || need[2]) {
-      at::Tensor dpre = act_backward(mka::input_grad(g, w2, transposed), pre, activation);
-      pre.reset();
+      at::Tensor dpre = act_backward(mka::input_grad(g, w2_, transposed), pre_, activation);
+      pre_.reset();
       if (need[1]) {
         const auto [a, b] = mka::weight_grad_operands(dpre, x2, transposed);
-        dw1 = mka::weight_grad(w1, a, b);
+        out[1] = mka::weight_grad(w1_, a, b);
       }
       if (need[2]) {
-        db1 = dpre.sum(0);
+        out[2] = dpre.sum(0);
       }
       if (need[0]) {
-        const int64_t in_features = transposed ? w1.size(0) : w1.size(1);
-        dx = mka::input_grad(dpre, w1, transposed)
-                 .view(mka::with_last(grad_out.sizes(), in_features));
+        const int64_t in_features = transposed ? w1_.size(0) : w1_.size(1);
+        out[0] = mka::input_grad(dpre, w1_, transposed)
+                     .view(mka::with_last(grad_out.sizes(), in_features));
       }
     }
-    return {dx, dw1, db1, dw2, db2, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return out;
   }
+
+  void release_variables() override {
+    input.release();
+    for (SavedVariable* t : {&pre, &h, &w1, &w2, &b1}) {
+      t->reset_data();
+    }
+  }
+
+  std::string name() const override { return "memkern::MLPBackward"; }
 };
 
 at::Tensor mlp_autograd(const at::Tensor& x, const at::Tensor& w1,
@@ -152,9 +134,34 @@ at::Tensor mlp_autograd(const at::Tensor& x, const at::Tensor& w1,
                         const std::optional<at::Tensor>& norm_weight,
                         const std::optional<at::Tensor>& norm_bias, int64_t norm_kind,
                         int64_t norm_dims, double norm_eps) {
-  return MLPFunction::apply(
-      x, w1, b1, w2, b2, std::string(activation), parse_recompute(recompute), transposed,
-      NormRecipe{norm_x, norm_weight, norm_bias, norm_kind, norm_dims, norm_eps});
+  const memkern::Recompute keep = memkern::parse_recompute("mlp_layer", recompute);
+  const std::string act(activation);
+  at::Tensor pre, h, out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    pre = mka::layer_mm(mka::rows(x), w1, b1, transposed);
+    h = act_forward(pre, act);
+    out = mka::layer_mm(h, w2, b2, transposed);
+    out = out.view(mka::with_last(x.sizes(), out.size(-1)));
+  }
+  const at::Tensor b1_ = b1.value_or(at::Tensor());
+  const at::Tensor b2_ = b2.value_or(at::Tensor());
+  if (torch::autograd::compute_requires_grad(x, w1, b1_, w2, b2_)) {
+    auto node = mka::make_node<MLPBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x, w1, b1_, w2, b2_));
+    node->input.save(x, NormRecipe{norm_x, norm_weight, norm_bias, norm_kind, norm_dims,
+                                   norm_eps});
+    node->pre = SavedVariable(keep != memkern::kFull ? pre : at::Tensor(), false);
+    node->h = SavedVariable(keep == memkern::kNone ? h : at::Tensor(), false);
+    node->w1 = SavedVariable(w1, false);
+    node->w2 = SavedVariable(w2, false);
+    node->b1 = SavedVariable(b1_, false);
+    node->activation = act;
+    node->transposed = transposed;
+    node->has_b2 = b2_.defined();
+    torch::autograd::set_history(out, node);
+  }
+  return out;
 }
 
 at::Tensor mlp_no_autograd(const at::Tensor& x, const at::Tensor& w1,

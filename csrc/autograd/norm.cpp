@@ -1,6 +1,6 @@
 // memkern::norm_layer: the autograd of memkern's LayerNorm/RMSNorm (NormFunction in
-// memkern/nn/functional/norm.py) in C++ (torch::autograd::Function), so a layer call costs no
-// Python autograd.Function.
+// memkern/nn/functional/norm.py) in C++ (a torch::autograd::Node, node.h), so a layer call
+// costs no Python autograd.Function.
 //
 // Forward flattens x to [rows, D] (D = the product of the last n_norm sizes) and runs
 // memkern::norm_forward; saves x, the weight, and the float32 (float64 for float64 x) per-row
@@ -10,17 +10,17 @@
 // csrc/cuda/norm.cu).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "node.h"
 
 namespace {
 
-using torch::autograd::AutogradContext;
+using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 using Triple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
@@ -56,45 +56,70 @@ Triple norm_backward(const at::Tensor& dy2, const at::Tensor& x2,
   return op.call(dy2, x2, weight, mean, rstd, rms);
 }
 
-struct NormFunction : public torch::autograd::Function<NormFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
-                            const std::optional<at::Tensor>& weight,
-                            const std::optional<at::Tensor>& bias, int64_t n_norm, double eps,
-                            bool rms) {
-    auto [y, mean, rstd] = norm_forward(rows(x, n_norm), flat(weight), flat(bias), eps, rms);
-    ctx->save_for_backward({x, weight.value_or(at::Tensor()), mean, rstd});
-    ctx->saved_data["n_norm"] = n_norm;
-    ctx->saved_data["rms"] = rms;
-    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
-    return y.view(x.sizes());
+// The backward of one call; its inputs (next edges) are x, weight, bias.
+struct NormBackward : public torch::autograd::Node {
+  SavedVariable x, weight, mean, rstd;
+  int64_t n_norm = 0;
+  bool rms = false;
+  bool has_bias = false;
+
+  variable_list apply(variable_list&& grads) override {
+    memkern::autograd::check_not_double_backward("LayerNorm/RMSNorm");
+    variable_list out(3);
+    if (!grads[0].defined()) {
+      return out;
+    }
+    const at::Tensor x_ = x.unpack();
+    const at::Tensor w = weight.unpack();
+    const at::Tensor dy2 = rows(grads[0], n_norm).to(x_.scalar_type());
+    const std::optional<at::Tensor> w_flat =
+        w.defined() ? std::optional<at::Tensor>(w.reshape({-1})) : std::nullopt;
+    auto [dx, dw, db] = norm_backward(dy2.contiguous(), rows(x_, n_norm), w_flat, mean.unpack(),
+                                      rstd.unpack(), rms);
+    out[0] = dx.view(x_.sizes());
+    if (w.defined() && task_should_compute_output(1)) {
+      out[1] = dw.to(w.scalar_type()).view(w.sizes());
+    }
+    if (has_bias && task_should_compute_output(2)) {
+      out[2] = db.to(w.scalar_type()).view(w.sizes());
+    }
+    return out;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    memkern::autograd::check_not_double_backward("LayerNorm/RMSNorm");
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& x = saved[0];
-    const at::Tensor& weight = saved[1];
-    const int64_t n_norm = ctx->saved_data["n_norm"].toInt();
-    const at::Tensor dy2 = rows(grad_outputs[0], n_norm).to(x.scalar_type());
-    const std::optional<at::Tensor> w =
-        weight.defined() ? std::optional<at::Tensor>(weight.reshape({-1})) : std::nullopt;
-    auto [dx, dw, db] = norm_backward(dy2.contiguous(), rows(x, n_norm), w, saved[2], saved[3],
-                                      ctx->saved_data["rms"].toBool());
-    at::Tensor dweight, dbias;
-    if (weight.defined() && ctx->needs_input_grad(1)) {
-      dweight = dw.to(weight.scalar_type()).view(weight.sizes());
-    }
-    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {
-      dbias = db.to(weight.scalar_type()).view(weight.sizes());
-    }
-    return {dx.view(x.sizes()), dweight, dbias, at::Tensor(), at::Tensor(), at::Tensor()};
+  void release_variables() override {
+    x.reset_data();
+    weight.reset_data();
+    mean.reset_data();
+    rstd.reset_data();
   }
+
+  std::string name() const override { return "memkern::NormBackward"; }
 };
 
 at::Tensor norm_layer_autograd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                const std::optional<at::Tensor>& bias, int64_t n_norm, double eps,
                                bool rms) {
-  return NormFunction::apply(x, weight, bias, n_norm, eps, rms);
+  at::Tensor y, mean, rstd;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    std::tie(y, mean, rstd) = norm_forward(rows(x, n_norm), flat(weight), flat(bias), eps, rms);
+    y = y.view(x.sizes());
+  }
+  const at::Tensor w = weight.value_or(at::Tensor());
+  const at::Tensor b = bias.value_or(at::Tensor());
+  if (torch::autograd::compute_requires_grad(x, w, b)) {
+    auto node = memkern::autograd::make_node<NormBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x, w, b));
+    node->x = SavedVariable(x, /*is_output=*/false);
+    node->weight = SavedVariable(w, false);
+    node->mean = SavedVariable(mean, false);
+    node->rstd = SavedVariable(rstd, false);
+    node->n_norm = n_norm;
+    node->rms = rms;
+    node->has_bias = b.defined();
+    torch::autograd::set_history(y, node);
+  }
+  return y;
 }
 
 at::Tensor norm_layer_forward(const at::Tensor& x, const std::optional<at::Tensor>& weight,

@@ -9,10 +9,6 @@
 namespace memkern::autograd {
 namespace {
 
-constexpr const char* kKindKey = "norm_kind";
-constexpr const char* kDimsKey = "norm_dims";
-constexpr const char* kEpsKey = "norm_eps";
-
 std::optional<at::Tensor> flat(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t.reshape({-1})) : std::nullopt;
 }
@@ -96,29 +92,6 @@ std::optional<NormRecipe> WeakNormRecipe::lock() const {
     return t.defined() ? std::optional<at::Tensor>(std::move(t)) : std::nullopt;
   };
   return NormRecipe{std::move(*x), present(*weight), present(*bias), kind_, dims_, eps_};
-}
-
-void save_input(torch::autograd::AutogradContext* ctx, std::vector<at::Tensor>& to_save,
-                const at::Tensor& input, const NormRecipe& recipe) {
-  if (!uses_recipe(input, recipe)) {
-    to_save.insert(to_save.end(), {input, at::Tensor(), at::Tensor()});
-    return;
-  }
-  to_save.insert(to_save.end(), {*recipe.x, recipe.weight.value_or(at::Tensor()),
-                                 recipe.bias.value_or(at::Tensor())});
-  ctx->saved_data[kKindKey] = recipe.kind;
-  ctx->saved_data[kDimsKey] = recipe.dims;
-  ctx->saved_data[kEpsKey] = recipe.eps;
-}
-
-at::Tensor load_input(torch::autograd::AutogradContext* ctx,
-                      const torch::autograd::variable_list& saved) {
-  const auto kind = ctx->saved_data.find(kKindKey);
-  if (kind == ctx->saved_data.end()) {
-    return saved[0];
-  }
-  return rebuild_norm_output(saved[0], saved[1], saved[2], kind->second.toInt(),
-                 ctx->saved_data[kDimsKey].toInt(), ctx->saved_data[kEpsKey].toDouble());
 }
 
 void SavedInput::save(const at::Tensor& input, const NormRecipe& recipe) {

@@ -9,11 +9,9 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/intrusive_ptr.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include <optional>
-#include <vector>
 
 namespace memkern::autograd {
 
@@ -25,8 +23,8 @@ enum NormKind : int64_t {
   kRmsNorm = 3,          // memkern::norm_forward, rms = true
 };
 
-// How to rebuild the layer input from the norm's tensors (a non-tensor argument of
-// Function::apply, so its tensors are not inputs of the layer's autograd node).
+// How to rebuild the layer input from the norm's tensors (not inputs of the layer's autograd
+// node: it saves them, it does not differentiate through them).
 struct NormRecipe {
   std::optional<at::Tensor> x, weight, bias;
   int64_t kind = kNoNorm;
@@ -70,21 +68,7 @@ class WeakNormRecipe {
   double eps_;
 };
 
-// Number of save_for_backward slots the saved input takes (first, in every layer).
-constexpr size_t kSavedInputSlots = 3;
-
-// Appends the kSavedInputSlots tensors that stand for `input` to `to_save` (undefined ones
-// when `input` is undefined: not needed in backward) and records the recipe in `ctx`.
-void save_input(torch::autograd::AutogradContext* ctx, std::vector<at::Tensor>& to_save,
-                const at::Tensor& input, const NormRecipe& recipe);
-
-// The saved input, from saved[0 .. kSavedInputSlots): the tensor, or the norm's output rebuilt
-// (without building a graph) by the op the norm ran.
-at::Tensor load_input(torch::autograd::AutogradContext* ctx,
-                      const torch::autograd::variable_list& saved);
-
-// The same for a layer whose autograd is a torch::autograd::Node (node.h): the saved tensors
-// and the recipe are members of the node.
+// The saved input of a layer's autograd node (node.h), a member of the node.
 class SavedInput {
  public:
   // Saves `input` (undefined: nothing, it is not needed in backward) or, when `recipe` has a

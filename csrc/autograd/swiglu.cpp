@@ -1,6 +1,6 @@
 // memkern::swiglu_layer: the autograd of memkern's SwiGLU MLP down(silu(gate(x)) * up(x)) in
-// C++ (torch::autograd::Function), so a layer call costs on the host what torch's composition
-// of C++ autograd nodes does: no Python autograd.Function per call.
+// C++ (a torch::autograd::Node, node.h), so a layer call costs on the host what torch's
+// composition of C++ autograd nodes does: no Python autograd.Function per call.
 //
 // What it computes, saves and recomputes is memkern.nn.functional.swiglu's SwiGLUFunction for
 // one dtype and no autocast (the Python functional routes only those calls here): per
@@ -11,15 +11,13 @@
 // straight into .grad when that gives exactly what autograd would (weight_grad.h).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/util/Exception.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <tuple>
 
+#include "../layer_constants.h"
 #include "gemm.h"
-#include "needs_grad.h"
 #include "node.h"
 #include "saved_input.h"
 #include "weight_grad.h"
@@ -27,7 +25,7 @@
 namespace {
 
 using memkern::autograd::NormRecipe;
-using torch::autograd::AutogradContext;
+using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 namespace mka = memkern::autograd;
 
@@ -48,13 +46,6 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad, const
   return op.call(grad, gate, up);
 }
 
-bool keeps_gate_and_up(c10::string_view recompute) {
-  TORCH_CHECK(recompute == "none" || recompute == "activation" || recompute == "full",
-              "memkern::swiglu_layer: recompute='", recompute,
-              "' is not one of ('none', 'activation', 'full')");
-  return recompute != "full";
-}
-
 at::Tensor forward_only(const at::Tensor& x, const at::Tensor& wg,
                         const std::optional<at::Tensor>& bg, const at::Tensor& wu,
                         const std::optional<at::Tensor>& bu, const at::Tensor& wd,
@@ -66,91 +57,85 @@ at::Tensor forward_only(const at::Tensor& x, const at::Tensor& wg,
   return out.view(mka::with_last(x.sizes(), out.size(-1)));
 }
 
-// Slots of save_for_backward after the saved input.
-constexpr size_t kGate = mka::kSavedInputSlots, kUp = kGate + 1, kH = kGate + 2, kWg = kGate + 3,
-                 kBg = kGate + 4, kWu = kGate + 5, kBu = kGate + 6, kWd = kGate + 7;
+// The backward of one call; its inputs (next edges) are x, gate_weight, gate_bias, up_weight,
+// up_bias, down_weight, down_bias.
+struct SwiGLUBackward : public torch::autograd::Node {
+  mka::SavedInput input;
+  SavedVariable gate, up, h;  // gate, up: not for "full"; h: "none" only
+  SavedVariable wg, bg, wu, bu, wd;
+  bool has_bd = false;
 
-struct SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& wg,
-                            const std::optional<at::Tensor>& bg, const at::Tensor& wu,
-                            const std::optional<at::Tensor>& bu, const at::Tensor& wd,
-                            const std::optional<at::Tensor>& bd, bool keep_gate_and_up,
-                            bool keep_h, const NormRecipe& recipe) {
-    const at::Tensor x2 = mka::rows(x);
-    const at::Tensor gate = mka::layer_mm(x2, wg, bg, false);
-    const at::Tensor up = mka::layer_mm(x2, wu, bu, false);
-    const at::Tensor h = swiglu_forward(gate, up);
-    const at::Tensor out = mka::layer_mm(h, wd, bd, false);
-    std::vector<at::Tensor> to_save;
-    mka::save_input(ctx, to_save, x, recipe);
-    to_save.insert(to_save.end(),
-                   {keep_gate_and_up ? gate : at::Tensor(), keep_gate_and_up ? up : at::Tensor(),
-                    keep_h ? h : at::Tensor(), wg, bg.value_or(at::Tensor()), wu,
-                    bu.value_or(at::Tensor()), wd});
-    ctx->save_for_backward(to_save);
-    ctx->saved_data["has_bd"] = bd.has_value() && bd->defined();
-    return out.view(mka::with_last(x.sizes(), out.size(-1)));
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+  variable_list apply(variable_list&& grads) override {
     mka::check_not_double_backward("SwiGLU");
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& wg = saved[kWg];
-    const at::Tensor& wu = saved[kWu];
-    const at::Tensor& wd = saved[kWd];
+    variable_list out(7);
+    const at::Tensor& grad_out = grads[0];
+    if (!grad_out.defined()) {
+      return out;
+    }
+    const at::Tensor wg_ = wg.unpack();
+    const at::Tensor wu_ = wu.unpack();
+    const at::Tensor wd_ = wd.unpack();
     // x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias
-    const auto need = mka::needs_input_grad<7>(
-        ctx, {true, true, saved[kBg].defined(), true, saved[kBu].defined(), true,
-              ctx->saved_data["has_bd"].toBool()});
-    const at::Tensor& grad_out = grad_outputs[0];
+    bool need[7];
+    for (size_t i = 0; i < 7; ++i) {
+      need[i] = task_should_compute_output(i);
+    }
+    need[6] = need[6] && has_bd;
     const at::Tensor g = mka::rows(grad_out);
-    at::Tensor gate = saved[kGate];
-    at::Tensor up = saved[kUp];
-    at::Tensor h = saved[kH];
+    at::Tensor gate_ = gate.unpack();
+    at::Tensor up_ = up.unpack();
+    at::Tensor h_ = h.unpack();
     at::Tensor x2;  // rebuilt only where needed: the input GEMMs again, or their weight gradients
-    if (!gate.defined() || need[1] || need[3]) {
-      x2 = mka::rows(mka::load_input(ctx, saved));
+    if (!gate_.defined() || need[1] || need[3]) {
+      x2 = mka::rows(input.load());
     }
-    if (!gate.defined()) {  // "full": both GEMMs again
-      gate = mka::layer_mm(x2, wg, saved[kBg], false);
-      up = mka::layer_mm(x2, wu, saved[kBu], false);
+    if (!gate_.defined()) {  // "full": both GEMMs again
+      gate_ = mka::layer_mm(x2, wg_, bg.unpack(), false);
+      up_ = mka::layer_mm(x2, wu_, bu.unpack(), false);
     }
-    at::Tensor dx, dwg, dbg, dwu, dbu, dwd, dbd;
     if (need[5]) {
-      if (!h.defined()) {  // the gated unit again
-        h = swiglu_forward(gate, up);
+      if (!h_.defined()) {  // the gated unit again
+        h_ = swiglu_forward(gate_, up_);
       }
-      dwd = mka::weight_grad(wd, g.t(), h);
+      out[5] = mka::weight_grad(wd_, g.t(), h_);
     }
-    h.reset();
+    h_.reset();
     if (need[6]) {
-      dbd = g.sum(0);
+      out[6] = g.sum(0);
     }
     if (need[0] || need[1] || need[2] || need[3] || need[4]) {
-      auto [dgate, dup] = swiglu_backward(at::mm(g, wd), gate, up);
-      gate.reset();
-      up.reset();
+      auto [dgate, dup] = swiglu_backward(at::mm(g, wd_), gate_, up_);
+      gate_.reset();
+      up_.reset();
       if (need[1]) {
-        dwg = mka::weight_grad(wg, dgate.t(), x2);
+        out[1] = mka::weight_grad(wg_, dgate.t(), x2);
       }
       if (need[2]) {
-        dbg = dgate.sum(0);
+        out[2] = dgate.sum(0);
       }
       if (need[3]) {
-        dwu = mka::weight_grad(wu, dup.t(), x2);
+        out[3] = mka::weight_grad(wu_, dup.t(), x2);
       }
       if (need[4]) {
-        dbu = dup.sum(0);
+        out[4] = dup.sum(0);
       }
       if (need[0]) {
-        dx = at::mm(dgate, wg);
-        dx.addmm_(dup, wu);
-        dx = dx.view(mka::with_last(grad_out.sizes(), wg.size(1)));
+        at::Tensor dx = at::mm(dgate, wg_);
+        dx.addmm_(dup, wu_);
+        out[0] = dx.view(mka::with_last(grad_out.sizes(), wg_.size(1)));
       }
     }
-    return {dx,          dwg,         dbg,         dwu,         dbu, dwd,
-            dbd,         at::Tensor(), at::Tensor(), at::Tensor()};
+    return out;
   }
+
+  void release_variables() override {
+    input.release();
+    for (SavedVariable* t : {&gate, &up, &h, &wg, &bg, &wu, &bu, &wd}) {
+      t->reset_data();
+    }
+  }
+
+  std::string name() const override { return "memkern::SwiGLUBackward"; }
 };
 
 at::Tensor swiglu_autograd(const at::Tensor& x, const at::Tensor& wg,
@@ -161,9 +146,38 @@ at::Tensor swiglu_autograd(const at::Tensor& x, const at::Tensor& wg,
                            const std::optional<at::Tensor>& norm_weight,
                            const std::optional<at::Tensor>& norm_bias, int64_t norm_kind,
                            int64_t norm_dims, double norm_eps) {
-  return SwiGLUFunction::apply(
-      x, wg, bg, wu, bu, wd, bd, keeps_gate_and_up(recompute), recompute == "none",
-      NormRecipe{norm_x, norm_weight, norm_bias, norm_kind, norm_dims, norm_eps});
+  const memkern::Recompute keep = memkern::parse_recompute("swiglu_layer", recompute);
+  at::Tensor gate, up, h, out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const at::Tensor x2 = mka::rows(x);
+    gate = mka::layer_mm(x2, wg, bg, false);
+    up = mka::layer_mm(x2, wu, bu, false);
+    h = swiglu_forward(gate, up);
+    out = mka::layer_mm(h, wd, bd, false);
+    out = out.view(mka::with_last(x.sizes(), out.size(-1)));
+  }
+  const at::Tensor bg_ = bg.value_or(at::Tensor());
+  const at::Tensor bu_ = bu.value_or(at::Tensor());
+  const at::Tensor bd_ = bd.value_or(at::Tensor());
+  if (torch::autograd::compute_requires_grad(x, wg, bg_, wu, bu_, wd, bd_)) {
+    auto node = mka::make_node<SwiGLUBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x, wg, bg_, wu, bu_, wd, bd_));
+    node->input.save(x, NormRecipe{norm_x, norm_weight, norm_bias, norm_kind, norm_dims,
+                                   norm_eps});
+    const bool keep_gate_and_up = keep != memkern::kFull;
+    node->gate = SavedVariable(keep_gate_and_up ? gate : at::Tensor(), false);
+    node->up = SavedVariable(keep_gate_and_up ? up : at::Tensor(), false);
+    node->h = SavedVariable(keep == memkern::kNone ? h : at::Tensor(), false);
+    node->wg = SavedVariable(wg, false);
+    node->bg = SavedVariable(bg_, false);
+    node->wu = SavedVariable(wu, false);
+    node->bu = SavedVariable(bu_, false);
+    node->wd = SavedVariable(wd, false);
+    node->has_bd = bd_.defined();
+    torch::autograd::set_history(out, node);
+  }
+  return out;
 }
 
 at::Tensor swiglu_no_autograd(const at::Tensor& x, const at::Tensor& wg,

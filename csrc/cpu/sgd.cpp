@@ -14,11 +14,11 @@ namespace {
 template <typename grad_t, typename param_t>
 MEMKERN_VECTOR_CLONES void sgd_block(float* __restrict master, float* __restrict momentum_buffer,
                                      const grad_t* __restrict grads, param_t* __restrict params,
-                                     SgdCoefficients c, int64_t n) {
+                                     SgdStep s, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    float buf = c.use_momentum ? momentum_buffer[i] : 0.0f;
-    const float w = sgd_element(master[i], buf, to_float(grads[i]), c);
-    if (c.use_momentum) momentum_buffer[i] = buf;
+    float buf = s.c.use_momentum ? momentum_buffer[i] : 0.0f;
+    const float w = sgd_element(master[i], buf, to_float(grads[i]), s);
+    if (s.c.use_momentum) momentum_buffer[i] = buf;
     master[i] = w;
     store_param(params, i, w);
   }
@@ -36,15 +36,15 @@ void sgd_step_cpu(at::Tensor& master, const std::optional<at::Tensor>& momentum_
   if (found_inf_set(found_inf)) return;  // a skipped step writes nothing, not even the step
 
   const float step_before = read_scalar(step);
-  const SgdCoefficients c = sgd_coefficients(step_before, grad_multiplier, lr, momentum,
-                                             dampening, weight_decay, nesterov);
+  const SgdStep s = sgd_step_coefficients(step_before, grad_multiplier, lr, momentum,
+                                          dampening, weight_decay, nesterov);
 
   with_grad_and_param_data(grads, params, [&](const auto* g, auto* p) {
     float* w = master.data_ptr<float>();
     float* buf = use_momentum ? momentum_buffer->data_ptr<float>() : nullptr;
     parallel_blocks(master.numel(), [&](int64_t begin, int64_t end) {
       sgd_block(w + begin, buf == nullptr ? nullptr : buf + begin, g + begin,
-                params_from(p, begin), c, end - begin);
+                params_from(p, begin), s, end - begin);
     });
   });
   *step.data_ptr<float>() = step_before + 1.0f;

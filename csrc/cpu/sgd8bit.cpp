@@ -22,11 +22,11 @@ namespace {
 template <typename grad_t, typename param_t>
 MEMKERN_INLINE void update_block(float* __restrict master, const int8_t* __restrict codes,
                                  float scale, const grad_t* __restrict grads,
-                                 param_t* __restrict params, const SgdCoefficients& c,
+                                 param_t* __restrict params, const SgdStep& s,
                                  float* __restrict buf, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     float b = dequantize(codes[i], scale);
-    const float w = sgd_element(master[i], b, to_float(grads[i]), c);
+    const float w = sgd_element(master[i], b, to_float(grads[i]), s);
     buf[i] = b;
     master[i] = w;
     store_param(params, i, w);
@@ -41,12 +41,12 @@ struct Sgd8bitUpdate {
   const float* absmax;
   const grad_t* grads;
   param_t* params;
-  SgdCoefficients c;
+  SgdStep s;
 
   MEMKERN_INLINE std::array<int32_t, 1> operator()(int64_t b, int64_t begin, int64_t n,
                                                    const std::array<float*, 1>& staged) const {
     update_block(master + begin, codes + begin, absmax[b], grads + begin,
-                 params_from(params, begin), c, staged[0], n);
+                 params_from(params, begin), s, staged[0], n);
     return {absmax_bits(staged[0], n)};
   }
 };
@@ -62,8 +62,8 @@ void sgd8bit_step_cpu(at::Tensor& master, at::Tensor& momentum_buffer,
   if (found_inf_set(found_inf)) return;  // a skipped step writes nothing, not even the step
 
   const float step_before = read_scalar(step);
-  const SgdCoefficients c = sgd_coefficients(step_before, grad_multiplier, lr, momentum,
-                                             dampening, weight_decay, nesterov);
+  const SgdStep s = sgd_step_coefficients(step_before, grad_multiplier, lr, momentum,
+                                          dampening, weight_decay, nesterov);
   with_grad_and_param_data(grads, params, [&](const auto* g, auto* p) {
     using grad_t = std::decay_t<decltype(*g)>;
     using param_t = std::remove_pointer_t<decltype(p)>;
@@ -71,7 +71,7 @@ void sgd8bit_step_cpu(at::Tensor& master, at::Tensor& momentum_buffer,
     float* absmax = momentum_absmax.data_ptr<float>();
     parallel_update_qblocks(
         master.numel(),
-        Sgd8bitUpdate<grad_t, param_t>{master.data_ptr<float>(), codes, absmax, g, p, c},
+        Sgd8bitUpdate<grad_t, param_t>{master.data_ptr<float>(), codes, absmax, g, p, s},
         QMoment<int8_t>{codes, absmax});
   });
   *step.data_ptr<float>() = step_before + 1.0f;

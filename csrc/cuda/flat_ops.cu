@@ -137,19 +137,6 @@ device::AdamWConstants adamw_constants(double lr, double beta1, double beta2, do
   return device::AdamWConstants{hyper, math::adamw_coefficients(hyper, 1.0f)};
 }
 
-device::SGDConstants sgd_constants(double lr, double momentum, double dampening,
-                                   double weight_decay, bool nesterov) {
-  device::SGDConstants constants{};
-  constants.lr = static_cast<float>(lr);
-  constants.momentum = static_cast<float>(momentum);
-  constants.one_minus_dampening = static_cast<float>(1.0 - dampening);
-  constants.weight_decay = static_cast<float>(weight_decay);
-  constants.use_momentum = momentum != 0.0;
-  constants.use_weight_decay = weight_decay != 0.0;
-  constants.nesterov = nesterov;
-  return constants;
-}
-
 }  // namespace
 
 cudaError_t unscale(void* grads, DType grads_dtype, int64_t n, float* found_inf,
@@ -232,8 +219,8 @@ cudaError_t sgd_step(float* master, float* momentum_buffer, const void* grads,
   if (n > 0 && momentum != 0.0 && momentum_buffer == nullptr) {
     return cudaErrorInvalidValue;
   }
-  const device::SGDConstants constants =
-      sgd_constants(lr, momentum, dampening, weight_decay, nesterov);
+  const math::SgdCoefficients constants =
+      math::sgd_coefficients(lr, momentum, dampening, weight_decay, nesterov);
   const auto launch = [&](auto grads_tag, auto params_tag) {
     using G = typename decltype(grads_tag)::type;
     using P = typename decltype(params_tag)::type;
@@ -264,7 +251,7 @@ cudaError_t sgd8bit_step(float* master, int8_t* momentum_buffer, float* momentum
   };
   return launch_qblock_step(kernel_for, master, grads, grads_dtype, params, params_dtype, n,
                             step, grad_multiplier, found_inf,
-                            sgd_constants(lr, momentum, dampening, weight_decay, nesterov),
+                            math::sgd_coefficients(lr, momentum, dampening, weight_decay, nesterov),
                             stream, device::QMoment<int8_t>{momentum_buffer, momentum_absmax});
 }
 

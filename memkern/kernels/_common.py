@@ -132,12 +132,13 @@ def load_splat(ptr, BLOCK: tl.constexpr):
 @triton.jit
 def load_grads_and_master(grads_ptr, grad_multiplier_ptr, master_ptr, offs, mask,
                           HAS_MULTIPLIER: tl.constexpr):
-    """``(g, master)`` at ``offs`` of an optimizer step: the gradients in float32 times
-    ``*grad_multiplier`` (when ``HAS_MULTIPLIER``) and the float32 master weights."""
-    g = tl.load(grads_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_MULTIPLIER:
-        g = g * tl.load(grad_multiplier_ptr)
-    return g, tl.load(master_ptr + offs, mask=mask, other=0.0)
+    """``(grad, multiplier, master)`` at ``offs`` of an optimizer step: the gradients in
+    float32, ``*grad_multiplier`` (1 without ``HAS_MULTIPLIER``) and the float32 master
+    weights. The step multiplies them itself: AdamW also needs ``grad * multiplier - m``
+    rounded once (csrc/math/adamw.h)."""
+    grad = tl.load(grads_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    multiplier = tl.load(grad_multiplier_ptr) if HAS_MULTIPLIER else 1.0
+    return grad, multiplier, tl.load(master_ptr + offs, mask=mask, other=0.0)
 
 
 @triton.jit

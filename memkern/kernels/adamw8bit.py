@@ -22,20 +22,20 @@ from memkern.kernels.quantize8bit import (launch_qblock_step, load_qblocks, load
 def _adamw8bit_kernel(
     master_ptr, exp_avg_ptr, exp_avg_absmax_ptr, exp_avg_sq_ptr, exp_avg_sq_absmax_ptr,
     grads_ptr, params_ptr, step_ptr, grad_multiplier_ptr, found_inf_ptr, n, n_blocks,
-    lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
-    decay, one_minus_beta1, beta2, one_minus_beta2, eps,
+    lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo, eps_hi, eps_lo,
+    decay, lerp_factor, beta2, one_minus_beta2,
     HAS_PARAMS: tl.constexpr, HAS_MULTIPLIER: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
     LERP_SMALL_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
 ):
-    rows, offs, row_mask, valid, g, master = load_qblocks(
+    rows, offs, row_mask, valid, grad, multiplier, master = load_qblocks(
         master_ptr, grads_ptr, grad_multiplier_ptr, found_inf_ptr, n, n_blocks, HAS_MULTIPLIER,
         HAS_FOUND_INF, BLOCK, QBLOCK)
     m = load_state(exp_avg_ptr, exp_avg_absmax_ptr, rows, offs, row_mask, valid, True)
     v = load_state(exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, rows, offs, row_mask, valid, False)
 
-    master, m, v = adamw_update(master, m, v, g, step_ptr, lr_hi, lr_lo, beta1_hi, beta1_lo,
-                                beta2_hi, beta2_lo, decay, one_minus_beta1, beta2,
-                                one_minus_beta2, eps, LERP_SMALL_WEIGHT)
+    master, m, v = adamw_update(master, m, v, grad, multiplier, step_ptr, lr_hi, lr_lo,
+                                beta1_hi, beta1_lo, beta2_hi, beta2_lo, eps_hi, eps_lo, decay,
+                                lerp_factor, beta2, one_minus_beta2, LERP_SMALL_WEIGHT)
 
     store_state(m, exp_avg_ptr, exp_avg_absmax_ptr, rows, offs, row_mask, valid, True)
     store_state(v, exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, rows, offs, row_mask, valid, False)

@@ -40,13 +40,13 @@ def load_qblocks(master_ptr, grads_ptr, grad_multiplier_ptr, found_inf_ptr, n, n
                  HAS_MULTIPLIER: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
                  BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
     """This program's ``BLOCK`` elements as :func:`block_tile`'s ``(rows, offs, row_mask,
-    valid)`` ``[BLOCK // QBLOCK, QBLOCK]`` tile, followed by its gradients (times
-    ``*grad_multiplier`` when ``HAS_MULTIPLIER``) and float32 master weights."""
+    valid)`` ``[BLOCK // QBLOCK, QBLOCK]`` tile, followed by its gradients, their multiplier
+    and the float32 master weights (:func:`~memkern.kernels._common.load_grads_and_master`)."""
     rows, offs, row_mask, valid = block_tile(n, n_blocks, found_inf_ptr, HAS_FOUND_INF,
                                              BLOCK // QBLOCK, QBLOCK)
-    g, master = load_grads_and_master(grads_ptr, grad_multiplier_ptr, master_ptr, offs, valid,
-                                      HAS_MULTIPLIER)
-    return rows, offs, row_mask, valid, g, master
+    grad, multiplier, master = load_grads_and_master(grads_ptr, grad_multiplier_ptr, master_ptr,
+                                                     offs, valid, HAS_MULTIPLIER)
+    return rows, offs, row_mask, valid, grad, multiplier, master
 
 
 # Both directions as the CPU kernel computes them (csrc/cpu/state8bit.h, where the closed form

@@ -1,5 +1,7 @@
 """Triton kernel of ``memkern::sgd_step_``: one fused SGD step over flat buffers (see
-memkern/ops/sgd.py for the contract; the math is ``torch.optim.SGD``'s, in its order).
+memkern/ops/sgd.py for the contract). The math is csrc/math/sgd.h's, the CPU and CUDA
+kernels': the same operations in the same order, each product that feeds a sum fused with it
+(``tl.fma``), so the three backends give the same bits.
 
 ``step`` (for the first-step rule of the momentum buffer), ``grad_multiplier`` and
 ``found_inf`` are read on the device; a set ``found_inf`` masks off every load and store. A
@@ -15,23 +17,26 @@ from memkern.kernels._common import load_grads_and_master, load_splat, store_mas
 
 
 @triton.jit
-def sgd_update(master, buf, d, first, lr, momentum, one_minus_dampening, weight_decay,
-               HAS_MOMENTUM: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
+def sgd_update(master, buf, grad, multiplier, first, lr, momentum, one_minus_dampening,
+               weight_decay, HAS_MOMENTUM: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
                NESTEROV: tl.constexpr):
-    """torch.optim.SGD's update of float32 ``master`` from ``d`` (the multiplied gradient):
-    returns the new master and momentum buffer (``buf`` unchanged without momentum; ``first``:
-    the step counter is 0, when torch starts the buffer from ``d``). Shared with the 8-bit
-    kernel (memkern/kernels/sgd8bit.py)."""
+    """csrc/math/sgd.h's ``sgd_element`` on float32 blocks, from the raw gradient and its
+    multiplier: returns the new master and momentum buffer (``buf`` unchanged without momentum;
+    ``first``: the step counter is 0, when torch starts the buffer from ``d``). A term that is
+    off is skipped (0 * inf would make an inf master NaN). Shared with the 8-bit kernel
+    (memkern/kernels/sgd8bit.py)."""
+    d = grad * multiplier
     if HAS_WEIGHT_DECAY:
-        d = d + tl.cast(weight_decay, tl.float32) * master
+        d = tl.fma(tl.cast(weight_decay, tl.float32), master, d)
     if HAS_MOMENTUM:
         momentum = tl.cast(momentum, tl.float32)
-        buf = tl.where(first, d, momentum * buf + tl.cast(one_minus_dampening, tl.float32) * d)
+        buf = tl.where(first, d, tl.fma(momentum, buf,
+                                        tl.cast(one_minus_dampening, tl.float32) * d))
         if NESTEROV:
-            d = d + momentum * buf
+            d = tl.fma(momentum, buf, d)
         else:
             d = buf
-    return master - tl.cast(lr, tl.float32) * d, buf
+    return tl.fma(-tl.cast(lr, tl.float32), d, master), buf
 
 
 @triton.jit
@@ -48,14 +53,15 @@ def _sgd_kernel(
     if HAS_FOUND_INF:
         mask = mask & (load_splat(found_inf_ptr, BLOCK) == 0)
 
-    d, master = load_grads_and_master(grads_ptr, grad_multiplier_ptr, master_ptr, offs, mask,
-                                      HAS_MULTIPLIER)
+    grad, multiplier, master = load_grads_and_master(grads_ptr, grad_multiplier_ptr, master_ptr,
+                                                     offs, mask, HAS_MULTIPLIER)
     buf = master  # a placeholder without momentum: sgd_update neither reads nor changes it
     first = load_splat(step_ptr, BLOCK) == 0
     if HAS_MOMENTUM:
         buf = tl.load(momentum_buffer_ptr + offs, mask=mask, other=0.0)
-    master, buf = sgd_update(master, buf, d, first, lr, momentum, one_minus_dampening,
-                             weight_decay, HAS_MOMENTUM, HAS_WEIGHT_DECAY, NESTEROV)
+    master, buf = sgd_update(master, buf, grad, multiplier, first, lr, momentum,
+                             one_minus_dampening, weight_decay, HAS_MOMENTUM, HAS_WEIGHT_DECAY,
+                             NESTEROV)
     if HAS_MOMENTUM:
         tl.store(momentum_buffer_ptr + offs, buf, mask=mask)
 

@@ -27,14 +27,14 @@ def _sgd8bit_kernel(
     HAS_MULTIPLIER: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr,
     QBLOCK: tl.constexpr,
 ):
-    rows, offs, row_mask, valid, d, master = load_qblocks(
+    rows, offs, row_mask, valid, grad, multiplier, master = load_qblocks(
         master_ptr, grads_ptr, grad_multiplier_ptr, found_inf_ptr, n, n_blocks, HAS_MULTIPLIER,
         HAS_FOUND_INF, BLOCK, QBLOCK)
     buf = load_state(codes_ptr, absmax_ptr, rows, offs, row_mask, valid, True)
     first = (load_splat(step_ptr, BLOCK // QBLOCK) == 0)[:, None]
 
-    master, buf = sgd_update(master, buf, d, first, lr, momentum, one_minus_dampening,
-                             weight_decay, True, HAS_WEIGHT_DECAY, NESTEROV)
+    master, buf = sgd_update(master, buf, grad, multiplier, first, lr, momentum,
+                             one_minus_dampening, weight_decay, True, HAS_WEIGHT_DECAY, NESTEROV)
 
     store_state(buf, codes_ptr, absmax_ptr, rows, offs, row_mask, valid, True)
     store_master_and_params(master, master_ptr, params_ptr, offs, valid, HAS_PARAMS)

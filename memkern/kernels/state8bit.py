@@ -2,7 +2,8 @@
 ``triton`` import, so :mod:`memkern.ops` can read them): the map is defined and justified in
 :mod:`memkern.ops.adamw8bit`; the backends' shared helpers of the format
 (:mod:`memkern.kernels.quantize8bit`, csrc/cpu/state8bit.h, csrc/cuda/kernels/state8bit.cuh)
-repeat these numbers."""
+use these numbers, the C++ ones from csrc/math/state8bit.h, checked at import to be these."""
+from memkern._extension import check_same_in_cpp
 
 QBLOCK = 256
 """Elements per quantization block (one float32 absmax each, per moment; why 256:
@@ -13,6 +14,10 @@ SIGNED_CODES, SIGNED_POWER = 127, 2
 """First moment: int8 codes ``c``, value ``sign(c) * (|c| / 127) ** 2 * absmax``."""
 UNSIGNED_CODES, UNSIGNED_POWER = 255, 4
 """Second moment: uint8 codes ``c``, value ``(c / 255) ** 4 * absmax``."""
+
+
+check_same_in_cpp(__name__, {"STATE8BIT_QBLOCK": QBLOCK, "STATE8BIT_SIGNED_CODES": SIGNED_CODES,
+                             "STATE8BIT_UNSIGNED_CODES": UNSIGNED_CODES})
 
 
 def num_blocks(n: int) -> int:

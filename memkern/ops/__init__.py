@@ -21,7 +21,7 @@ from memkern.ops.activation import act_backward, act_forward  # noqa: E402
 from memkern.ops.cross_entropy import cross_entropy_block_grad_, cross_entropy_rows_  # noqa: E402
 from memkern.ops.dropout import dropout  # noqa: E402
 from memkern.ops.dropout_layer import dropout_layer  # noqa: E402
-from memkern.ops.linear import linear  # noqa: E402
+from memkern.ops.linear_layer import linear_layer  # noqa: E402
 from memkern.ops.linear_cross_entropy import (  # noqa: E402
     linear_cross_entropy_backward,
     linear_cross_entropy_forward,
@@ -38,7 +38,8 @@ NN_OPS = (act_forward, act_backward, swiglu_forward, swiglu_backward, dropout, n
           linear_cross_entropy_forward, linear_cross_entropy_backward)
 __all__ += ["NN_OPS", "act_backward", "act_forward", "cross_entropy_block_grad_",
             "cross_entropy_rows_", "dropout",
-            "dropout_layer", "linear", "linear_cross_entropy_backward",
-            "linear_cross_entropy_forward", "linear_cross_entropy_layer", "mlp_layer",
+            "dropout_layer", "linear_cross_entropy_backward",
+            "linear_cross_entropy_forward", "linear_cross_entropy_layer", "linear_layer",
+            "mlp_layer",
             "norm_backward", "norm_forward", "norm_layer", "swiglu_backward", "swiglu_forward",
             "swiglu_layer"]

@@ -1,4 +1,4 @@
-"""The ``norm_*`` arguments of memkern's C++ autograd layers (``memkern::linear``,
+"""The ``norm_*`` arguments of memkern's C++ autograd layers (``memkern::linear_layer``,
 ``memkern::mlp_layer``, ``memkern::swiglu_layer``): the layer input's *recipe* when it is a
 memkern norm's output (:mod:`memkern.nn.functional._saved`), so that the layer saves the
 norm's input and parameters instead of the normalised output and rebuilds it in backward
@@ -15,7 +15,12 @@ Arguments
 """
 from __future__ import annotations
 
+from memkern._extension import check_same_in_cpp
+
 NATIVE_LAYER_NORM, LAYER_NORM, RMS_NORM = 1, 2, 3
+
+check_same_in_cpp(__name__, {"NORM_KINDS": {"native_layer_norm": NATIVE_LAYER_NORM,
+                                            "layer_norm": LAYER_NORM, "rms_norm": RMS_NORM}})
 
 SCHEMA = ("Tensor? norm_x=None, Tensor? norm_weight=None, Tensor? norm_bias=None, "
           "int norm_kind=0, int norm_dims=0, float norm_eps=0.")

@@ -26,10 +26,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from memkern._extension import check_same_in_cpp
 from memkern.ops import _checks
 from memkern.ops._registry import Op
 
 KINDS = ("gelu", "gelu_tanh", "relu", "silu")
+check_same_in_cpp(__name__, {"ACTIVATIONS": KINDS})
 
 
 def check_kind(op: str, kind: str) -> None:

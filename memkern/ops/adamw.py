@@ -25,6 +25,13 @@ The math is ``torch.optim.AdamW``'s, with ``t = step + 1``::
     params = round(master);  step = t
 
 No host sync: step, grad_multiplier and found_inf are read on the device.
+
+Two orders of the same math. The reference (:func:`update`) follows ``torch.optim.AdamW``'s,
+as written above, operation by operation; in float64 it is the tests' oracle. The compiled
+backends — CPU, CUDA and Triton alike — follow csrc/math/adamw.h's: ``sqrt(1 - beta2**t)``
+moved out of the denominator (one division per element instead of two), the step's factors
+rounded once from float64, each product that feeds a sum fused with it; they agree with each
+other bit for bit and with torch within a few float32 ulp (tests/test_flat_ops.py).
 """
 from __future__ import annotations
 
@@ -64,8 +71,9 @@ def _fake(*args) -> None:
 
 def update(master, exp_avg, exp_avg_sq, grads, step, grad_multiplier, lr, beta1, beta2, eps,
            weight_decay) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The AdamW math in plain torch, in ``master.dtype``: returns the new master, ``m`` and
-    ``v`` (nothing is written). Shared by this op's reference and the 8-bit one's."""
+    """The AdamW math in plain torch, in ``master.dtype`` and in ``torch.optim.AdamW``'s order
+    of operations (not csrc/math/adamw.h's; see the module docstring): returns the new master,
+    ``m`` and ``v`` (nothing is written). Shared by this op's reference and the 8-bit one's."""
     compute = master.dtype
     g = grads.to(compute)
     if grad_multiplier is not None:

@@ -53,7 +53,7 @@ import os
 import torch
 
 from memkern import backend
-from memkern._extension import compiled
+from memkern._extension import check_same_in_cpp
 from memkern.ops import _checks
 from memkern.ops._registry import Op
 from memkern.ops.cross_entropy import cross_entropy_block_grad_, cross_entropy_rows_
@@ -69,24 +69,10 @@ CHUNK_ENV = "MEMKERN_LCE_CHUNK"
 VOCAB_BLOCK_ENV = "MEMKERN_LCE_VOCAB_BLOCK"
 """Environment variable: classes per backward block, replacing :func:`block_sizes`' choice."""
 
-
-
-def _same_rule_in_cpp() -> None:
-    """The C++ twin of :func:`block_sizes` (csrc/autograd/linear_cross_entropy.h) must use these
-    constants: an extension built from other sources would size the blocks differently."""
-    if not compiled.has_cpu:
-        return
-    from memkern import _C
-    ours = (MIN_BLOCK_BYTES, ROW_ALIGN, CLASS_ALIGN, CHUNK_ENV, VOCAB_BLOCK_ENV)
-    theirs = (_C.LCE_MIN_BLOCK_BYTES, _C.LCE_ROW_ALIGN, _C.LCE_CLASS_ALIGN, _C.LCE_CHUNK_ENV,
-              _C.LCE_VOCAB_BLOCK_ENV)
-    if ours != theirs:
-        raise ImportError(f"memkern._C sizes the linear cross-entropy's blocks with {theirs}, "
-                          f"memkern.ops.linear_cross_entropy with {ours}: the extension was built "
-                          "from other sources; rebuild it (pip install --no-build-isolation -e .)")
-
-
-_same_rule_in_cpp()
+# The C++ twin of block_sizes (csrc/autograd/linear_cross_entropy.h) must use these constants.
+check_same_in_cpp(__name__, {"LCE_MIN_BLOCK_BYTES": MIN_BLOCK_BYTES, "LCE_ROW_ALIGN": ROW_ALIGN,
+                             "LCE_CLASS_ALIGN": CLASS_ALIGN, "LCE_CHUNK_ENV": CHUNK_ENV,
+                             "LCE_VOCAB_BLOCK_ENV": VOCAB_BLOCK_ENV})
 
 
 def _aligned(count: int, align: int, most: int) -> int:

@@ -20,6 +20,13 @@ The math is ``torch.optim.SGD``'s::
               momentum * buf + (1 - dampening) * d otherwise
         d   = d + momentum * buf if nesterov else buf
     master = master - lr * d;  params = round(master);  step = step + 1
+
+A term that is off (``weight_decay == 0``, no momentum) is not computed: an infinite master
+stays infinite, as in torch. The reference (:func:`update`) follows ``torch.optim.SGD``'s order
+of operations, each product and sum rounded; in float64 it is the tests' oracle. The compiled
+backends — CPU, CUDA and Triton alike — follow csrc/math/sgd.h's, which rounds each product
+that feeds a sum together with it (an fma): they agree with each other bit for bit and with
+torch within an ulp per operation (tests/test_flat_ops.py).
 """
 from __future__ import annotations
 
@@ -60,9 +67,10 @@ def _fake(*args) -> None:
 
 def update(master, momentum_buffer, grads, step, grad_multiplier, lr, momentum, dampening,
            weight_decay, nesterov) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The SGD math in plain torch, in ``master.dtype``: returns the new master and momentum
-    buffer (None without momentum); nothing is written. Shared by this op's reference and the
-    8-bit one's."""
+    """The SGD math in plain torch, in ``master.dtype`` and in ``torch.optim.SGD``'s order of
+    operations (not csrc/math/sgd.h's; see the module docstring): returns the new master and
+    momentum buffer (None without momentum); nothing is written. Shared by this op's reference
+    and the 8-bit one's."""
     compute = master.dtype
     d = grads.to(compute)
     if grad_multiplier is not None:

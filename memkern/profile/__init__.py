@@ -5,8 +5,8 @@ from memkern.profile.memory import (MemoryBreakdown, Measurement, measure, memor
                                     reachable_bytes)
 from memkern.profile.plan import Moment, StepPlan, TrainingSetup, on_host, plan_training_step
 from memkern.profile.saved import SavedTensorsRecorder, note_saved, recording, saved_bytes
-from memkern.profile.workloads import bench_workload, hf_config, hf_workload
+from memkern.profile.workloads import hf_config, hf_workload
 
-__all__ = ["Moment", "StepPlan", "TrainingSetup", "bench_workload", "hf_config", "hf_workload",
+__all__ = ["Moment", "StepPlan", "TrainingSetup", "hf_config", "hf_workload",
            "on_host", "plan_training_step", "AllocationStats", "MemoryBreakdown", "Measurement", "measure", "memory_breakdown", "reachable_bytes", "SavedTensorsRecorder", "allocation_stats", "note_saved",
            "peak_allocated_bytes", "recording", "saved_bytes"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from memkern.plot import stacked_bars
 from memkern.profile.plan import CATEGORIES, Moment, StepPlan
 
 MIB = 1 << 20
@@ -54,9 +55,7 @@ COLORS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#64b5cd", "#8c
 
 
 def plan_chart(plans: Sequence[StepPlan], names: Sequence[str], path: str, title: str) -> None:
-    """Stacked bars (MiB) of each plan's peak by category, as ``memkern bench --plot`` draws."""
-    from memkern.bench.plot import stacked_bars
-
+    """Stacked bars (MiB) of each plan's peak by category, as the benchmark's ``--plot`` draws."""
     stacked_bars(names, [(cat, [p.peak.by_category[cat] / MIB for p in plans], color)
                          for cat, color in zip(CATEGORIES, COLORS)],
                  [p.peak.allocated / MIB for p in plans], "planned peak", path, title)

@@ -1,5 +1,5 @@
-"""Training set-ups the planner knows how to build: ``memkern bench``'s configurations and
-Hugging Face causal language models from a config.
+"""Training set-ups the planner knows how to build: Hugging Face causal language models from a
+config (the benchmark's configurations have theirs: ``bench_workload`` in the bench package).
 
 Each function returns a ``build()`` for :func:`memkern.profile.plan.plan_training_step`: it
 makes the set-up the way the benchmark (or a user's script) makes it, on the CPU stand-in.
@@ -18,44 +18,6 @@ PATCH_OPTIONS = ("linear", "norm", "mlp", "dropout", "loss")
 """The on/off families of :func:`memkern.patch` (see ``memkern.nn.patch``)."""
 SHARDINGS = ("zero1", "zero2", "fsdp2")
 """How :func:`hf_workload` shards across the ranks of the default process group."""
-
-
-def bench_workload(config: str, size: str = "small", *, batch: int = 8, seq: int | None = None,
-                   param_dtype: torch.dtype = torch.bfloat16) -> Callable[[], TrainingSetup]:
-    """``memkern bench``'s configuration ``config`` (:mod:`memkern.bench.configs`) on its GPT of
-    ``size``, ``batch`` sequences of ``seq`` tokens (default: the size's own). A step is the
-    bench's ``train_step`` on a fresh batch (the windows of ``memkern.bench.data.Batches``:
-    inputs and targets are views of one ``[batch, seq + 1]`` int64 tensor)."""
-    from memkern.bench.configs import CONFIGS, build
-    from memkern.bench.model import SIZES, GPTConfig
-
-    if config not in CONFIGS:
-        raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(CONFIGS)}")
-    if "compiled" in config:
-        raise ValueError(f"{config}: torch.compile'd configurations cannot be planned (the "
-                         "compiler does not run under the planner's fake tensor mode)")
-    if config == "memkern-fit":
-        raise ValueError("memkern-fit plans itself: memkern.fit reports its planned peak (or "
-                         "run memkern bench --configs memkern-fit --memory-budget ...)")
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
-    base = SIZES[size]
-    seq = seq or base.seq
-    if seq > base.seq:
-        raise ValueError(f"seq={seq} is longer than the {size} model's {base.seq}")
-    cfg = GPTConfig(base.layers, base.width, base.heads, seq=seq, vocab=base.vocab)
-
-    def make() -> TrainingSetup:
-        setup = build(config, cfg, torch.device("cpu"), param_dtype=param_dtype)
-
-        def step() -> None:
-            window = torch.randint(0, cfg.vocab, (batch, seq + 1))
-            setup.train_step(window[:, :-1], window[:, 1:])
-
-        return TrainingSetup(setup.model, setup.optimizer, step,
-                             f"memkern bench {config}, GPT {size}, batch {batch} x {seq}")
-
-    return make
 
 
 def hf_config(source: str, overrides: Sequence[str] | dict = ()) -> object:

@@ -18,7 +18,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     sgd8bit_step_kernel(float* __restrict__ master, QMoment<int8_t> momentum,
                         const G* __restrict__ grads, P* __restrict__ params, int64_t n,
                         const float* step, const float* grad_multiplier,
-                        const float* found_inf, SGDConstants c) {
+                        const float* found_inf, math::SgdCoefficients c) {
   if (step_skipped(found_inf)) {
     return;
   }
@@ -35,8 +35,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 #pragma unroll
     for (int k = 0; k < kQPerLane; ++k) {
       buf[k] = math::dequantize(codes.v[k], factor);
-      w.v[k] = sgd_element(w.v[k], buf[k], __fmul_rn(to_float(g.v[k]), multiplier), first_step,
-                           c);
+      w.v[k] = math::sgd_element(w.v[k], buf[k], __fmul_rn(to_float(g.v[k]), multiplier),
+                                 first_step, c);
       if (kWhole || k < count) {
         bits = max(bits, math::abs_bits(buf[k]));
       }

@@ -35,7 +35,12 @@ import torch
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
-_ATTR = "_memkern_recipe"  # also set and read by csrc/python_entries.cpp (recipe_attr)
+from memkern._extension import check_same_in_cpp
+
+_ATTR = "_memkern_recipe"
+"""The attribute of a norm's output holding its recipe; the C++ entry points set and read it
+too (kNormRecipeAttr, csrc/python_entries.h)."""
+check_same_in_cpp(__name__, {"NORM_RECIPE_ATTR": _ATTR})
 
 
 class _Recipe:

@@ -18,9 +18,12 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from memkern import backend, ops
+from memkern._extension import check_same_in_cpp
 from memkern.ops.dropout_layer import dropout_layer_entry
 
 _SEED_HIGH = 1 << 62
+"""Seeds are drawn from ``[0, _SEED_HIGH)``, as the C++ autograd draws them (the same masks)."""
+check_same_in_cpp(__name__, {"DROPOUT_SEED_HIGH": _SEED_HIGH})
 
 
 def draw_seed(device: torch.device) -> torch.Tensor:

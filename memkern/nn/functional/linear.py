@@ -9,21 +9,37 @@ backward instead of being kept). Nothing else.
 ``x @ weight + bias``.
 
 Host time per call: with one dtype and no autocast the call runs with C++ autograd, through
-the op's direct entry point (:data:`memkern.ops.linear.linear_entry`) — as ``F.linear`` when
-there is no ``weight.grad`` yet and the input is not a norm's recomputable output (memkern's
-Linear then saves and computes exactly what torch's does), else as the ``memkern::linear`` op
-(:mod:`memkern.ops.linear`, this algorithm in C++, with the recipe the entry finds on the
-input) when the extension is built. The Python Function below serves the rest (autocast, mixed
-dtypes, ``torch.compile``, no extension, the output of a norm that ran on the Python path).
+the op's direct entry point (:data:`memkern.ops.linear_layer.linear_layer_entry`) — as
+``F.linear`` when there is no ``weight.grad`` yet and the input is not a norm's recomputable
+output (memkern's Linear then saves and computes exactly what torch's does), else as the
+``memkern::linear_layer`` op (:mod:`memkern.ops.linear_layer`, this algorithm in C++, with the
+recipe the entry finds on the input) when the extension is built. The Python Function below
+serves the rest (autocast, mixed dtypes, ``torch.compile``, no extension, the output of a norm
+that ran on the Python path).
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from memkern._extension import check_same_rule_in_cpp
 from memkern.nn.functional import _common, _grad, _saved
-from memkern.ops.linear import linear_entry
+from memkern.ops.linear_layer import linear_layer_entry
+
+
+def _is_torch_linear(has_recipe: bool, transposed: bool, weight_has_grad: bool) -> bool:
+    """Whether a call of one dtype without autocast is ``F.linear`` itself: memkern does nothing
+    differently (no recipe to save instead of ``x``, not transposed, no ``weight.grad`` to add
+    into)."""
+    return not has_recipe and not transposed and not weight_has_grad
+
+
+# The C++ entry decides by the same rule (csrc/python_entries.cpp).
+check_same_rule_in_cpp(__name__, _is_torch_linear, "linear_is_torch_linear",
+                       itertools.product((False, True), repeat=3))
 
 
 class LinearFunction(torch.autograd.Function):
@@ -76,8 +92,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            transposed: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (``x @ weight + bias`` with ``transposed=True``), saving
     only the input for backward and accumulating the weight gradient into ``weight.grad``."""
-    if linear_entry is not None and not torch.compiler.is_compiling():
-        out = linear_entry(x, weight, bias, transposed)
+    if linear_layer_entry is not None and not torch.compiler.is_compiling():
+        out = linear_layer_entry(x, weight, bias, transposed)
         if out is not None:
             return out
     in_features = weight.shape[0] if transposed else weight.shape[-1]
@@ -87,9 +103,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             f"(shape {tuple(x.shape)}) but the weight {tuple(weight.shape)} expects {in_features}"
         )
     if (x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
-            and not transposed and weight.grad is None and not _saved.has_recipe(x)
             and not _common.autocast_enabled(x.device.type)
-            and not torch.compiler.is_compiling()):
+            and not torch.compiler.is_compiling()
+            and _is_torch_linear(_saved.has_recipe(x), transposed, weight.grad is not None)):
         return F.linear(x, weight, bias)
     if x.dim() == 1:
         return LinearFunction.apply(x.unsqueeze(0), weight, bias, transposed).squeeze(0)

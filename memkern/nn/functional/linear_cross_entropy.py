@@ -28,7 +28,7 @@ over in place): ``retain_graph=True`` and a second backward raises.
 No host synchronisation: the number of non-ignored tokens and ``num_items`` stay on the device.
 
 Host time per call: with the extension built, on the default backend, the call runs as the
-``memkern::linear_cross_entropy`` op (:mod:`memkern.ops.linear_cross_entropy_layer`: this
+``memkern::linear_cross_entropy_layer`` op (:mod:`memkern.ops.linear_cross_entropy_layer`: this
 algorithm, loops and autograd, in C++ — on the GPU too, 16-bit inputs included); the Python
 Function below serves the rest (a forced backend, ``torch.compile``, saved-tensor recording, no
 extension).
@@ -40,7 +40,7 @@ import torch
 from memkern import backend, ops
 from memkern._extension import compiled
 from memkern.ops.linear_cross_entropy import block_sizes
-from memkern.ops.linear_cross_entropy_layer import linear_cross_entropy_entry
+from memkern.ops.linear_cross_entropy_layer import linear_cross_entropy_layer_entry
 from memkern.profile.saved import note_saved, recording
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -142,8 +142,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 
 def _cpp_autograd() -> bool:
-    """Whether the call runs as ``memkern::linear_cross_entropy`` (this algorithm with its loops
-    and autograd in C++, on any device): extension built, default backend, outside
+    """Whether the call runs as ``memkern::linear_cross_entropy_layer`` (this algorithm with its
+    loops and autograd in C++, on any device): extension built, default backend, outside
     ``torch.compile`` and saved-tensor recording (which counts what the Python Function keeps),
     and not while planning for a GPU on fake CPU tensors (the C++ loops follow the tensors'
     device; the Python ones the planned device)."""
@@ -170,16 +170,13 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
     variables ``MEMKERN_LCE_CHUNK`` / ``MEMKERN_LCE_VOCAB_BLOCK`` override). What is saved for
     backward and what is recomputed: this module's docstring.
     """
-    if (linear_cross_entropy_entry is not None and input.dim()
-            and (num_items is None or isinstance(num_items, torch.Tensor))
-            and backend.requested() is None and not recording()
-            and backend.planned() in (None, "cpu")  # the entry decides by the real device
-            and not torch.compiler.is_compiling()):
-        loss = linear_cross_entropy_entry(input, weight, target, bias, ignore_index, reduction,
-                                          label_smoothing, num_items,
-                                          0.0 if softcap is None else softcap,
-                                          -1 if chunk_size is None else chunk_size,
-                                          -1 if vocab_block is None else vocab_block)
+    if (_cpp_autograd() and input.dim()
+            and (num_items is None or isinstance(num_items, torch.Tensor))):
+        loss = linear_cross_entropy_layer_entry(input, weight, target, bias, ignore_index,
+                                                reduction, label_smoothing, num_items,
+                                                0.0 if softcap is None else softcap,
+                                                -1 if chunk_size is None else chunk_size,
+                                                -1 if vocab_block is None else vocab_block)
         if loss is not None:
             return loss
     where = "memkern.nn.functional.linear_cross_entropy"

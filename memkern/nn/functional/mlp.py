@@ -26,11 +26,13 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from memkern import backend, ops
+from memkern._extension import check_same_in_cpp
 from memkern.nn.functional import _common, _grad, _saved
 from memkern.ops.activation import KINDS as ACTIVATIONS
 from memkern.ops.mlp_layer import mlp_layer_entry
 
 RECOMPUTE = ("none", "activation", "full")
+check_same_in_cpp(__name__, {"RECOMPUTE": RECOMPUTE})
 
 
 def _mm(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:

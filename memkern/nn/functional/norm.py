@@ -25,6 +25,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from memkern import backend, ops
+from memkern._extension import check_same_rule_in_cpp
 from memkern.nn.functional import _common, _saved
 from memkern.ops import _norm_recipe
 from memkern.ops.norm_layer import norm_entry, norm_layer_entry
@@ -73,12 +74,24 @@ def _norm_autograd(x, weight, bias, n_norm, eps, rms):
 _HALF = (torch.bfloat16, torch.float16)
 
 
+def _native_layer_norm_saves_statistics(dtype: torch.dtype, on_cuda: bool) -> bool:
+    """Whether torch's ``native_layer_norm`` saves what the memkern op does for an input of
+    ``dtype`` (with parameters of its dtype): float32 statistics (float64 for float64), never
+    the output; on the CPU its 16-bit statistics would be 16-bit."""
+    return dtype in (torch.float32, torch.float64) or (on_cuda and dtype in _HALF)
+
+
+# The C++ entry decides by the same rule (csrc/python_entries.cpp).
+check_same_rule_in_cpp(__name__, _native_layer_norm_saves_statistics,
+                       "native_layer_norm_saves_statistics",
+                       [(d, cuda) for d in (*_HALF, torch.float32, torch.float64)
+                        for cuda in (False, True)])
+
+
 def _native_layer_norm_ok(x: torch.Tensor, weight, bias) -> bool:
-    """Whether torch's ``native_layer_norm`` saves exactly what the memkern op does (the rule of
-    ``native_layer_norm_ok`` in csrc/python_entries.cpp, which serves the C++ path)."""
-    if not (x.dtype in (torch.float32, torch.float64) or (x.is_cuda and x.dtype in _HALF)):
-        return False
-    return ((weight is None or weight.dtype == x.dtype)
+    """Whether torch's ``native_layer_norm`` saves exactly what the memkern op does."""
+    return (_native_layer_norm_saves_statistics(x.dtype, x.is_cuda)
+            and (weight is None or weight.dtype == x.dtype)
             and (bias is None or bias.dtype == x.dtype))
 
 

@@ -1,4 +1,4 @@
-"""``memkern::linear``: memkern's Linear (``x @ W^T + b``; ``x @ W + b`` with ``transposed``)
+"""``memkern::linear_layer``: memkern's Linear (``x @ W^T + b``; ``x @ W + b`` with ``transposed``)
 as one op whose autograd is C++ (csrc/autograd/linear.cpp): the weight gradient is added
 straight into ``W.grad`` when that exists (see :mod:`memkern.nn.functional._grad`), at the host
 cost of ``nn.Linear``'s call.
@@ -18,17 +18,17 @@ import torch
 from memkern.ops import _norm_recipe
 from memkern.ops._registry import LIBRARY, eager_entry
 
-LIBRARY.define(f"linear(Tensor x, Tensor weight, Tensor? bias, bool transposed, "
+LIBRARY.define(f"linear_layer(Tensor x, Tensor weight, Tensor? bias, bool transposed, "
                f"{_norm_recipe.SCHEMA}) -> Tensor")
 
 
-@torch.library.register_fake("memkern::linear", lib=LIBRARY)
+@torch.library.register_fake("memkern::linear_layer", lib=LIBRARY)
 def _fake(x, weight, bias, transposed, *norm_recipe):
     out_features = weight.shape[1] if transposed else weight.shape[0]
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-linear = torch.ops.memkern.linear.default
+linear_layer = torch.ops.memkern.linear_layer.default
 
 # The op's eager entry point from Python (csrc/python_entries.cpp): the same arguments but the
 # norm_* ones, which it takes from the recipe a memkern norm left on x
@@ -36,4 +36,4 @@ linear = torch.ops.memkern.linear.default
 # boxed torch.ops path. It returns
 # torch.nn.functional.linear's result when there is no W.grad, no recipe and no transpose, and
 # None when the op does not serve the call (mixed dtypes, autocast, a shape mismatch).
-linear_entry = eager_entry("linear")
+linear_layer_entry = eager_entry("linear_layer")

@@ -18,11 +18,12 @@ import json
 
 import torch
 
+from memkern.bench.configs import DEFAULT_CONFIGS
+from memkern.bench.workload import bench_workload
 from memkern.profile.plan import CATEGORIES, StepPlan, plan_training_step
 from memkern.profile.plan_report import MIB, format_plan, plan_chart
 from memkern.profile.targets import TARGETS
-from memkern.profile.workloads import (PATCH_OPTIONS, SHARDINGS, bench_workload, hf_config,
-                                       hf_workload)
+from memkern.profile.workloads import PATCH_OPTIONS, SHARDINGS, hf_config, hf_workload
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 OPTIMIZERS = ("adamw-fused", "adamw", "memkern-adamw", "memkern-adamw-8bit", "sharded")
@@ -112,8 +113,6 @@ def _plans(args: argparse.Namespace) -> list[tuple[str, StepPlan]]:
                 for name, patch in variants]
     if args.set or args.variant or args.sharding or args.world_size > 1:
         raise ValueError("--set, --variant, --sharding and --world-size go with --hf")
-    from memkern.bench.configs import DEFAULT_CONFIGS
-
     names = args.configs or [c for c in DEFAULT_CONFIGS if "compiled" not in c]
     return [(name, plan_training_step(bench_workload(name, args.size, batch=args.batch,
                                                      seq=args.seq), device=args.device))
