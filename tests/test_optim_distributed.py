@@ -30,6 +30,7 @@ import torch.distributed as dist
 import memkern as mk
 from memkern.optim.grad_buffer import ALIGN
 from memkern.profile import reachable_bytes
+from clean_exit import exit_without_finalizing
 from compare import params_rel_err
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -446,6 +447,7 @@ def worker(argv: list[str]) -> None:
             torch.save(result, os.path.join(args.out, f"{name}.{args.rank}.pt"))
     finally:
         dist.destroy_process_group()
+    exit_without_finalizing()
 
 
 # --------------------------------------------------------------------------------- launch
@@ -512,17 +514,20 @@ def shared(tmp_path_factory):
     return str(tmp_path_factory.mktemp("distributed"))
 
 
+LAUNCHES = {  # world size -> its scenarios, launched in this order (W=3 loads W=2's saves)
+    1: ["equivalence", "equivalence_8bit"],
+    2: ["equivalence", "hand_computed", "no_host_read", "memory", "overlap", "checkpoint_save",
+        "equivalence_8bit", "checkpoint_save_8bit"],
+    3: ["equivalence", "hand_computed", "memory", "checkpoint_load", "equivalence_8bit",
+        "checkpoint_load_8bit"],
+}
+
+
 @pytest.fixture(scope="module")
 def runs(seed, shared):
     """One launch per world size; W=2 saves the checkpoints W=3 loads."""
-    return {
-        1: launch(1, ["equivalence", "equivalence_8bit"], shared, seed),
-        2: launch(2, ["equivalence", "hand_computed", "no_host_read", "memory", "overlap",
-                      "checkpoint_save", "equivalence_8bit", "checkpoint_save_8bit"],
-                  shared, seed),
-        3: launch(3, ["equivalence", "hand_computed", "memory", "checkpoint_load",
-                      "equivalence_8bit", "checkpoint_load_8bit"], shared, seed),
-    }
+    return {world: launch(world, scenarios, shared, seed)
+            for world, scenarios in LAUNCHES.items()}
 
 
 # ---------------------------------------------------------------------------------- tests
