@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -303,7 +305,38 @@ def scenario_checkpoint_load(rank, world, seed, shared):
         opt.load_sharded(os.path.join(shared, "fresh"))
     except FileNotFoundError as e:
         results["fresh_error"] = str(e)
+    results["corrupted"] = load_corrupted(opt, rank, shared)
     return results
+
+
+def load_corrupted(opt, rank, shared) -> dict:
+    """Loads a copy of W=2's sharded checkpoint with one bit flipped in the last stored item
+    (which one rank alone checks): every rank must refuse it, and keep its state."""
+    from memkern.optim import checkpoint
+
+    bad = os.path.join(shared, "sharded-corrupted")
+    if rank == 0:
+        shutil.copytree(os.path.join(shared, "sharded"), bad)
+        with open(os.path.join(bad, checkpoint.MARKER)) as fh:
+            last = max(json.load(fh)["crc32"], key=lambda key: key.split(":")[0])
+        file, offset, length = last.rsplit(":", 2)
+        with open(os.path.join(bad, file), "r+b") as fh:
+            fh.seek(int(offset) + int(length) // 2)
+            byte = fh.read(1)[0]
+            fh.seek(int(offset) + int(length) // 2)
+            fh.write(bytes([byte ^ 4]))
+    dist.barrier()
+    before = opt.state_dict()
+    try:
+        opt.load_sharded(bad)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    after = opt.state_dict()
+    unchanged = all(torch.equal(before["state"][i][k], after["state"][i][k])
+                    for i in before["state"] for k in before["state"][i])
+    return {"error": error, "unchanged": unchanged and before["memkern"]["window"]["num_items"]
+            == after["memkern"]["window"]["num_items"]}
 
 
 HIDDEN_8BIT = 400
@@ -682,6 +715,9 @@ def test_interrupted_save_never_loads_silently_wrong(runs, shared):
     assert not os.path.exists(os.path.join(shared, "fresh"))
     for result in runs[3]["checkpoint_load"]:
         assert "not a complete memkern sharded checkpoint" in result["fresh_error"]
+    errors = {result["corrupted"]["error"] for result in runs[3]["checkpoint_load"]}
+    assert len(errors) == 1 and "is corrupted: bytes" in next(iter(errors)), errors
+    assert all(result["corrupted"]["unchanged"] for result in runs[3]["checkpoint_load"])
 
 
 def test_ranks_that_disagree_on_the_parameters_fail_fast(shared, seed):

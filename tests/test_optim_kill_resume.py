@@ -21,36 +21,36 @@ KILLS = ["zero2:backward:2:1", "zero2:step:5:0",
 """``<mode>:<point>:<window>:<rank>``: the seeded kills of the CI run."""
 
 
-def torchrun(directory: str, kills: list[str], restarts: int, timeout: float,
-             windows: int = WINDOWS, every: int = EVERY, slow: float = 0.0
-             ) -> subprocess.CompletedProcess:
-    """The training script in 2 processes under torchrun (a fresh port), ``kills`` armed."""
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1",
-           "MEMKERN_KILL_AT": ",".join(kills)}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--max-restarts", str(restarts), SCRIPT, "--dir", directory, "--windows", str(windows),
-         "--every", str(every), "--slow", str(slow)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+def torchrun_command(directory: str, restarts: int, windows: int = WINDOWS,
+                     every: int = EVERY, phases: str = "reference,resumed",
+                     slow: float = 0.0) -> list[str]:
+    """The training script in 2 processes under torchrun (a fresh port)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "2", "--max-restarts", str(restarts), SCRIPT, "--dir", directory, "--windows",
+            str(windows), "--every", str(every), "--phases", phases, "--slow", str(slow)]
+
+
+def torchrun_env(kills: list[str]) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1",
+            "MEMKERN_KILL_AT": ",".join(kills)}
 
 
 def lost_windows(directory: str, rank: int) -> dict[str, list[tuple[int, int]]]:
     """Per mode, ``(windows done when killed, window resumed at)`` per restart of the resumed
-    run, from the rank's log (the first start of a mode is its reference run's)."""
+    run, from the rank's log."""
     restarts: dict[str, list[tuple[int, int]]] = {}
-    runs: dict[str, int] = {}
-    done = 0
+    done: dict[str, int] = {}
     with open(os.path.join(directory, f"log.{rank}")) as fh:
         for line in fh:
-            mode, what, window = line.split()
+            mode, phase, what, window = line.split()
+            if phase != "resumed":
+                continue
             if what == "done":
-                done = int(window) + 1
-            elif runs.setdefault(mode, 0) < 2:  # the reference's start, the resumed's first
-                runs[mode] += 1
-                done = int(window)
-            else:
-                restarts.setdefault(mode, []).append((done, int(window)))
-                done = int(window)
+                done[mode] = int(window) + 1
+                continue
+            if mode in done:  # not the run's first start
+                restarts.setdefault(mode, []).append((done[mode], int(window)))
+            done[mode] = int(window)
     return restarts
 
 
@@ -87,7 +87,8 @@ def check_run(directory: str, modes: list[str], every: int) -> int:
 
 @pytest.mark.slow
 def test_killed_at_seeded_points_resumes_bit_for_bit(tmp_path):
-    run = torchrun(str(tmp_path), KILLS, restarts=len(KILLS), timeout=600)
+    run = subprocess.run(torchrun_command(str(tmp_path), restarts=len(KILLS)), cwd=REPO,
+                         env=torchrun_env(KILLS), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     fired = sum(len(open(tmp_path / f"fired.{r}").read().split())
                 for r in (0, 1) if os.path.exists(tmp_path / f"fired.{r}"))

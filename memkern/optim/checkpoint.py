@@ -358,10 +358,11 @@ def _check_header(state_io: StateIO, name: str, path: str, header: dict[str, Any
 
         def show(entries: list[tuple[Any, str]]) -> str:
             return (f"{entries[bad][0]} {entries[bad][1]}" if bad < len(entries) else "none")
+        counts = (f"{len(saved)} parameters, this optimizer has {len(here)}; "
+                  if len(saved) != len(here) else "")
         raise ValueError(
-            f"{name}: {path} was saved for another model: {len(saved)} parameters, this "
-            f"optimizer has {len(here)}; the first difference is parameter {bad} (saved "
-            f"{show(saved)}, here {show(here)})")
+            f"{name}: {path} was saved for another model: {counts}parameter {bad} was saved "
+            f"as {show(saved)}, here it is {show(here)}")
     algorithm = opt.algorithm.__name__
     if header["algorithm"] != algorithm:
         raise ValueError(f"{name}: {path} holds {header['algorithm']} state, this optimizer is "

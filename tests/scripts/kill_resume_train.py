@@ -11,7 +11,7 @@ For each mode, in ``DIR/<mode>/``: ``reference/`` (an uninterrupted run, made fi
 parameters and the full optimizer state dict). Modes already finished are skipped, so a
 restart goes on where it was. Each rank writes its pid to ``DIR/pids/<rank>`` at start (for a
 driver that kills it) and appends ``<mode> start <window>`` / ``<mode> done <window>`` to
-``DIR/log.<rank>``.
+``DIR/log.<rank>`` (``<mode> <reference|resumed> start|done <window>``).
 
 Kill points (``MEMKERN_KILL_AT``, comma-separated ``<mode>:<point>:<window>:<rank>``; each
 fires once: ``DIR/fired.<rank>`` lists those that did): the process SIGKILLs itself at ``backward`` (inside the backward pass, from a parameter's gradient hook),
@@ -149,7 +149,7 @@ def run(mode: str, where: str, args: argparse.Namespace, rank: int, killer: Kill
         start = int(state[0]["step"]) + opt.skipped_steps  # windows done (all closed)
         model.load_state_dict(torch.load(os.path.join(where, f"model-{start}.pt")))
     killer.watch(model)
-    log(args.dir, rank, f"{mode} start {start}")
+    log(args.dir, rank, f"{mode} {os.path.basename(where)} start {start}")
     for window in range(start, args.windows):
         killer.window = window
         killer.updates = 0
@@ -162,7 +162,7 @@ def run(mode: str, where: str, args: argparse.Namespace, rank: int, killer: Kill
             opt.backward(loss)
             opt.step()
             opt.zero_grad()
-        log(args.dir, rank, f"{mode} done {window}")
+        log(args.dir, rank, f"{mode} {os.path.basename(where)} done {window}")
         if (window + 1) % args.every == 0 and window + 1 < args.windows:
             done = window + 1
             if rank == 0:
@@ -186,6 +186,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--phases", default="reference,resumed",
+                        help="which runs: the uninterrupted reference, the resumed one")
     parser.add_argument("--windows", type=int, default=12)
     parser.add_argument("--every", type=int, default=4, help="checkpoint every k windows")
     parser.add_argument("--seed", type=int, default=0)
@@ -209,10 +211,9 @@ def main() -> None:
     killer.install()
     try:
         for mode in args.modes.split(","):
-            killer.mode = None
-            run(mode, os.path.join(args.dir, mode, "reference"), args, rank, killer)
-            killer.mode = mode
-            run(mode, os.path.join(args.dir, mode, "resumed"), args, rank, killer)
+            for phase in args.phases.split(","):
+                killer.mode = mode if phase == "resumed" else None
+                run(mode, os.path.join(args.dir, mode, phase), args, rank, killer)
     finally:
         dist.destroy_process_group()
     exit_without_finalizing()
