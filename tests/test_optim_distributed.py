@@ -773,6 +773,42 @@ def test_bad_process_group_is_named(tmp_path):
         dist.destroy_process_group()
 
 
+GLOO_THREADS_AFTER_DESTROY = """
+import gc, os, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+import memkern as mk
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1,
+                        timeout=timedelta(seconds=60))
+model = torch.nn.Linear(13, 5)
+opt = mk.optim.ShardedOptimizer(model.parameters(), "sgd", lr=0.05, zero_stage=2)
+opt.backward(model(torch.randn(4, 13)).sum())
+opt.step()
+del opt, model
+gc.collect()
+dist.destroy_process_group()
+gc.collect()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(sum(name.startswith("pt_gloo") for name in names))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_gloo_threads_outlive_destroy_process_group(tmp_path):
+    """The cause clean_exit.exit_without_finalizing works around: in a process that built a
+    ShardedOptimizer, gloo's worker threads still run after destroy_process_group (torch keeps
+    references to the default group), so they can release a collective's tensors during the
+    interpreter's finalization. Should this fail, torch now joins them there: the workers may
+    then exit normally."""
+    run = subprocess.run([sys.executable, "-c", GLOO_THREADS_AFTER_DESTROY,
+                          new_store(str(tmp_path))], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert int(run.stdout.split()[-1]) > 0
+
+
 @pytest.mark.cuda
 def test_offload_from_a_gpu_equals_the_gpu_run():
     """offload="cpu" with the model on a GPU (side-stream copies, pinned memory, the CPU
