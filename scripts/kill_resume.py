@@ -6,11 +6,11 @@ randomised, long form of ``tests/test_optim_kill_resume.py``.
 Runs ``tests/scripts/kill_resume_train.py`` (ZeRO-2, and ZeRO-2 with ``offload="cpu"`` and
 8-bit state; a checkpoint every ``--every`` windows) once without kills, as the reference, then
 ``--runs`` times under ``torchrun --max-restarts`` while this driver SIGKILLs a random rank
-after random delays (uniform in ``--gap`` seconds), up to ``--kills`` times a run: whatever
-the rank is doing (importing, backward, the step, the host step, a checkpoint's writes or
-renames, a load). Each run must end with parameters and optimizer state equal to the
-reference's bit for bit, every restart resuming at a checkpoint with at most ``--every``
-windows lost. Prints one line per run and the totals; exits 1 on any failure.
+after a random delay (uniform in ``--gap`` seconds) once it trains again, up to ``--kills``
+times a run: whatever the rank is doing then (backward, the step, the host step, a
+checkpoint's writes or renames, a collective). Each run must end with parameters and
+optimizer state equal to the reference's bit for bit, every restart resuming at a checkpoint
+with at most ``--every`` windows lost. Prints one line per run and the totals; exits 1 on any failure.
 """
 from __future__ import annotations
 
@@ -33,12 +33,24 @@ from test_optim_kill_resume import (check_run, torchrun_command,  # noqa: E402
 MODES = ["zero2", "offload-8bit"]
 
 
+def starts(directory: str) -> int:
+    """How many times rank 0 has started training (its log's ``start`` lines)."""
+    try:
+        with open(os.path.join(directory, "log.0")) as fh:
+            return sum(" start " in line for line in fh)
+    except OSError:
+        return 0
+
+
 def kill_randomly(proc: subprocess.Popen, directory: str, kills: int, gap: tuple[float, float],
                   rng: random.Random) -> int:
-    """SIGKILLs a random rank of the run after random delays until ``kills`` were sent or the
-    run ended; returns the kills sent."""
-    sent = 0
+    """Once the run trains (again), SIGKILLs a random rank after a random delay; until
+    ``kills`` were sent or the run ended. Returns the kills sent."""
+    sent = seen = 0
     while sent < kills and proc.poll() is None:
+        while starts(directory) == seen and proc.poll() is None:
+            time.sleep(0.2)  # the (restarted) ranks are importing, loading
+        seen = starts(directory)
         time.sleep(rng.uniform(*gap))
         rank = rng.randrange(2)
         try:

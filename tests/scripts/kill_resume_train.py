@@ -14,11 +14,11 @@ driver that kills it) and appends ``<mode> start <window>`` / ``<mode> done <win
 ``DIR/log.<rank>`` (``<mode> <reference|resumed> start|done <window>``).
 
 Kill points (``MEMKERN_KILL_AT``, comma-separated ``<mode>:<point>:<window>:<rank>``; each
-fires once: ``DIR/fired.<rank>`` lists those that did): the process SIGKILLs itself at ``backward`` (inside the backward pass, from a parameter's gradient hook),
-``step`` (inside the optimizer's update, after its first segment: the fused step, or the host
-step with offload), ``marked`` (a checkpoint written and marked complete, not yet renamed into
-place) and ``renamed`` (the previous checkpoint moved aside, the new one not yet in its
-place). The hooks live here, not in memkern.
+fires once: ``DIR/fired.<rank>`` lists those that did): the process SIGKILLs itself at
+``backward`` (inside the backward pass, from a parameter's gradient hook), ``step`` (inside
+the optimizer's update, after its first segment: the fused step, or the host step with
+offload), ``marked`` (a checkpoint written and marked complete, not yet renamed into place)
+and ``renamed`` (the previous checkpoint moved aside, the new one not yet in its place). The hooks live here, not in memkern.
 """
 from __future__ import annotations
 
