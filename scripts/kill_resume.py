@@ -10,7 +10,8 @@ after a random delay (uniform in ``--gap`` seconds) once it trains again, up to 
 times a run: whatever the rank is doing then (backward, the step, the host step, a
 checkpoint's writes or renames, a collective). Each run must end with parameters and
 optimizer state equal to the reference's bit for bit, every restart resuming at a checkpoint
-with at most ``--every`` windows lost. Prints one line per run and the totals; exits 1 on any failure.
+with at most ``--every`` windows lost. Prints one line per run and the totals; exits 1 on any
+failure.
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ fires once: ``DIR/fired.<rank>`` lists those that did): the process SIGKILLs its
 ``backward`` (inside the backward pass, from a parameter's gradient hook), ``step`` (inside
 the optimizer's update, after its first segment: the fused step, or the host step with
 offload), ``marked`` (a checkpoint written and marked complete, not yet renamed into place)
-and ``renamed`` (the previous checkpoint moved aside, the new one not yet in its place). The hooks live here, not in memkern.
+and ``renamed`` (the previous checkpoint moved aside, the new one not yet in its place).
+The hooks live here, not in memkern.
 """
 from __future__ import annotations
 
