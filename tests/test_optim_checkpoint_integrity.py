@@ -130,6 +130,19 @@ def test_every_random_bit_flip_is_refused(saved, target, tmp_path):
         assert str(bad / name) in message or name == checkpoint.MARKER, (name, offset, message)
 
 
+def test_a_bit_flip_at_every_byte_of_the_marker_is_refused(saved, target, tmp_path):
+    """The marker holds the checksums (and its own): a flip anywhere in it, even in a field
+    the load does not use, is refused."""
+    bad = copy_of(saved, tmp_path)
+    raw = (saved / checkpoint.MARKER).read_bytes()
+    rng = random.Random(int(torch.randint(2**31, ())))
+    for offset in range(len(raw)):
+        flipped = bytearray(raw)
+        flipped[offset] ^= 1 << rng.randrange(8)
+        (bad / checkpoint.MARKER).write_bytes(bytes(flipped))
+        refused(target, bad, ValueError, f"{bad / checkpoint.MARKER}")
+
+
 def test_another_model_is_named(tmp_path, target):
     model, opt = make(hidden=22)
     train(model, opt, 1, 2)

@@ -18,7 +18,8 @@ Format (``memkern-sharded-optimizer/2``): a DCP checkpoint directory with
 ``window.<i>.<start>``             the same for the open window's gradient, summed over ranks
 ``memkern-complete.json``          written last (see below): the format, the memkern version,
                                    the CRC-32 of DCP's ``.metadata`` file and of every item's
-                                   bytes in the data files (file, offset, length)
+                                   bytes in the data files (file, offset, length), and of
+                                   its own other fields
 =================================  ========================================================
 
 Pieces are named in per-parameter coordinates, which do not depend on the world size or the
@@ -177,10 +178,16 @@ def _checksums(state_io: StateIO, directory: str, name: str) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------------- publish
+def _marker_crc(marker: dict[str, Any]) -> int:
+    """The CRC-32 of the marker's fields but its own (sorted JSON)."""
+    fields = {k: v for k, v in marker.items() if k != "marker_crc32"}
+    return zlib.crc32(json.dumps(fields, sort_keys=True).encode())
+
+
 def _publish(staging: str, path: str, marker: dict[str, Any]) -> None:
     """Marks ``staging`` complete and publishes it as ``path``."""
     with open(os.path.join(staging, MARKER), "w") as fh:
-        json.dump(marker, fh)
+        json.dump({**marker, "marker_crc32": _marker_crc(marker)}, fh)
         fh.flush()
         os.fsync(fh.fileno())
     _finish_publish(staging, path)
@@ -315,6 +322,12 @@ def _read_marker(name: str, path: str) -> dict[str, Any]:
             + (": format 1 was never released and has no checksums; resume from a checkpoint "
                "written by this version" if fmt == "memkern-sharded-optimizer/1" else "")
         )
+    crcs = marker.get("crc32")
+    if not (isinstance(marker.get("metadata_crc32"), int) and isinstance(crcs, dict)
+            and all(isinstance(v, int) for v in crcs.values())
+            and marker.get("marker_crc32") == _marker_crc(marker)):
+        raise ValueError(f"{name}: {file} does not match its own CRC-32 or lacks the "
+                         "checkpoint's checksums: a corrupted checkpoint")
     return marker
 
 
