@@ -5,9 +5,9 @@ import sys
 
 
 def exit_without_finalizing() -> None:
-    """Ends a finished worker without the interpreter's finalization. torch keeps the default
-    process group alive past destroy_process_group (modules imported on the way, e.g. DTensor's,
-    hold references), so gloo's worker threads still run; one that releases a finished
+    """Ends a finished worker without the interpreter's finalization. The default process group
+    outlives destroy_process_group (references taken while torch lazily imports its distributed
+    modules outlive the optimizer), so gloo's worker threads still run; one that releases a finished
     collective late frees its tensors, which needs the GIL, and Python 3.11-3.13 end a thread
     that asks for the GIL during finalization with pthread_exit: its unwinding through a
     noexcept destructor (~AsyncAllgatherWork) calls std::terminate ("terminate called without
