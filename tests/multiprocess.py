@@ -33,6 +33,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from clean_exit import exit_without_finalizing
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH_TIMEOUT = 300
 GRACE = 10
@@ -80,6 +82,7 @@ def worker(argv: list[str], scenarios: dict[str, Scenario]) -> None:
             torch.save(result, os.path.join(args.out, f"{name}.{args.rank}.pt"))
     finally:
         dist.destroy_process_group()
+    exit_without_finalizing()
 
 
 def new_store(parent: str) -> str:

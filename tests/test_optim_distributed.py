@@ -12,7 +12,11 @@ compare (the harness, with its timeouts and per-rank error reports, is tests/mul
 from __future__ import annotations
 
 import copy
+import json
 import os
+import shutil
+import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
@@ -293,7 +297,38 @@ def scenario_checkpoint_load(rank, world, seed, shared):
         opt.load_sharded(os.path.join(shared, "fresh"))
     except FileNotFoundError as e:
         results["fresh_error"] = str(e)
+    results["corrupted"] = load_corrupted(opt, rank, shared)
     return results
+
+
+def load_corrupted(opt, rank, shared) -> dict:
+    """Loads a copy of W=2's sharded checkpoint with one bit flipped in the last stored item
+    (which one rank alone checks): every rank must refuse it, and keep its state."""
+    from memkern.optim import checkpoint
+
+    bad = os.path.join(shared, "sharded-corrupted")
+    if rank == 0:
+        shutil.copytree(os.path.join(shared, "sharded"), bad)
+        with open(os.path.join(bad, checkpoint.MARKER)) as fh:
+            last = max(json.load(fh)["crc32"], key=lambda key: key.split(":")[0])
+        file, offset, length = last.rsplit(":", 2)
+        with open(os.path.join(bad, file), "r+b") as fh:
+            fh.seek(int(offset) + int(length) // 2)
+            byte = fh.read(1)[0]
+            fh.seek(int(offset) + int(length) // 2)
+            fh.write(bytes([byte ^ 4]))
+    dist.barrier()
+    before = opt.state_dict()
+    try:
+        opt.load_sharded(bad)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    after = opt.state_dict()
+    unchanged = all(torch.equal(before["state"][i][k], after["state"][i][k])
+                    for i in before["state"] for k in before["state"][i])
+    return {"error": error, "unchanged": unchanged and before["memkern"]["window"]["num_items"]
+            == after["memkern"]["window"]["num_items"]}
 
 
 HIDDEN_8BIT = 400
@@ -452,17 +487,20 @@ def shared(tmp_path_factory):
     return str(tmp_path_factory.mktemp("distributed"))
 
 
+LAUNCHES = {  # world size -> its scenarios, launched in this order (W=3 loads W=2's saves)
+    1: ["equivalence", "equivalence_8bit"],
+    2: ["equivalence", "hand_computed", "no_host_read", "memory", "overlap", "checkpoint_save",
+        "equivalence_8bit", "checkpoint_save_8bit"],
+    3: ["equivalence", "hand_computed", "memory", "checkpoint_load", "equivalence_8bit",
+        "checkpoint_load_8bit"],
+}
+
+
 @pytest.fixture(scope="module")
 def runs(seed, shared):
     """One launch per world size; W=2 saves the checkpoints W=3 loads."""
-    return {
-        1: launch(1, ["equivalence", "equivalence_8bit"], shared, seed),
-        2: launch(2, ["equivalence", "hand_computed", "no_host_read", "memory", "overlap",
-                      "checkpoint_save", "equivalence_8bit", "checkpoint_save_8bit"],
-                  shared, seed),
-        3: launch(3, ["equivalence", "hand_computed", "memory", "checkpoint_load",
-                      "equivalence_8bit", "checkpoint_load_8bit"], shared, seed),
-    }
+    return {world: launch(world, scenarios, shared, seed)
+            for world, scenarios in LAUNCHES.items()}
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -617,6 +655,9 @@ def test_interrupted_save_never_loads_silently_wrong(runs, shared):
     assert not os.path.exists(os.path.join(shared, "fresh"))
     for result in runs[3]["checkpoint_load"]:
         assert "not a complete memkern sharded checkpoint" in result["fresh_error"]
+    errors = {result["corrupted"]["error"] for result in runs[3]["checkpoint_load"]}
+    assert len(errors) == 1 and "is corrupted: bytes" in next(iter(errors)), errors
+    assert all(result["corrupted"]["unchanged"] for result in runs[3]["checkpoint_load"])
 
 
 def test_ranks_that_disagree_on_the_parameters_fail_fast(shared, seed):
@@ -670,6 +711,42 @@ def test_bad_process_group_is_named(tmp_path):
             mk.optim.ShardedOptimizer(make_model(0).parameters(), lr=1e-3, process_group="world")
     finally:
         dist.destroy_process_group()
+
+
+GLOO_THREADS_AFTER_DESTROY = """
+import gc, os, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+import memkern as mk
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1,
+                        timeout=timedelta(seconds=60))
+model = torch.nn.Linear(13, 5)
+opt = mk.optim.ShardedOptimizer(model.parameters(), "sgd", lr=0.05, zero_stage=2)
+opt.backward(model(torch.randn(4, 13)).sum())
+opt.step()
+del opt, model
+gc.collect()
+dist.destroy_process_group()
+gc.collect()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(sum(name.startswith("pt_gloo") for name in names))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_gloo_threads_outlive_destroy_process_group(tmp_path):
+    """The cause clean_exit.exit_without_finalizing works around: in a process that built a
+    ShardedOptimizer, gloo's worker threads still run after destroy_process_group (torch keeps
+    references to the default group), so they can release a collective's tensors during the
+    interpreter's finalization. Should this fail, torch now joins them there: the workers may
+    then exit normally."""
+    run = subprocess.run([sys.executable, "-c", GLOO_THREADS_AFTER_DESTROY,
+                          multiprocess.new_store(str(tmp_path))], cwd=multiprocess.REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": multiprocess.REPO}, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert int(run.stdout.split()[-1]) > 0
 
 
 @pytest.mark.cuda

@@ -471,15 +471,15 @@ class FlatOptimizer(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _adopt_param_groups(self, saved_groups: list[dict[str, Any]],
-                            name: str) -> dict[Any, torch.Tensor]:
-        """Takes the saved param groups' hyper-parameters; returns saved id -> parameter."""
-        saved_groups = copy.deepcopy(saved_groups)
+    def _check_param_groups(self, saved_groups: list[dict[str, Any]], name: str,
+                            source: str) -> None:
+        """Raises ValueError (its message starting with ``name: source``) if saved param
+        groups cannot be loaded into this optimizer: other sizes or state precisions."""
         saved_sizes = [len(g["params"]) for g in saved_groups]
         sizes = [len(g["params"]) for g in self.param_groups]
         if saved_sizes != sizes:
             raise ValueError(
-                f"{name}: state_dict has param groups of sizes {saved_sizes}, this optimizer "
+                f"{name}: {source}has param groups of sizes {saved_sizes}, this optimizer "
                 f"{sizes}; it was saved for another model or another param-group split"
             )
         for i, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
@@ -487,10 +487,16 @@ class FlatOptimizer(torch.optim.Optimizer):
             precision = g.get("state_precision", "32bit")
             if saved_precision != precision:
                 raise ValueError(
-                    f"{name}: param group {i} was saved with state_precision={saved_precision!r}"
-                    f" but this optimizer has state_precision={precision!r}; build the "
-                    f"optimizer with state_precision={saved_precision!r} to load it"
+                    f"{name}: {source}param group {i} was saved with state_precision="
+                    f"{saved_precision!r} but this optimizer has state_precision={precision!r};"
+                    f" build the optimizer with state_precision={saved_precision!r} to load it"
                 )
+
+    def _adopt_param_groups(self, saved_groups: list[dict[str, Any]],
+                            name: str) -> dict[Any, torch.Tensor]:
+        """Takes the saved param groups' hyper-parameters; returns saved id -> parameter."""
+        self._check_param_groups(saved_groups, name, "state_dict ")
+        saved_groups = copy.deepcopy(saved_groups)
         id_map = {
             saved: p
             for sg, g in zip(saved_groups, self.param_groups)
