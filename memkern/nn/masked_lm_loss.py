@@ -1,0 +1,168 @@
+"""The training loss of a ``transformers`` masked LM through memkern's fused linear cross-entropy.
+
+A ``transformers`` masked LM (BERT, RoBERTa, XLM-R, ELECTRA, DeBERTa-v2 ``*ForMaskedLM``) runs
+its encoder, then a head — a transform (dense -> activation -> LayerNorm) and the decoder to
+the vocabulary (``get_output_embeddings()``, tied to the input embeddings) — on every token,
+and takes the cross-entropy of the ``[tokens, vocab]`` logits with ``labels`` (-100: not a
+masked token, ignored). About 85% of the labels are -100, and the logits (XLM-R: 250,002 per
+token) are the largest tensors of the step.
+
+:func:`fuse_masked_lm_loss` changes the training call (train mode, ``labels`` given) without
+touching transformers' code:
+
+* a forward pre-hook on the model takes ``labels`` out of the call (the model then computes no
+  loss of its own) and opens a fused call;
+* a forward hook on the encoder (``model.base_model``) keeps only the labelled rows of its
+  output, ``[n_labelled, hidden]``, so that the head's transform runs on those rows only;
+* the decoder (a memkern class of its ``nn.Linear``, as for causal LMs,
+  :mod:`memkern.nn.causal_lm_loss`) keeps its input and returns a placeholder that takes no
+  memory instead of logits;
+* a forward hook on the model computes the loss with
+  :func:`memkern.nn.functional.linear_cross_entropy` from the decoder's input, weight and bias
+  and the labelled rows' labels — the mean over labelled tokens, as ``CrossEntropyLoss()`` —
+  and returns the output with that ``loss`` and ``logits=None``.
+
+Without labels, or in eval mode, the model computes its logits (and loss) as before.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from memkern.nn.causal_lm_loss import _CALL, _HEADS, _FusedCall
+from memkern.nn.functional._common import autocast_enabled
+from memkern.nn.functional.linear_cross_entropy import linear_cross_entropy
+
+IGNORE_INDEX = -100
+"""The label of unmasked tokens (``CrossEntropyLoss``'s default ignore_index)."""
+
+_FUSED = "_memkern_mlm_fused"
+
+
+@dataclasses.dataclass
+class _MaskedCall(_FusedCall):
+    labels: torch.Tensor | None = None
+    rows: torch.Tensor | None = None  # indices of the labelled tokens
+
+
+def _bind_labels(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict, Any]:
+    """(args, kwargs) with ``labels`` set to None, and the labels given (None: none)."""
+    if "labels" in kwargs:
+        labels = kwargs["labels"]
+        return args, {**kwargs, "labels": None}, labels
+    if not args:
+        return args, kwargs, None
+    bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    labels = bound.arguments.get("labels")
+    if labels is None:
+        return args, kwargs, None
+    bound.arguments["labels"] = None
+    return bound.args, bound.kwargs, labels
+
+
+def _open_call(model: nn.Module, args: tuple, kwargs: dict):
+    head = model.get_output_embeddings()
+    if not model.training or type(head) not in _HEADS.values():
+        return None
+    args, kwargs, labels = _bind_labels(model, args, kwargs)
+    if labels is None:
+        return None
+    call = _MaskedCall(softcap=None, labels=labels)
+    for m in (model, head, model.base_model):
+        m.__dict__[_CALL] = call
+    return args, kwargs
+
+
+def _keep_labelled_rows(base: nn.Module, args: tuple, output: Any) -> Any:
+    call = base.__dict__.get(_CALL)
+    if call is None or output is None or call.rows is not None:
+        return None
+    hidden = output[0]
+    labels = call.labels.to(hidden.device).reshape(-1)
+    if labels.numel() != hidden.shape[:-1].numel():
+        raise ValueError(f"memkern.patch: labels have {labels.numel()} elements but the encoder "
+                         f"output {tuple(hidden.shape[:-1])} tokens")
+    call.rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+    kept = hidden.reshape(-1, hidden.shape[-1]).index_select(0, call.rows)
+    if isinstance(output, tuple):
+        return (kept, *output[1:])
+    output[next(iter(output.keys()))] = kept
+    return output
+
+
+def _close_call(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    call = model.__dict__.pop(_CALL, None)
+    if call is None:
+        return None
+    head = model.get_output_embeddings()
+    head.__dict__.pop(_CALL, None)
+    model.base_model.__dict__.pop(_CALL, None)
+    if output is None:  # the forward raised: only restore
+        return None
+    if call.placeholder is None or call.rows is None:
+        raise RuntimeError(
+            f"memkern.patch: {type(model).__name__}.forward did not run its encoder and then its "
+            "output layer, so the fused masked-LM loss cannot be computed; patch it with "
+            "memkern.patch(model, loss=False)")
+    hidden, call.hidden = call.hidden, None
+    weight, bias = head.weight, head.bias
+    dtype = (torch.get_autocast_dtype(hidden.device.type)
+             if autocast_enabled(hidden.device.type)  # as F.linear would compute
+             else torch.promote_types(hidden.dtype, weight.dtype))
+    target = call.labels.to(hidden.device).reshape(-1).index_select(0, call.rows)
+    loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype),
+                                target, None if bias is None else bias.to(dtype),
+                                ignore_index=IGNORE_INDEX)
+    if isinstance(output, tuple):
+        return (loss, *(None if o is call.placeholder else o for o in output))
+    fields = {k: v for k, v in output.items() if v is not call.placeholder}
+    return type(output)(**{**fields, "loss": loss, "logits": None})
+
+
+def _why_not_fusable(model: nn.Module) -> str | None:
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or type(head) not in (*_HEADS, *_HEADS.values()):
+        return "no nn.Linear output layer (get_output_embeddings)"
+    base = getattr(model, "base_model", model)
+    if base is model:
+        return "no encoder (base_model) to take the labelled rows from"
+    if "labels" not in inspect.signature(model.forward).parameters:
+        return "its forward takes no labels"
+    return None
+
+
+def _is_masked_lm(model: nn.Module) -> bool:
+    """transformers' own classification of ``model``: its loss type is the masked-LM loss."""
+    loss_function = getattr(type(model), "loss_function", None)
+    return (isinstance(loss_function, property)
+            and getattr(getattr(model, "loss_function", None), "__name__", "") == "ForMaskedLMLoss")
+
+
+def fuse_masked_lm_loss(model: nn.Module) -> tuple[str, str, str] | str | None:
+    """Route a ``transformers`` masked LM's training loss through the fused linear
+    cross-entropy on its labelled rows (in place; see the module docstring).
+
+    Returns ``(name of the output layer, old class, new class)`` when it did, the reason when a
+    masked LM cannot be fused, and None when ``model`` is not a ``transformers`` masked LM (or
+    was fused by an earlier call).
+    """
+    if (model.__dict__.get(_FUSED) or not callable(getattr(model, "get_output_embeddings", None))
+            or not _is_masked_lm(model)):
+        return None
+    why = _why_not_fusable(model)
+    if why is not None:
+        return why
+    head = model.get_output_embeddings()
+    old = type(head)
+    if old in _HEADS:
+        head.__class__ = _HEADS[old]
+    model.register_forward_pre_hook(_open_call, with_kwargs=True)
+    model.base_model.register_forward_hook(_keep_labelled_rows)
+    model.register_forward_hook(_close_call, with_kwargs=True, always_call=True)
+    model.__dict__[_FUSED] = True
+    name = next(n for n, m in model.named_modules() if m is head)
+    return name, f"{old.__module__}.{old.__qualname__}", f"memkern.nn.causal_lm_loss.{type(head).__qualname__}"
