@@ -22,6 +22,11 @@ touching transformers' code:
   and the labelled rows' labels — the mean over labelled tokens, as ``CrossEntropyLoss()`` —
   and returns the output with that ``loss`` and ``logits=None``.
 
+Saved for backward by the head and loss: the labelled rows' encoder output, the transform's
+tensors for those rows, and per labelled row the loss's input gradient and log-sum-exp; never
+a ``[tokens, vocab]`` tensor, nor a ``[vocab, hidden]`` one (the decoder's weight gradient is
+computed in the backward, recomputing the labelled rows' logits by blocks of the vocabulary).
+
 Without labels, or in eval mode, the model computes its logits (and loss) as before.
 """
 from __future__ import annotations
@@ -114,9 +119,13 @@ def _close_call(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any
              if autocast_enabled(hidden.device.type)  # as F.linear would compute
              else torch.promote_types(hidden.dtype, weight.dtype))
     target = call.labels.to(hidden.device).reshape(-1).index_select(0, call.rows)
-    loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype),
-                                target, None if bias is None else bias.to(dtype),
-                                ignore_index=IGNORE_INDEX)
+    # Per-row losses, then their mean: the weight gradient is computed in the backward from the
+    # few labelled rows (one more [rows, vocab] GEMM, by blocks) instead of being accumulated
+    # in the forward and held, [vocab, hidden], until the backward.
+    losses = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).to(dtype),
+                                  weight.to(dtype), target, None if bias is None else bias.to(dtype),
+                                  ignore_index=IGNORE_INDEX, reduction="none")
+    loss = losses.sum() / target.numel()
     if isinstance(output, tuple):
         return (loss, *(None if o is call.placeholder else o for o in output))
     fields = {k: v for k, v in output.items() if v is not call.placeholder}
