@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memkern import _fake
 from memkern.nn.causal_lm_loss import _CALL, _HEADS, _FusedCall
 from memkern.nn.functional._common import autocast_enabled
 from memkern.nn.functional.linear_cross_entropy import linear_cross_entropy
@@ -52,6 +53,7 @@ _FUSED = "_memkern_mlm_fused"
 class _MaskedCall(_FusedCall):
     labels: torch.Tensor | None = None
     rows: torch.Tensor | None = None  # indices of the labelled tokens
+    target: torch.Tensor | None = None  # their labels
 
 
 def _bind_labels(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict, Any]:
@@ -82,16 +84,35 @@ def _open_call(model: nn.Module, args: tuple, kwargs: dict):
     return args, kwargs
 
 
+def _rows(labels: torch.Tensor) -> torch.Tensor:
+    """The indices of the labelled tokens (in ``labels.reshape(-1)``)."""
+    return (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+def _target(labels: torch.Tensor) -> torch.Tensor:
+    """The labelled tokens' labels."""
+    flat = labels.reshape(-1)
+    return flat[flat != IGNORE_INDEX]
+
+
 def _keep_labelled_rows(base: nn.Module, args: tuple, output: Any) -> Any:
     call = base.__dict__.get(_CALL)
     if call is None or output is None or call.rows is not None:
         return None
     hidden = output[0]
-    labels = call.labels.to(hidden.device).reshape(-1)
-    if labels.numel() != hidden.shape[:-1].numel():
-        raise ValueError(f"memkern.patch: labels have {labels.numel()} elements but the encoder "
-                         f"output {tuple(hidden.shape[:-1])} tokens")
-    call.rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+    if call.labels.numel() != hidden.shape[:-1].numel():
+        raise ValueError(f"memkern.patch: labels have {call.labels.numel()} elements but the "
+                         f"encoder output {tuple(hidden.shape[:-1])} tokens")
+    if _fake.is_fake(call.labels):  # planned on fake tensors: the rows depend on the data
+        real = _fake.data_of(call.labels)
+        if real is None:
+            raise ValueError("memkern.patch: a masked LM's fused loss keeps the labelled rows, "
+                             "whose number fake labels do not say; plan with labels made by "
+                             "memkern._fake.fake_with_data(real_labels)")
+        call.rows, call.target = (_fake.computed_on_host(f, real) for f in (_rows, _target))
+    else:
+        labels = call.labels.to(hidden.device)
+        call.rows, call.target = _rows(labels), _target(labels)
     kept = hidden.reshape(-1, hidden.shape[-1]).index_select(0, call.rows)
     if isinstance(output, tuple):
         return (kept, *output[1:])
@@ -118,7 +139,7 @@ def _close_call(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any
     dtype = (torch.get_autocast_dtype(hidden.device.type)
              if autocast_enabled(hidden.device.type)  # as F.linear would compute
              else torch.promote_types(hidden.dtype, weight.dtype))
-    target = call.labels.to(hidden.device).reshape(-1).index_select(0, call.rows)
+    target = call.target
     # Per-row losses, then their mean: the weight gradient is computed in the backward from the
     # few labelled rows (one more [rows, vocab] GEMM, by blocks) instead of being accumulated
     # in the forward and held, [vocab, hidden], until the backward.
