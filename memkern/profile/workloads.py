@@ -186,7 +186,7 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
     ``autocast``: the forward runs under ``torch.autocast(<the planned device>, dtype=autocast)``
     (AMP: float32 parameters, ``torch.float16`` or ``torch.bfloat16`` matmuls).
     """
-    import transformers  # noqa: F401  (the config's model classes)
+    from transformers.initialization import no_init_weights
 
     import memkern
 
@@ -198,7 +198,10 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
     model_class = _model_class(config, task)
 
     def make() -> TrainingSetup:
-        with on_host():  # built on the CPU in float32, then moved (and cast) to the device
+        # built on the CPU in float32, then moved (and cast) to the device; the weights'
+        # initial values do not matter to a plan (ViT's truncated-normal init cannot run on
+        # fake tensors)
+        with on_host(), no_init_weights():
             model = model_class(config)
         model = model.to(dtype=dtype).train()
         if gradient_checkpointing:
