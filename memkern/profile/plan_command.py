@@ -23,11 +23,10 @@ import torch
 from memkern.profile.plan import CATEGORIES, StepPlan, plan_training_step
 from memkern.profile.plan_report import MIB, format_plan, plan_chart
 from memkern.profile.targets import TARGETS
-from memkern.profile.workloads import (PATCH_OPTIONS, TASKS, bench_workload, default_seq,
-                                       hf_config, hf_workload)
+from memkern.profile.workloads import (OPTIMIZERS, PATCH_OPTIONS, TASKS, bench_workload,
+                                       default_seq, hf_config, hf_workload)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-OPTIMIZERS = ("adamw-fused", "adamw", "memkern-adamw", "sharded")
 
 
 def _variant(text: str) -> tuple[str, dict | None]:
@@ -91,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser, size_choices, config_names,
                         help="with --hf: parameter dtype (default: bfloat16)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw-fused",
                         help="with --hf: torch AdamW fused (default) or foreach, memkern's "
-                        "FusedAdamW, or ShardedOptimizer")
+                        "FusedAdamW (8-bit state: memkern-adamw-8bit), or ShardedOptimizer")
     parser.add_argument("--plot", metavar="PATH", type=chart_file,
                         help="write a bar chart of each peak by category (PNG, or another "
                         "format by the file's suffix)")

@@ -106,6 +106,9 @@ def _parse(text: str) -> tuple[str, object]:
         return key.strip(), value
 
 
+OPTIMIZERS = ("adamw-fused", "adamw", "memkern-adamw", "memkern-adamw-8bit", "sharded")
+"""The optimizers :func:`hf_workload` builds."""
+
 TASKS = {
     "causal-lm": "AutoModelForCausalLM",
     "masked-lm": "AutoModelForMaskedLM",
@@ -180,8 +183,9 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
     ``patch``: None (plain transformers) or the keyword arguments of :func:`memkern.patch`
     (``{}`` for its defaults, ``{"recompute": "full"}``, ``{"mlp": False}``...).
     ``optimizer``: "adamw-fused" (``torch.optim.AdamW(fused=True)``), "adamw" (foreach),
-    "memkern-adamw" (:class:`memkern.optim.FusedAdamW`) or "sharded" (
-    :class:`memkern.optim.ShardedOptimizer`, AdamW, dynamic loss scale, clipping at 1.0).
+    "memkern-adamw" (:class:`memkern.optim.FusedAdamW`), "memkern-adamw-8bit" (its 8-bit
+    state) or "sharded" (:class:`memkern.optim.ShardedOptimizer`, AdamW, dynamic loss scale,
+    clipping at 1.0).
     ``gradient_checkpointing``: transformers' own (``model.gradient_checkpointing_enable()``).
     ``autocast``: the forward runs under ``torch.autocast(<the planned device>, dtype=autocast)``
     (AMP: float32 parameters, ``torch.float16`` or ``torch.bfloat16`` matmuls).
@@ -190,9 +194,8 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
 
     import memkern
 
-    optimizers = ("adamw-fused", "adamw", "memkern-adamw", "sharded")
-    if optimizer not in optimizers:
-        raise ValueError(f"optimizer={optimizer!r}: choose from {', '.join(optimizers)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: choose from {', '.join(OPTIMIZERS)}")
     if task not in TASKS:
         raise ValueError(f"task={task!r}: choose from {', '.join(TASKS)}")
     model_class = _model_class(config, task)
@@ -216,6 +219,8 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
             opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
         elif optimizer == "memkern-adamw":
             opt = memkern.optim.FusedAdamW(params, lr=1e-4)
+        elif optimizer == "memkern-adamw-8bit":
+            opt = memkern.optim.FusedAdamW(params, lr=1e-4, state_precision="8bit")
         else:
             opt = sharded = memkern.optim.ShardedOptimizer(
                 params, "adamw", lr=1e-4, loss_scale="dynamic", max_grad_norm=1.0)
