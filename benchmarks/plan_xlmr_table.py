@@ -9,7 +9,9 @@ Rows (each a :func:`memkern.profile.plan_training_step` of ``hf_workload(task=
 * ``amp+ckpt``: and transformers' gradient checkpointing (``gradient_checkpointing_enable()``);
 * ``amp+patch``: ``memkern.patch(model)`` instead of checkpointing;
 * ``amp+patch+8bit``: and memkern's FusedAdamW with 8-bit state;
-* ``amp+patch-full+8bit``: and ``memkern.patch(model, recompute="full")``.
+* ``amp+patch-full+8bit``: and ``memkern.patch(model, recompute="full")``;
+* ``amp+ckpt+patch+8bit``: transformers' gradient checkpointing, ``memkern.patch`` and the
+  8-bit state together.
 
 Columns: the peak a GPU's ``torch.cuda.max_memory_allocated()`` would report, and what the
 caching allocator reserved by the end (what ``nvidia-smi`` shows, less the CUDA context's few
@@ -48,6 +50,8 @@ ROWS = {
     "amp+patch": dict(autocast=torch.float16, patch={}),
     "amp+patch+8bit": dict(autocast=torch.float16, patch={}, optimizer="memkern-adamw-8bit"),
     "amp+patch-full+8bit": dict(autocast=torch.float16, patch={"recompute": "full"},
+                                optimizer="memkern-adamw-8bit"),
+    "amp+ckpt+patch+8bit": dict(autocast=torch.float16, gradient_checkpointing=True, patch={},
                                 optimizer="memkern-adamw-8bit"),
 }
 GIB = 2**30

@@ -132,7 +132,7 @@ def default_seq(config, task: str) -> int:
                                               ("roberta", "xlm-roberta", "camembert")))
 
 
-def _model_class(config, task: str):
+def model_class(config, task: str):
     """The model class ``transformers``' auto class ``TASKS[task]`` gives ``config``."""
     import transformers
 
@@ -147,7 +147,7 @@ def _model_class(config, task: str):
     return found[0] if isinstance(found, tuple) else found
 
 
-def _task_batch(config, task: str, batch: int, seq: int) -> dict:
+def task_batch(config, task: str, batch: int, seq: int) -> dict:
     """One batch of ``task``'s inputs and labels, random (masked LM: one token in
     ``round(1 / MASKED_FRACTION)`` labelled, the others -100)."""
     if task == "image-classification":
@@ -198,14 +198,14 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
         raise ValueError(f"optimizer={optimizer!r}: choose from {', '.join(OPTIMIZERS)}")
     if task not in TASKS:
         raise ValueError(f"task={task!r}: choose from {', '.join(TASKS)}")
-    model_class = _model_class(config, task)
+    model_cls = model_class(config, task)
 
     def make() -> TrainingSetup:
         # built on the CPU in float32, then moved (and cast) to the device; the weights'
         # initial values do not matter to a plan (ViT's truncated-normal init cannot run on
         # fake tensors)
         with on_host(), no_init_weights():
-            model = model_class(config)
+            model = model_cls(config)
         model = model.to(dtype=dtype).train()
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -224,7 +224,7 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
         else:
             opt = sharded = memkern.optim.ShardedOptimizer(
                 params, "adamw", lr=1e-4, loss_scale="dynamic", max_grad_norm=1.0)
-        inputs = _task_batch(config, task, batch, seq)
+        inputs = task_batch(config, task, batch, seq)
         device = next(model.parameters()).device.type
 
         def step() -> None:
@@ -245,6 +245,6 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
                           ", gradient checkpointing" if gradient_checkpointing else ""])
         shape = (f"batch {batch}" if task == "image-classification" else f"batch {batch} x {seq}")
         return TrainingSetup(model, opt, step,
-                             f"{model_class.__name__} {how}, {dtype}{extras}, {optimizer}, {shape}")
+                             f"{model_cls.__name__} {how}, {dtype}{extras}, {optimizer}, {shape}")
 
     return make
