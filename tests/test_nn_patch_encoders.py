@@ -120,6 +120,23 @@ def test_patched_model_has_the_unpatched_loss_and_gradients(name, recompute):
             assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14), n
 
 
+def test_split_mlp_under_transformers_gradient_checkpointing():
+    """transformers reruns a checkpointed layer's forward in backward without its hooks: the
+    recomputation must take the fused path too (it raised CheckpointError when hooks opened
+    the fused call)."""
+    torch.manual_seed(0)
+    ref = _encoder("bert", "cls").double().train()
+    model = mk.patch(copy.deepcopy(ref))
+    model.gradient_checkpointing_enable()
+    batch = _batch("cls", torch.Generator().manual_seed(5))
+    loss, ref_loss = _loss(model, batch), _loss(ref, batch)
+    loss.backward()
+    ref_loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14), n
+
+
 def test_patched_encoder_pickles_and_keeps_its_state_dict():
     model = _encoder("bert", "cls").train()
     keys = list(model.state_dict())

@@ -191,11 +191,20 @@ def _close_call(model: nn.Module, args: tuple, output: Any) -> Any:
     return output
 
 
-def _why_not_fusable(model: nn.Module) -> str | None:
-    """None if ``model`` looks like a transformers causal LM whose loss can be fused."""
+def output_layer_problem(model: nn.Module) -> str | None:
+    """Why ``model``'s output layer (``get_output_embeddings()``) cannot hand its input to a
+    fused loss, or None: it must be an ``nn.Linear`` or memkern ``Linear`` (exact classes)."""
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear) or type(head) not in (*_HEADS, *_HEADS.values()):
         return "no nn.Linear output layer (get_output_embeddings)"
+    return None
+
+
+def _why_not_fusable(model: nn.Module) -> str | None:
+    """None if ``model`` looks like a transformers causal LM whose loss can be fused."""
+    problem = output_layer_problem(model)
+    if problem is not None:
+        return problem
     original = getattr(model, "loss_function", None)
     if original is None:
         return "no loss_function: this transformers version computes the loss inline (needs >= 4.46)"

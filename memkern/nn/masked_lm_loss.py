@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from memkern import _fake
-from memkern.nn.causal_lm_loss import _CALL, _HEADS, _FusedCall
+from memkern.nn.causal_lm_loss import _CALL, _HEADS, _FusedCall, output_layer_problem
 from memkern.nn.functional._common import autocast_enabled
 from memkern.nn.functional.linear_cross_entropy import linear_cross_entropy
 
@@ -154,15 +154,11 @@ def _close_call(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any
 
 
 def _why_not_fusable(model: nn.Module) -> str | None:
-    head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear) or type(head) not in (*_HEADS, *_HEADS.values()):
-        return "no nn.Linear output layer (get_output_embeddings)"
-    base = getattr(model, "base_model", model)
-    if base is model:
+    if getattr(model, "base_model", model) is model:
         return "no encoder (base_model) to take the labelled rows from"
     if "labels" not in inspect.signature(model.forward).parameters:
         return "its forward takes no labels"
-    return None
+    return output_layer_problem(model)
 
 
 def _is_masked_lm(model: nn.Module) -> bool:

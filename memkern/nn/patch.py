@@ -108,6 +108,7 @@ _FORWARDS = {
     "rms_norm": _hf_rms_norm_forward,
     "gpt2_mlp": _gpt2_mlp_forward,
     "llama_mlp": _llama_mlp_forward,
+    "split_mlp_layer": _split_mlp.layer_forward,
     "split_mlp_intermediate": _split_mlp.intermediate_forward,
     "split_mlp_output": _split_mlp.output_forward,
 }
@@ -358,7 +359,7 @@ def _residual_norm_layout(m: nn.Module):
 def _split_mlp_config(layer: nn.Module, recompute: str):
     """(intermediate module, output module, their :class:`split_mlp.SplitMLPCall`) of a layer
     whose MLP is split in two child modules (BERT family), or None."""
-    if _split_mlp.is_fused(layer):
+    if _split_mlp.is_fused(layer) or _is_patched(layer):
         return None
     kids = dict(layer.named_children())
     inter = [(c, lay) for c in kids.values() if not _is_patched(c) and (lay := _intermediate_layout(c))]
@@ -416,6 +417,7 @@ def patch(model: nn.Module, *, linear: bool = True, norm: bool = True, mlp: bool
             im, om, call = split
             prefix = name + "." if name else ""
             names = {c: prefix + n for n, c in m.named_children()}
+            _swap(m, _patched_class(t, "split_mlp_layer"), name, report)
             _swap(im, _patched_class(type(im), "split_mlp_intermediate"), names[im], report)
             _swap(om, _patched_class(type(om), "split_mlp_output"), names[om], report)
             _split_mlp.fuse(m, im, om, call)

@@ -14,8 +14,8 @@ the pre-activation only (``"activation"``) or nothing beyond ``x`` (``"full"``);
 residual add and the LayerNorm then run as the output module's own layers (memkern's after
 :func:`memkern.patch`): what is saved is that of memkern's MLP followed by a residual LayerNorm.
 
-How, without touching the layer's code: a forward pre-hook on the layer opens a *call*; during
-it the intermediate module returns its input unchanged (the call remembers it) and the output
+How, without touching the layer's code: the layer's forward (a memkern subclass's) opens a
+*call* around its own; during it the intermediate module returns its input unchanged (the call remembers it) and the output
 module, given that very tensor, computes the fused block. Outside a layer call (the
 intermediate module called on its own) both modules compute what they always did. If the layer
 uses the intermediate's result for anything but the output module, the call raises a
@@ -79,28 +79,30 @@ def output_forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor
     return getattr(self, call.norm)(getattr(self, call.dropout)(y) + input_tensor)
 
 
-def _open_call(layer: nn.Module, args: tuple) -> None:
-    layer.__dict__[_CALL].open = True
-
-
-def _close_call(layer: nn.Module, args: tuple, output: Any) -> None:
-    call = layer.__dict__[_CALL]
-    passed, call.passed, call.open = call.passed, None, False
-    if passed is not None and output is not None:
+def layer_forward(self, *args: Any, **kwargs: Any) -> Any:
+    """The layer: its own forward, as one open call (see the module docstring). Its forward
+    itself, not hooks around it, opens the call: transformers' gradient checkpointing reruns a
+    layer's forward in backward without its hooks."""
+    call = self.__dict__[_CALL]
+    call.open, call.passed = True, None
+    try:
+        output = type(self).__mro__[1].forward(self, *args, **kwargs)
+    finally:
+        passed, call.passed, call.open = call.passed, None, False
+    if passed is not None:
         raise RuntimeError(
-            f"memkern.patch: {type(layer).__name__} used its intermediate module's output for "
-            "something other than its output module, so the fused MLP did not run and its output "
-            "is wrong; patch the model with memkern.patch(model, mlp=False)")
+            f"memkern.patch: {type(self).__mro__[1].__name__} used its intermediate module's "
+            "output for something other than its output module, so the fused MLP did not run "
+            "and its output is wrong; patch the model with memkern.patch(model, mlp=False)")
+    return output
 
 
 def fuse(layer: nn.Module, intermediate: nn.Module, output: nn.Module, call: SplitMLPCall) -> None:
-    """Route ``layer``'s MLP through one memkern MLP call (the modules' classes are swapped by
-    the caller to ones whose forwards are :func:`intermediate_forward` and
+    """Route ``layer``'s MLP through one memkern MLP call (the caller swaps the three modules'
+    classes to ones whose forwards are :func:`layer_forward`, :func:`intermediate_forward` and
     :func:`output_forward`)."""
     for m in (layer, intermediate, output):
         m.__dict__[_CALL] = call
-    layer.register_forward_pre_hook(_open_call)
-    layer.register_forward_hook(_close_call, always_call=True)
 
 
 def is_fused(layer: nn.Module) -> bool:
