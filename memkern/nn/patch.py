@@ -8,14 +8,18 @@ What is swapped (each family can be turned off by its keyword):
   :class:`memkern.nn.RMSNorm`, Llama-style ``*RMSNorm`` of ``transformers`` (the
   ``LlamaRMSNorm`` formula: float32 statistics, ``weight * normalised.to(input dtype)``).
 * ``dropout``: ``nn.Dropout`` -> :class:`memkern.nn.Dropout`.
-* ``mlp``: MLP blocks run as one memkern MLP Function with ``recompute``:
-  GPT-2 style ``fc -> GELU -> proj (-> dropout)`` (``transformers``' ``GPT2MLP``, and
-  ``nn.Sequential(Linear, GELU/ReLU/SiLU, Linear[, Dropout])``) and Llama style
-  ``down(silu(gate(x)) * up(x))`` (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``).
+* ``mlp``: MLP blocks run as one memkern MLP with ``recompute``, recognised by structure:
+  ``fc -> activation -> proj (-> dropout)`` — ``nn.Sequential(Linear, GELU/ReLU/SiLU, Linear[,
+  Dropout])``, or any module holding exactly two linear layers and an activation (and a
+  dropout) that its forward calls in that order (GPT-2's, ViT's, DeiT's MLP); diffusers'
+  ``FeedForward`` with a GELU projection (DiT); the post-LN MLP that BERT-family layers split
+  in two modules (:mod:`memkern.nn.split_mlp`); and Llama style ``down(silu(gate(x)) * up(x))``
+  (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``).
 * ``loss``: a ``transformers`` causal LM whose forward computes its loss from ``lm_head``
   through ``self.loss_function`` trains through memkern's fused linear cross-entropy whenever
   it is in training mode and ``labels`` are given: no ``[tokens, vocab]`` logits, and the
-  output's ``logits`` is None in those calls (:mod:`memkern.nn.causal_lm_loss`). Without
+  output's ``logits`` is None in those calls (:mod:`memkern.nn.causal_lm_loss`); a masked LM
+  the same way, on its labelled rows only (:mod:`memkern.nn.masked_lm_loss`). Without
   labels, or in eval mode, the model computes its logits and loss as before.
 
 How: each module's class is replaced by a memkern subclass of it (``module.__class__ = ...``),
