@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -34,7 +32,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -158,17 +155,6 @@ def run(rank: int, world: int, args) -> dict | None:
     }
 
 
-def spawned(rank: int, world: int, port: int, args, queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=300))
-    try:
-        result = run(rank, world, args)
-        if result is not None:
-            queue.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
 def gpu_offload(args) -> dict:
     """One GPU: a training step with memkern's offload="cpu" (masters and state in host
     memory, the CPU kernel) against one with fused AdamW on the GPU; small GPT, float32."""
@@ -215,18 +201,8 @@ def main() -> None:
         if result is None:
             return
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        queue = mp.get_context("spawn").SimpleQueue()
-        mp.spawn(spawned, args=(args.world, port, args, queue), nprocs=args.world)
-        result = queue.get()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.save:
-        with open(args.save, "w") as fh:
-            fh.write(text + "\n")
-
+        result = common.on_gloo_ranks(run, args.world, args, timeout=300)
+    common.print_and_save(result, args.save)
 
 if __name__ == "__main__":
     main()

@@ -165,3 +165,44 @@ def save(path: str, results: dict[str, object]) -> None:
         json.dump(payload, fh, indent=2)
         fh.write("\n")
     print(f"wrote {path}")
+
+
+def on_gloo_ranks(run: Callable[[int, int, object], dict | None], world: int, args: object,
+                  timeout: float = 600) -> dict:
+    """Runs ``run(rank, world, args)`` in ``world`` spawned processes joined by gloo on
+    127.0.0.1 (collectives time out after ``timeout`` seconds); returns what the rank whose
+    ``run`` returned a result (rank 0) returned. ``run`` must be a module-level function."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_gloo_rank, args=(run, world, port, args, timeout, queue), nprocs=world)
+    return queue.get()
+
+
+def _gloo_rank(rank: int, run, world: int, port: int, args, timeout: float, queue) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout))
+    try:
+        result = run(rank, world, args)
+        if result is not None:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def print_and_save(result: dict, path: str | None) -> None:
+    """Prints ``result`` as JSON, and writes it to ``path`` when one is given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if path:
+        with open(path, "w") as fh:
+            fh.write(text + "\n")

@@ -102,17 +102,25 @@ def triton_kernels() -> dict[str, dict[str, int]]:
     return out
 
 
-def cuda_kernels() -> dict[str, dict[str, int]]:
+def sm90_cubin(source: str) -> bytes | None:
+    """csrc/cuda/``source`` compiled for sm_90 by the nvcc on the PATH; None without one."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernels.cubin")
+        subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90", "-cubin", "-o", cubin,
+                        os.path.join(ROOT, "csrc", "cuda", source)], check=True)
+        with open(cubin, "rb") as fh:
+            return fh.read()
+
+
+def cuda_kernels() -> dict[str, dict[str, int]]:
+    cubin = sm90_cubin("flat_ops.cu")
+    if cubin is None:
         print("nvcc not found: the CUDA kernels are not counted")
         return {}
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "flat_ops.cubin")
-        subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90", "-cubin", "-o", cubin,
-                        os.path.join(ROOT, "csrc", "cuda", "flat_ops.cu")], check=True)
-        with open(cubin, "rb") as fh:
-            funcs = functions(fh.read())
+    funcs = functions(cubin)
     out = {}
     for kernel, arguments in CUDA_KERNELS.items():
         code = funcs[next(n for n in funcs if f"{kernel}{arguments}" in n)]

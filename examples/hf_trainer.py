@@ -3,6 +3,8 @@
     python examples/hf_trainer.py                     # a tiny GPT-2 built from a config
     python examples/hf_trainer.py --bf16 --steps 60   # bf16 weights, float32 masters
     python examples/hf_trainer.py --resume            # continue from the last checkpoint
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py --zero-stage 2
+                                                      # 2 processes, ZeRO-2 (docs/distributed.md)
 
 The model is built from a config (nothing is downloaded) and learns arithmetic token
 sequences. Checkpoints go to ``--out``, by default a folder in the system's temporary
@@ -46,6 +48,9 @@ def main() -> None:
                         help=f"checkpoint directory (default: {DEFAULT_OUT})")
     parser.add_argument("--resume", action="store_true", help="resume from --out's last "
                         "checkpoint")
+    parser.add_argument("--zero-stage", type=int, default=1, choices=(1, 2),
+                        help="across processes: the optimizer state (1) and the gradients too "
+                        "(2) split over the ranks")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -57,12 +62,15 @@ def main() -> None:
         max_grad_norm=1.0, lr_scheduler_type="cosine", warmup_steps=3, bf16=args.bf16,
         logging_steps=10, save_steps=max(1, args.steps // 2), report_to=[],
         use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
-    trainer = MemkernTrainer(model=model, args=training, train_dataset=Sequences(512))
+    trainer = MemkernTrainer(model=model, args=training, train_dataset=Sequences(512),
+                             zero_stage=args.zero_stage)
     result = trainer.train(resume_from_checkpoint=True if args.resume else None)
     opt = trainer.memkern_optimizer
+    if not trainer.is_world_process_zero():
+        return
     print(f"trained {trainer.state.global_step} steps, final loss {result.training_loss:.3f}, "
           f"last grad norm {opt.grad_norm:.3f}, skipped steps {opt.skipped_steps}; "
-          f"checkpoints in {args.out}")
+          f"checkpoints in {args.out}; {training.world_size} process(es), ZeRO-{args.zero_stage}")
 
 
 if __name__ == "__main__":

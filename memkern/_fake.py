@@ -9,6 +9,8 @@ own behaviour is worked around, so that a change in a torch release is fixed her
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -60,6 +62,32 @@ def without_dispatch_modes():
     return _disable_current_modes()
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What holds ``t``'s memory on this rank: a DTensor's local shard (FSDP2's parameters,
+    their gradients and optimizer state), else ``t``. ``DTensor.to_local()`` is an autograd
+    op, which a dispatch mode recording ops would see; its ``_local_tensor`` is the shard."""
+    return getattr(t, "_local_tensor", t)
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int):
+    """``torch.distributed`` initialised as rank 0 of ``world_size`` ranks of torch's "fake"
+    backend: collectives return at once and move no data (an all-gather copies this rank's
+    input to every output), so one process can run what each rank of a sharded training step
+    runs (:func:`memkern.profile.plan_training_step`'s ``world_size``). torch has this backend
+    only among its test utilities (``torch.testing._internal.distributed.fake_pg``, importing
+    which registers it). Destroyed on exit."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("memkern: planning for several ranks needs a process of its own: "
+                           "torch.distributed is already initialised here")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 _DATA = "_memkern_data"
 

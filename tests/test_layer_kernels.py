@@ -151,9 +151,19 @@ def test_swiglu_kernels_match_float64(device, shape, layout, dtype):
 # ----------------------------------------------------------------------------------------------
 # LayerNorm / RMSNorm
 
-# Row widths: the CPU sums a row in 16 lanes; the CUDA kernel gives each row up to 512 threads
-# (about D / 4) that loop over the row, so 4099 takes 9 trips there and 257 trips on the CPU.
+# Row widths: the CPU sums a row in 16 lanes; the CUDA general path gives each row up to 512
+# threads (about D / 4) that loop over the row, so 4099 takes 9 trips there and 257 trips on
+# the CPU. The CUDA vector path (a whole number of 16-byte vectors per row: D % 8 == 0 here)
+# holds a row in 1, 2 or 4 vectors per thread, its backward from 256 vectors: 1024 in one
+# (float32: 256 vectors, the backward's one-slot kernel; 16-bit: the forward's, the general
+# backward), 2056 in two (257 bfloat16 vectors on 160 threads, 514 float32 on 288: part-used
+# warps), 6152 in two (bfloat16, float16) or four (float32), 12296 in four (bfloat16,
+# float16; float32 takes the general path there). These run on CUDA only: the CPU kernels
+# have no such path, and their loops are covered by WIDTHS.
 WIDTHS = [1, 67, 4099]
+VECTOR_WIDTHS = [1024, 2056, 6152, 12296]
+NORM_SHAPES = [pytest.param(dev.values[0], D, marks=dev.marks, id=f"{dev.id}-{D}")
+               for dev in DEVICES for D in WIDTHS + (VECTOR_WIDTHS if dev.id == "cuda" else [])]
 
 
 def _norm_case(rows, D, dtype, affine, rms):
@@ -170,18 +180,19 @@ def _dev(t, device):
 
 
 @pytest.mark.parametrize("rows", [0, 3, 9001], ids=["no-rows", "3-rows", "9001-rows"])
-@pytest.mark.parametrize("D", WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 @pytest.mark.parametrize("affine", ["none", "same-dtype", "float32", "bfloat16"])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device, D", NORM_SHAPES)
 def test_norm_kernels_match_float64(device, affine, rms, dtype, D, rows):
     """norm_forward / norm_backward against float64 autograd. 9001 rows: more rows than the
     CUDA row grids hold at once (they stride), and the weight gradient's 256 chunks of 36 rows
-    summed in 8 lanes (5 trips each); a weight of x's dtype, of float32, or of another dtype
-    (converted to the math type)."""
-    if rows == 9001 and D == 4099:
-        pytest.skip("9001 x 4099 is slow in float64 autograd; 9001 x 67 covers the chunks")
+    (summed in 8 lanes, 5 trips each, on the general path; the vector path's block of a chunk
+    takes its 36 rows in turn, loading the next while it reduces one); a weight of x's dtype,
+    of float32, or of another dtype (converted to the math type)."""
+    if rows == 9001 and D > 2056:
+        pytest.skip("9001 rows this wide are slow in float64 autograd; 9001 x 67 and "
+                    "9001 x 2056 cover the chunks")
     x, w, b, dy = _norm_case(rows, D, dtype, affine, rms)
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     stat_tol = 1e-12 if dtype == torch.float64 else 2e-6
@@ -219,15 +230,22 @@ def test_norm_kernels_match_float64(device, affine, rms, dtype, D, rows):
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
-@pytest.mark.parametrize("device", DEVICES)
-def test_norm_kernels_non_finite_and_largest_value_in_a_late_trip(device, rms):
-    """Rows of 4099: row 1 has NaN at column 3001 and row 2 +inf at 4098 (the last column;
-    both in the CUDA kernel's 6th and 9th thread-loop trips, late lanes of the CPU's), row 3
-    its largest value, 1e4, at column 2777. The non-finite rows hold a non-finite value
-    and leave every other row exactly as without them; row 3 matches float64 (a sum that
-    dropped a later trip would miss the value dominating its variance)."""
-    x, w, b, dy = _norm_case(7, 4099, torch.float32, "same-dtype", rms)
-    x[1, 3001], x[2, 4098], x[3, 2777] = math.nan, math.inf, 1e4
+@pytest.mark.parametrize("device, D, nan_col, big_col", [
+    *(pytest.param(dev.values[0], 4099, 3001, 2777, marks=dev.marks, id=dev.id)
+      for dev in DEVICES),
+    *(pytest.param(dev.values[0], 6152, 6000, 4000, marks=dev.marks, id=f"{dev.id}-vector")
+      for dev in DEVICES if dev.id == "cuda")])
+def test_norm_kernels_non_finite_and_largest_value_in_a_late_trip(device, D, nan_col, big_col,
+                                                                    rms):
+    """Rows of D: row 1 has NaN at column nan_col and row 2 +inf at the last column, row 3 its
+    largest value, 1e4, at column big_col. 4099: the CUDA general path's 6th and 9th and 5th
+    thread-loop trips, late lanes of the CPU's. 6152 float32 on CUDA, the vector path with four
+    vectors per thread (416 threads): NaN and inf in the 4th vector, 1e4 in the 3rd. The
+    non-finite rows hold a non-finite value and leave every other row exactly as without
+    them; row 3 matches float64 (a sum that dropped a later trip would miss the value
+    dominating its variance)."""
+    x, w, b, dy = _norm_case(7, D, torch.float32, "same-dtype", rms)
+    x[1, nan_col], x[2, D - 1], x[3, big_col] = math.nan, math.inf, 1e4
     args = (_dev(w, device), _dev(b, device), 1e-5, rms)
     y, mean, rstd = torch.ops.memkern.norm_forward(x.to(device), *args)
     dx, dw, db = torch.ops.memkern.norm_backward(dy.to(device), x.to(device), args[0], mean,

@@ -7,20 +7,12 @@ continued at W=3), interrupted saves, and ranks that disagree on the parameters.
 
 Every launch runs this file as a script in W processes (``python tests/test_optim_distributed.py
 worker ...``), each running a list of scenarios and saving what they measured; the tests
-compare. Every collective has the process group's 60 s timeout and every launch an overall
-timeout after which its processes are killed: nothing hangs. The processes meet through a file
-store in a fresh directory, not a TCP port, so launches from parallel pytest workers
-(``pytest -n``) cannot collide.
+compare (the harness, with its timeouts and per-rank error reports, is tests/multiprocess.py).
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import os
-import subprocess
-import sys
-import tempfile
-import time
 from datetime import timedelta
 
 import pytest
@@ -30,10 +22,9 @@ import torch.distributed as dist
 import memkern as mk
 from memkern.optim.grad_buffer import ALIGN
 from memkern.profile import reachable_bytes
+import multiprocess
 from compare import params_rel_err
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCH_TIMEOUT = 300
 WINDOWS, ACCUMULATION, BATCH = 20, 2, 12  # BATCH rows per micro-batch, split over the ranks
 POISONED = (5, 1)  # (window, micro-batch) whose loss is inf on the last rank only
 SCALER = dict(init_scale=2.0**10, growth_interval=3)
@@ -424,61 +415,10 @@ def scenario_mismatch(rank, world, seed, shared):
     return errors
 
 
-SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items()
-             if name.startswith("scenario_")}
-
-
-def worker(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser()
-    for arg in ("rank", "world", "seed"):
-        parser.add_argument(f"--{arg}", type=int, required=True)
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--scenarios", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # W processes share 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{args.store}",
-                            rank=args.rank, world_size=args.world,
-                            timeout=timedelta(seconds=60))
-    try:
-        for name in args.scenarios.split(","):
-            result = SCENARIOS[name](args.rank, args.world, args.seed, args.out)
-            torch.save(result, os.path.join(args.out, f"{name}.{args.rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 # --------------------------------------------------------------------------------- launch
-def new_store(parent: str) -> str:
-    """A path under ``parent`` for a rendezvous file store that nothing else uses (the file
-    must not exist yet)."""
-    return os.path.join(tempfile.mkdtemp(prefix="store-", dir=parent), "store")
-
-
 def launch(world: int, scenarios: list[str], out: str, seed: int) -> dict[str, list]:
     """Runs the scenarios in ``world`` processes; returns each scenario's per-rank results."""
-    store = new_store(out)
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(
-        [sys.executable, __file__, "worker", "--rank", str(r), "--world", str(world),
-         "--store", store, "--seed", str(seed), "--scenarios", ",".join(scenarios),
-         "--out", out], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True) for r in range(world)]
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"world size {world}: {scenarios} did not finish in {LAUNCH_TIMEOUT} s")
-    failed = [(r, out) for r, (proc, out) in enumerate(zip(procs, outputs)) if proc.returncode]
-    if failed:
-        pytest.fail(f"world size {world}, {scenarios}: rank {failed[0][0]} failed:\n"
-                    + failed[0][1][-6000:])
-    return {name: [torch.load(os.path.join(out, f"{name}.{r}.pt"), weights_only=False)
-                   for r in range(world)] for name in scenarios}
+    return multiprocess.launch(__file__, world, scenarios, out, seed)
 
 
 @pytest.fixture(scope="module")
@@ -722,7 +662,7 @@ def test_sharded_checkpoint_in_one_process(tmp_path, offload):
 
 
 def test_bad_process_group_is_named(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{new_store(str(tmp_path))}", rank=0,
+    dist.init_process_group("gloo", init_method=f"file://{multiprocess.new_store(str(tmp_path))}", rank=0,
                             world_size=1, timeout=timedelta(seconds=60))
     try:
         with pytest.raises(TypeError, match="process_group must be a torch.distributed."
@@ -752,8 +692,8 @@ def test_offload_from_a_gpu_equals_the_gpu_run():
     assert params_rel_err(results[1], results[0]) <= 1e-6
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    worker(sys.argv[2:])
+if __name__ == "__main__":
+    multiprocess.serve(globals())
 
 
 # --------------------------------------------------------------------------- 8-bit state

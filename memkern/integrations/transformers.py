@@ -27,17 +27,22 @@ What changes against ``Trainer``:
   float16 with float32 master weights in the optimizer, instead of autocast over float32
   weights; ``fp16`` adds dynamic loss scaling (a skipped step does not advance the scheduler);
 * checkpoints hold the optimizer's full state (float32 masters, moments, loss scale), and
-  ``train(resume_from_checkpoint=...)`` restores it.
+  ``train(resume_from_checkpoint=...)`` restores it, at any world size.
 
-One process only for now (no ``torchrun`` / DataParallel): across processes, use
-``ShardedOptimizer`` in a training loop of your own (``examples/train_gpt_zero.py``).
+Across processes (``torchrun --nproc-per-node N`` or ``accelerate launch``), each rank holds the
+whole model and the optimizer shards its state ZeRO-style (``zero_stage=1``: masters and
+moments split 1/N per rank; ``2``: gradients too). The model is not wrapped in
+``DistributedDataParallel``: the optimizer reduces the gradients itself, once per window.
+``TrainingArguments.per_device_train_batch_size`` is per rank, as with ``Trainer``.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from memkern.nn.patch import patch as patch_model
 from memkern.optim.sharded import ShardedOptimizer
@@ -62,11 +67,13 @@ class MemkernTrainer(Trainer):
             keyword arguments for ``memkern.patch`` (e.g. ``{"recompute": "full"}``).
         offload: None, or ``"cpu"``: the optimizer's masters and state in host memory
             (``ShardedOptimizer(offload="cpu")``).
+        zero_stage: across processes, 1 (masters and optimizer state split across ranks) or 2
+            (gradients too): ``ShardedOptimizer(zero_stage=)``.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, args: Any = None, *trainer_args: Any,
                  patch: bool | dict[str, Any] = True, offload: str | None = None,
-                 **trainer_kwargs: Any) -> None:
+                 zero_stage: int = 1, **trainer_kwargs: Any) -> None:
         name = "memkern MemkernTrainer"
         if model is None:
             raise ValueError(f"{name}: pass model=; model_init is not supported (the model is "
@@ -79,18 +86,18 @@ class MemkernTrainer(Trainer):
             raise TypeError(f"{name}: patch must be True, False or a dict of memkern.patch "
                             f"keyword arguments, got {type(patch).__name__}")
         if args is not None:
-            if args.world_size > 1 or args.n_gpu > 1:
+            if args.n_gpu > 1:
                 raise ValueError(
-                    f"{name}: runs in one process on one device (this run has world size "
-                    f"{args.world_size}, {args.n_gpu} GPUs visible); across processes use "
-                    "memkern.optim.ShardedOptimizer in your own loop (see "
-                    "examples/train_gpt_zero.py), or set CUDA_VISIBLE_DEVICES to one GPU")
+                    f"{name}: one device per process ({args.n_gpu} GPUs are visible to this "
+                    "one, which Trainer would drive with DataParallel); launch one process per "
+                    "GPU with torchrun or accelerate launch")
             dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
             if dtype is not None:
                 model.to(dtype)  # the optimizer keeps float32 masters of these weights
         if patch:
             patch_model(model, **(patch if isinstance(patch, dict) else {}))
         self._memkern_offload = offload
+        self._memkern_zero_stage = zero_stage
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self.add_callback(_SkippedStepsHoldTheScheduler(self))
 
@@ -127,7 +134,8 @@ class MemkernTrainer(Trainer):
         self.optimizer = ShardedOptimizer(
             [g for g in groups if g["params"]], algorithm, lr=args.learning_rate,
             accumulation_steps=args.gradient_accumulation_steps, max_grad_norm=max_grad_norm,
-            loss_scale="dynamic" if args.fp16 else None, offload=self._memkern_offload, **hyper)
+            loss_scale="dynamic" if args.fp16 else None, offload=self._memkern_offload,
+            zero_stage=self._memkern_zero_stage, **hyper)
         return self.optimizer
 
     def _check_given_optimizer(self, opt: Any, max_grad_norm: float | None) -> None:
@@ -146,6 +154,15 @@ class MemkernTrainer(Trainer):
                              f"from TrainingArguments.max_grad_norm={self.args.max_grad_norm}; "
                              "build it with the same value (None for max_grad_norm=0)")
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # Trainer asks the saving rank alone for the optimizer's state dict; across ranks
+        # ShardedOptimizer.state_dict() is collective (it gathers the shards): every rank
+        # assembles it, the saving rank writes it.
+        state = self.memkern_optimizer.state_dict()
+        if self.args.should_save:
+            torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
     # ------------------------------------------------------------------- backward and step
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         # The weights are already 16-bit and the optimizer scales the loss itself: accelerate's
@@ -157,6 +174,23 @@ class MemkernTrainer(Trainer):
         # Trainer.training_step ends in self.accelerator.backward(loss): routing that one call
         # through ShardedOptimizer.backward keeps all of Trainer's loss handling.
         self.accelerator.backward = self._memkern_backward
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled or self.args.fsdp:
+            # (On the CPU accelerate drops the fsdp settings and wraps the model in DDP.)
+            raise ValueError(
+                "memkern MemkernTrainer: FSDP and DeepSpeed shard the model for an optimizer of "
+                "their own; MemkernTrainer shards its optimizer (zero_stage=1 or 2) over a whole "
+                "model per rank. Drop the fsdp/deepspeed settings, or for FSDP2 train in a loop "
+                "of your own with memkern.optim.FusedAdamW (docs/distributed.md)")
+        # The optimizer reduces the gradients across ranks, once per window: accelerate's
+        # DistributedDataParallel would reduce them a second time, every micro-batch.
+        # prepare_model's evaluation_mode applies autocast and compile as configured, without
+        # the DDP wrapper. No device placement either: Trainer placed the model before the
+        # optimizer moved its weights into flat storage, and accelerate's ``.to("cpu:0")``
+        # of a CPU model would copy every parameter out of it.
+        prepare_model = self.accelerator.prepare_model
+        self.accelerator.prepare_model = (
+            lambda model, device_placement=None, evaluation_mode=False:
+            prepare_model(model, device_placement=False, evaluation_mode=True))
 
     def _memkern_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if kwargs:

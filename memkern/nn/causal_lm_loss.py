@@ -11,18 +11,30 @@ so a training step holds the ``[tokens, vocab]`` logits, their float32 copy in t
 their gradient. :func:`fuse_causal_lm_loss` routes that loss through
 :func:`memkern.nn.functional.linear_cross_entropy` without touching transformers' code:
 
-* the output layer (``model.get_output_embeddings()``) gets a memkern class whose ``forward``,
-  during a fused call, keeps its input ``hidden_states`` and returns a placeholder that takes no
-  memory (a float32 zero expanded to ``[..., vocab]``, stride 0) instead of the logits;
+* during a fused call the output layer (``model.get_output_embeddings()``) is replaced in its
+  parent module by a stand-in whose call keeps its input ``hidden_states`` and returns a
+  placeholder that takes no memory (a float32 zero expanded to ``[..., vocab]``, stride 0)
+  instead of the logits;
 * ``model.loss_function`` (transformers' public, settable attribute) becomes a
-  :class:`FusedCausalLMLoss`: given that placeholder, it computes the loss from the kept hidden
-  states and the output layer's weight (and bias) chunk by chunk; given real logits it calls
-  the model's original loss function;
-* a forward pre-hook on the model opens a fused call when the model is in training mode and
-  ``labels`` are given; a forward hook closes it and sets the output's ``logits`` to None.
+  :class:`FusedCausalLMLoss`: given that placeholder, it calls the output layer with the kept
+  hidden states, and that call (the layer has a memkern class whose ``forward`` does it)
+  computes the loss from them and the layer's weight (and bias) chunk by chunk; given real
+  logits it calls the model's original loss function;
+* a forward pre-hook on the model opens a fused call (and seats the stand-in) when the model
+  is in training mode and ``labels`` are given; a forward hook closes it (puts the layer back)
+  and sets the output's ``logits`` to None.
   Soft-capping (``config.final_logit_softcapping``) is folded into the fused loss, the
   config's value being set to None for the call so that the forward does not apply it to the
   placeholder.
+
+So the output layer is called once per forward, as in the unfused model, and that call
+(through ``nn.Module.__call__``) computes the loss: the weight is never read outside a call of
+its module, and whatever wraps the layer sees its use as that layer's forward. Under FSDP2's
+``fully_shard`` the weight is all-gathered for that call, the loss gets the hook that gathers it
+again for backward, and the gradients are reduced when backward has passed the unit's first
+input, in any unit layout (the layer in the root's unit, in its own, or with the final norm as
+one unit as torchtitan does). Nothing assumes the layer's class: wrappers that subclass modules
+dynamically (FSDP2 does) keep working.
 
 Semantics are those of transformers' ``ForCausalLMLoss``: labels shifted left by one (or
 ``shift_labels`` used as given), ``ignore_index`` (default -100), the mean over non-ignored
@@ -55,35 +67,84 @@ _FUSED = "_memkern_lce_fused"
 
 
 @dataclasses.dataclass
+class _LossRequest:
+    """What the output layer's loss call computes (set by :class:`FusedCausalLMLoss`)."""
+    target: torch.Tensor
+    ignore_index: int
+    num_items: Any
+
+
+@dataclasses.dataclass
 class _FusedCall:
-    """One fused forward: what the output layer kept and what the loss must know."""
+    """One fused forward: what the stand-in kept and what the loss must know."""
     softcap: float | None
+    head: nn.Linear
+    seat: tuple[nn.Module, str]
+    """The output layer's parent module and attribute name there (where the stand-in sits)."""
     hidden: torch.Tensor | None = None
     placeholder: torch.Tensor | None = None
+    loss_request: _LossRequest | None = None
     loss_computed: bool = False
 
 
-def _head_forward(self, input: torch.Tensor) -> torch.Tensor:
-    call = self.__dict__.get(_CALL)
-    if call is None or call.placeholder is not None:  # not fused, or a second use of the head
-        return type(self).__mro__[1].forward(self, input)
-    call.hidden = input
-    call.placeholder = torch.zeros((), dtype=torch.float32, device=input.device).expand(
-        *input.shape[:-1], self.out_features)
-    return call.placeholder
+class _HeadStandIn(nn.Module):
+    """Sits in the output layer's place during a fused forward, so that the model's own call
+    of the layer runs no weight-using code (and no wrapper's hooks): it keeps its input for
+    the fused loss and returns the placeholder. A second call in the same forward is a real
+    use of the layer, and goes to it."""
+
+    def __init__(self, call: _FusedCall) -> None:
+        super().__init__()
+        self.__dict__["call"] = call  # not a submodule: the layer stays its parent's only
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        call = self.call
+        if call.placeholder is not None:
+            return call.head(input)
+        call.hidden = input
+        call.placeholder = torch.zeros((), dtype=torch.float32, device=input.device).expand(
+            *input.shape[:-1], call.head.out_features)
+        return call.placeholder
+
+
+def _head_forward(head: nn.Linear, input: torch.Tensor, linear: Callable) -> torch.Tensor:
+    """The output layer's forward: the fused loss of ``input`` when :class:`FusedCausalLMLoss`
+    calls it with a loss request, else ``linear(input)`` (its class's own forward)."""
+    call = head.__dict__.get(_CALL)
+    if call is None or call.loss_request is None:
+        return linear(input)
+    request, call.loss_request = call.loss_request, None
+    return _fused_loss(head, input, request, call.softcap)
+
+
+def _fused_loss(head: nn.Linear, hidden: torch.Tensor, request: _LossRequest,
+                softcap: float | None) -> torch.Tensor:
+    """The loss of ``hidden`` ``[..., hidden_size]`` through ``head``'s weight and bias against
+    ``request.target`` (flat), in the dtype ``F.linear`` would compute in."""
+    weight, bias = head.weight, head.bias
+    dtype = (torch.get_autocast_dtype(hidden.device.type)
+             if autocast_enabled(hidden.device.type)  # as F.linear would compute
+             else torch.promote_types(hidden.dtype, weight.dtype))
+    num_items = request.num_items
+    return linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype), request.target,
+        None if bias is None else bias.to(dtype), ignore_index=request.ignore_index,
+        reduction="mean" if num_items is None else "sum", num_items=num_items, softcap=softcap)
 
 
 class CausalLMHead(nn.Linear):
     """An ``nn.Linear`` output layer whose training-with-labels call hands its input to the
     fused loss instead of computing logits (see the module docstring)."""
 
-    forward = _head_forward
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _head_forward(self, input, super().forward)
 
 
 class MemkernCausalLMHead(_MemkernLinear):
     """The same for a :class:`memkern.nn.Linear` output layer."""
 
-    forward = _head_forward
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _head_forward(self, input, super().forward)
 
 
 _HEADS = {nn.Linear: CausalLMHead, _MemkernLinear: MemkernCausalLMHead}
@@ -102,9 +163,12 @@ class FusedCausalLMLoss:
     fused loss (in the hidden states' dtype); with any other logits, ``original(...)``.
     """
 
-    def __init__(self, original: Callable[..., torch.Tensor], head: nn.Linear) -> None:
+    def __init__(self, original: Callable[..., torch.Tensor], head: nn.Linear,
+                 seat: tuple[nn.Module, str]) -> None:
         self.original = original
         self.head = head
+        self.seat = seat
+        """The output layer's parent module and attribute name there (for the stand-in)."""
 
     def __call__(self, logits, labels, vocab_size=None, num_items_in_batch=None,
                  ignore_index: int = -100, shift_labels=None, **kwargs):
@@ -126,18 +190,13 @@ class FusedCausalLMLoss:
                              f"{head.out_features} classes")
         if shift_labels is None:
             shift_labels = _shifted_labels(labels, ignore_index)
-        target = shift_labels.to(hidden.device).reshape(-1)
-        weight, bias = head.weight, head.bias
-        dtype = (torch.get_autocast_dtype(hidden.device.type)
-                 if autocast_enabled(hidden.device.type)  # as F.linear would compute
-                 else torch.promote_types(hidden.dtype, weight.dtype))
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.to(hidden.device)
-        return linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype), target,
-            None if bias is None else bias.to(dtype), ignore_index=ignore_index,
-            reduction="mean" if num_items_in_batch is None else "sum",
-            num_items=num_items_in_batch, softcap=call.softcap)
+        call.loss_request = _LossRequest(shift_labels.to(hidden.device).reshape(-1),
+                                         ignore_index, num_items_in_batch)
+        # Through the layer's call, so that a wrapper (FSDP2) makes its weight available for
+        # this use and for its backward.
+        return head(hidden)
 
 
 def _labels_given(model: nn.Module, args: tuple, kwargs: dict) -> bool:
@@ -156,15 +215,17 @@ def _open_call(model: nn.Module, args: tuple, kwargs: dict) -> None:
     head = model.get_output_embeddings()
     fused = model.__dict__.get("_loss_function")
     if not (model.training and isinstance(fused, FusedCausalLMLoss) and fused.head is head
-            and type(head) in _HEADS.values() and _labels_given(model, args, kwargs)):
+            and isinstance(head, tuple(_HEADS.values())) and _labels_given(model, args, kwargs)):
         return None
     config = getattr(model, "config", None)
     cap = getattr(config, SOFTCAP_ATTR, None)
-    call = _FusedCall(softcap=cap or None)
+    call = _FusedCall(softcap=cap or None, head=head, seat=fused.seat)
     if cap is not None:
         setattr(config, SOFTCAP_ATTR, None)  # applied by the fused loss, not to the placeholder
     head.__dict__[_CALL] = call
     model.__dict__[_CALL] = call
+    parent, attr = call.seat
+    setattr(parent, attr, _HeadStandIn(call))
     return None
 
 
@@ -172,8 +233,9 @@ def _close_call(model: nn.Module, args: tuple, output: Any) -> Any:
     call = model.__dict__.pop(_CALL, None)
     if call is None:
         return None
-    head = model.get_output_embeddings()
-    head.__dict__.pop(_CALL, None)
+    parent, attr = call.seat
+    setattr(parent, attr, call.head)
+    call.head.__dict__.pop(_CALL, None)
     if call.softcap is not None:
         setattr(model.config, SOFTCAP_ATTR, call.softcap)
     if output is None:  # the forward raised: only restore
@@ -232,9 +294,12 @@ def fuse_causal_lm_loss(model: nn.Module) -> tuple[str, str, str] | str | None:
     if why is not None:
         return why
     head = model.get_output_embeddings()
+    name = next(n for n, m in model.named_modules() if m is head)
+    parent_name, _, attr = name.rpartition(".")
     original = model.loss_function
     try:
-        model.loss_function = FusedCausalLMLoss(original, head)
+        model.loss_function = FusedCausalLMLoss(original, head,
+                                                (model.get_submodule(parent_name), attr))
     except AttributeError:
         return "this transformers version's loss_function cannot be set (needs >= 4.46)"
     old = type(head)
@@ -243,5 +308,4 @@ def fuse_causal_lm_loss(model: nn.Module) -> tuple[str, str, str] | str | None:
     model.register_forward_pre_hook(_open_call, with_kwargs=True)
     model.register_forward_hook(_close_call, always_call=True)
     model.__dict__[_FUSED] = True
-    name = next(n for n, m in model.named_modules() if m is head)
     return name, f"{old.__module__}.{old.__qualname__}", f"{__name__}.{type(head).__qualname__}"

@@ -48,9 +48,11 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import torch
+from torch.distributed.tensor import DeviceMesh
 
 from memkern.ops import adamw8bit
-from memkern.optim.grad_buffer import GradBuffer, aligned
+from memkern.optim import dtensor_params
+from memkern.optim.grad_buffer import GradBuffer, aligned, check_params
 
 
 STATE_PRECISIONS = ("32bit", "8bit")
@@ -106,6 +108,10 @@ class Segment:
     """State name -> ``(codes, absmax)`` of a quantized segment (int8/uint8 codes of the
     segment's length, one float32 absmax per block; :mod:`memkern.ops.adamw8bit`). Such a
     moment appears in ``state`` only while a checkpoint reads or writes it, as float32."""
+    dtensor: bool = False
+    """The local shard of one DTensor parameter (:mod:`memkern.optim.dtensor_params`):
+    ``weights`` is that shard itself, ``grads`` its gradient's shard (set at each step), and
+    the per-parameter state views are DTensors like the parameter."""
 
     def __post_init__(self) -> None:
         self.low_precision = self.weights.dtype != torch.float32
@@ -123,6 +129,8 @@ class Segment:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views of a segment-length flat tensor."""
+        if self.dtensor:
+            return [dtensor_params.as_dtensor_like(flat, self.params[0])]
         return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
     def add_state(self, key: str, flat: torch.Tensor) -> torch.Tensor:
@@ -173,7 +181,7 @@ class Algorithm(Protocol):
         """One kernel call updating ``seg``."""
 
 
-def _param_groups(params: Any) -> list[dict[str, Any]]:
+def as_param_groups(params: Any) -> list[dict[str, Any]]:
     """``params`` (tensors, (name, tensor) pairs or param-group dicts) as param-group dicts
     whose "params" are lists, so that the parameters can be laid out before torch sees them."""
     if isinstance(params, torch.Tensor):
@@ -210,17 +218,34 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any], *,
                  grad_dtype: torch.dtype | None = None) -> None:
-        groups = _param_groups(params)
+        groups = as_param_groups(params)
+        self._mesh = dtensor_params.dtensor_mesh(groups, type(self).__name__)
         # Parameters whose moments are stored in 8 bits: decided before the layout, which
         # keeps them in runs of their own (one kernel call each).
         self._quantized_ids = {id(p) for g in groups for p in g["params"]
                                if self.algorithm.quantized(p, {**defaults, **g})}
         self._float_state_depth = 0
-        self.grad_buffer = self._make_grad_buffer(groups, grad_dtype)
+        if self._mesh is None:
+            self.grad_buffer: GradBuffer | None = self._make_grad_buffer(groups, grad_dtype)
+        else:
+            if grad_dtype is not None:
+                raise ValueError(
+                    f"memkern.{type(self).__name__}: grad_dtype={grad_dtype} sets the flat "
+                    "gradient buffer's dtype, and DTensor parameters have none (their gradients "
+                    "come from FSDP2 in its reduce_dtype); leave grad_dtype=None")
+            check_params(p for g in groups for p in g["params"])
+            self.grad_buffer = None
         super().__init__(groups, defaults)
-        self.grad_buffer.flat_params()
+        if self.grad_buffer is not None:
+            self.grad_buffer.flat_params()
         self._segments: list[Segment] = self._make_segments()
         self._state_ready = False
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The device mesh of DTensor parameters (stepped shard by shard, see
+        :mod:`memkern.optim.dtensor_params`); None for plain parameters."""
+        return self._mesh
 
     @property
     def segments(self) -> tuple[Segment, ...]:
@@ -235,7 +260,12 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     def _make_segments(self) -> list[Segment]:
         """One segment per (param group, dtype): its whole run of the flat layout (with 8-bit
-        state, cut further into runs of 8-bit and of 32-bit parameters)."""
+        state, cut further into runs of 8-bit and of 32-bit parameters); for DTensor
+        parameters, one per parameter: its local shard."""
+        if self._mesh is not None:
+            return [Segment(gi, torch.empty(0), dtensor_params.local_flat(p, "a parameter"),
+                            [p], [0], quantized=id(p) in self._quantized_ids, dtensor=True)
+                    for gi, g in enumerate(self.param_groups) for p in g["params"]]
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         segments = []
         for bucket in self.grad_buffer.buckets:
@@ -261,6 +291,7 @@ class FlatOptimizer(torch.optim.Optimizer):
     # -------------------------------------------------------------------------------- state
     def _init_state(self) -> None:
         """(Re)creates all optimizer state: masters from the current weights, zero moments."""
+        self._refresh_local_shards()
         self.state = defaultdict(dict)
         for seg in self._segments:
             group = self.param_groups[seg.group]
@@ -280,6 +311,14 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._state_ready = True
         if self._float_state_depth:
             self._dequantize_into_state()
+
+    def _refresh_local_shards(self) -> None:
+        """Points DTensor parameters' segments at their current local shards: FSDP2 may
+        reallocate a shard after the optimizer was built (its lazy initialisation pads uneven
+        shards at the first forward)."""
+        for seg in self._segments:
+            if seg.dtensor:
+                seg.weights = dtensor_params.local_flat(seg.params[0], "a parameter")
 
     def _dequantize_into_state(self) -> None:
         for seg in self._segments:
@@ -333,9 +372,29 @@ class FlatOptimizer(torch.optim.Optimizer):
             grad_multiplier = inv_scale if grad_multiplier is None else grad_multiplier * inv_scale
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
-        self.grad_buffer.claim_grads()
-        self._apply_update(grad_multiplier, found_inf)
+        if self._mesh is None:
+            self.grad_buffer.claim_grads()
+            self._apply_update(grad_multiplier, found_inf)
+        else:
+            self._step_local_shards(grad_multiplier, found_inf)
         return loss
+
+    def _step_local_shards(self, grad_multiplier: torch.Tensor | None,
+                           found_inf: torch.Tensor | None) -> None:
+        """The step of DTensor parameters: the ranks agree on ``found_inf``, then each
+        parameter with a gradient is updated on its local shard (one without is skipped, as
+        torch.optim skips it)."""
+        if found_inf is not None:
+            dtensor_params.agree_on_found_inf(found_inf, self._mesh)
+        if not self._state_ready:
+            self._init_state()
+        self._refresh_local_shards()
+        for seg in self._segments:
+            grads = dtensor_params.local_grad(seg.params[0])
+            if grads is not None:
+                seg.grads = grads
+                self.algorithm.update(seg, self.param_groups[seg.group], grad_multiplier,
+                                      found_inf)
 
     def _apply_update(self, grad_multiplier: torch.Tensor | None,
                       found_inf: torch.Tensor | None) -> None:
@@ -349,14 +408,24 @@ class FlatOptimizer(torch.optim.Optimizer):
         """Zeroes the flat gradient buffer (one fill per dtype).
 
         ``set_to_none`` is accepted for compatibility and ignored: the gradients stay views of
-        the buffer (a None ``.grad`` would make the next backward allocate outside it).
+        the buffer (a None ``.grad`` would make the next backward allocate outside it). DTensor
+        parameters have no flat buffer: their gradients are set to None (or zeroed), as
+        ``torch.optim`` does.
         """
+        if self._mesh is not None:
+            super().zero_grad(set_to_none)
+            return
         self.grad_buffer.zero_()
 
     # -------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim`` format. Tensors are views of the live flat state (``torch.save`` them
-        or copy), except ``step``, a fresh per-parameter CPU tensor as torch keeps it."""
+        or copy), except ``step``, a fresh per-parameter CPU tensor as torch keeps it. With
+        DTensor parameters they are DTensors like their parameters, and an optimizer that has
+        not stepped yet gives its initial state (zero moments, step 0): that is what
+        ``torch.distributed.checkpoint.load`` loads into, in place."""
+        if self._mesh is not None and not self._state_ready:
+            self._init_state()
         with self._float_state(write_back=False):
             state_dict = super().state_dict()
             # New per-parameter dicts: torch's are the live ones, which lose the float32
@@ -440,9 +509,9 @@ class FlatOptimizer(torch.optim.Optimizer):
         the optimizer has no such state for ``p``. Here: the whole per-parameter view (the
         model's own weights for the "master" of a float32 parameter)."""
         if key == "master_param" and p.dtype == torch.float32:
-            return [(p.data.view(-1), 0)]
+            return [(dtensor_params.local_flat(p.detach(), "a parameter"), 0)]
         state = self.state[p].get(key)
-        return None if state is None else [(state.view(-1), 0)]
+        return None if state is None else [(dtensor_params.local_flat(state, key), 0)]
 
     def _load_param_states(self, saved_state: dict[Any, dict[str, Any]],
                            id_map: dict[Any, torch.Tensor], name: str) -> None:
@@ -475,7 +544,8 @@ class FlatOptimizer(torch.optim.Optimizer):
                         f"{name}: saved state {key!r} of parameter {saved_id} has shape "
                         f"{tuple(value.shape)}, the parameter {tuple(p.shape)}"
                     )
-                flat = value.reshape(-1)
+                flat = (dtensor_params.local_values(value, p) if self._mesh is not None
+                        else value.reshape(-1))
                 for target, start in pieces:
                     target.copy_(flat[start:start + target.numel()])
             if "step" in saved:

@@ -76,9 +76,10 @@ import os
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from memkern.optim import checkpoint
-from memkern.optim.flat_state import FlatOptimizer, Segment
+from memkern.optim.flat_state import FlatOptimizer, Segment, as_param_groups
 from memkern.optim.fused_adamw import AdamW
 from memkern.optim.fused_sgd import SGD
 from memkern.optim.grad_buffer import GradBuffer
@@ -90,6 +91,21 @@ from memkern.optim.window import AccumulationWindow
 from memkern.optim.zero import Shards, _weak_hook
 
 ALGORITHMS = {"adamw": AdamW, "sgd": SGD}
+
+
+def _refuse_dtensors(groups: list[dict[str, Any]], name: str) -> None:
+    """A ValueError for DTensor parameters: FSDP2 (or tensor parallelism) already shards them
+    and reduces their gradients, and this optimizer's ZeRO-1/2 would do both again over a flat
+    buffer of its own (docs/distributed.md, "ShardedOptimizer or FSDP2")."""
+    params = [p for g in groups for p in g["params"]]
+    index = next((i for i, p in enumerate(params) if isinstance(p, DTensor)), None)
+    if index is not None:
+        raise ValueError(
+            f"{name}: params[{index}] is a DTensor (FSDP2's fully_shard or tensor parallelism), "
+            "which already shards parameters and reduces gradients; step them with "
+            "memkern.optim.FusedAdamW or FusedSGD (state_precision='8bit' for 8-bit state), "
+            "clip with torch.nn.utils.clip_grad_norm_ and scale with FSDP's ShardedGradScaler "
+            "(docs/distributed.md)")
 
 
 def _group_and_rank(process_group: Any) -> tuple[Any, int, int]:
@@ -194,6 +210,8 @@ class ShardedOptimizer(FlatOptimizer):
             raise ValueError(f"{name}: bucket_size_mb must be > 0, got {bucket_size_mb!r}")
         if offload not in (None, "cpu"):
             raise ValueError(f"{name}: offload must be None or 'cpu', got {offload!r}")
+        params = as_param_groups(params)
+        _refuse_dtensors(params, name)
         group, self.rank, self.world_size = _group_and_rank(process_group)
         # The multi-rank (or offload) machinery; None: the plain single-process optimizer.
         self._shards = (Shards(group, self.rank, self.world_size, zero_stage, offload,

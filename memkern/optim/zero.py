@@ -69,6 +69,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from memkern import _fake
 from memkern.optim.flat_state import Segment
 from memkern.optim.grad_buffer import ALIGN, Bucket, GradBuffer, aligned, check_params
 from memkern.optim.offload import HostOffload
@@ -255,7 +256,10 @@ class Shards:
             return
         mine = _describe(groups, settings)
         every = [None] * self.world
-        dist.all_gather_object(every, mine, group=self.group)
+        # Host metadata: pickled and sized on real tensors even while the planner runs the
+        # optimizer on fake ones (whose sizes have no value to read).
+        with _fake.without_dispatch_modes():
+            dist.all_gather_object(every, mine, group=self.group)
         for rank, theirs in enumerate(every):
             if theirs["error"] is not None:
                 raise ValueError(f"memkern.ShardedOptimizer: rank {rank} of process_group cannot "

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memkern import _fake
 from memkern.profile.allocations import allocation_stats
 from memkern.profile.saved import SavedTensorsRecorder
 
@@ -61,6 +62,7 @@ class _StorageCounter:
     def add(self, tensors: Iterable[torch.Tensor]) -> int:
         total = 0
         for t in tensors:
+            t = _fake.local_tensor(t)  # a DTensor's memory on this rank: its shard
             storage = t.untyped_storage()
             key = (t.device, storage.data_ptr())
             if storage.nbytes() == 0 or key in self.seen:
@@ -90,7 +92,8 @@ def memory_breakdown(model: nn.Module, optimizer: Any = None) -> MemoryBreakdown
     """Bytes of parameters, gradients, master weights and optimizer state on this rank.
 
     ``optimizer`` is any ``torch.optim.Optimizer`` (memkern's included) or None. Tensors that
-    share a storage are counted once, in the first category that reaches them.
+    share a storage are counted once, in the first category that reaches them; a DTensor
+    (FSDP2) counts its local shard.
     """
     params = [p for p in model.parameters()]
     counter = _StorageCounter()

@@ -208,14 +208,14 @@ class _Timeline(TorchDispatchMode):
 
     def sid_of(self, t: torch.Tensor) -> int | None:
         try:
-            storage = t.untyped_storage()
+            storage = _fake.local_tensor(t).untyped_storage()
         except (RuntimeError, NotImplementedError):  # no storage (sparse, nested)
             return None
         return self._live.get(id(storage))
 
     def _track(self, t: torch.Tensor, op: str, where: str) -> None:
         try:
-            storage = t.untyped_storage()
+            storage = _fake.local_tensor(t).untyped_storage()
         except (RuntimeError, NotImplementedError):
             return
         key = id(storage)
@@ -448,7 +448,8 @@ def _autocast_on_host(device_type: str):
 
 
 def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Target = "cuda",
-                       warmup_steps: int = 1, count_flops: bool = False) -> StepPlan:
+                       warmup_steps: int = 1, count_flops: bool = False,
+                       world_size: int = 1) -> StepPlan:
     """Plans one training step of the set-up ``build()`` makes, for ``device``.
 
     ``build`` runs inside the fake mode (create the model, the optimizer and the batch there, on
@@ -456,10 +457,16 @@ def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Targ
     runs ``warmup_steps`` times (the optimizer creates its state), then once more: that step is
     measured. ``device``: "cuda" (Hopper), "cuda-sm80" (Ampere), "cpu", or a
     :class:`~memkern.profile.targets.Target`. ``count_flops``: also count the measured step's
-    floating-point operations (:attr:`StepPlan.flops`). Returns a :class:`StepPlan`.
+    floating-point operations (:attr:`StepPlan.flops`). ``world_size`` > 1: ``build`` and the
+    steps run as rank 0 of that many ranks, ``torch.distributed`` initialised with a fake
+    process group whose collectives move no data (shard the model or the optimizer over the
+    default group in ``build``, as :func:`memkern.profile.hf_workload`'s ``sharding`` does):
+    the plan is one rank's (rank 0 holds the largest shards). Returns a :class:`StepPlan`.
     """
     if warmup_steps < 0:
         raise ValueError(f"plan_training_step: warmup_steps={warmup_steps} must be >= 0")
+    if world_size < 1:
+        raise ValueError(f"plan_training_step: world_size={world_size} must be >= 1")
     tgt = _target(device)
     tl = _Timeline(tgt)
     start = time.perf_counter()
@@ -470,6 +477,8 @@ def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Targ
     _active.append(tl)
     try:
         with contextlib.ExitStack() as stack:
+            if world_size > 1:
+                stack.enter_context(_fake.fake_process_group(world_size))
             stack.enter_context(_fake.fake_mode())
             stack.enter_context(backend.planning_for(tgt.device_type))
             stack.enter_context(_autocast_on_host(tgt.device_type))

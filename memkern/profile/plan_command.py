@@ -23,8 +23,8 @@ import torch
 from memkern.profile.plan import CATEGORIES, StepPlan, plan_training_step
 from memkern.profile.plan_report import MIB, format_plan, plan_chart
 from memkern.profile.targets import TARGETS
-from memkern.profile.workloads import (OPTIMIZERS, PATCH_OPTIONS, TASKS, bench_workload,
-                                       default_seq, hf_config, hf_workload)
+from memkern.profile.workloads import (OPTIMIZERS, PATCH_OPTIONS, SHARDINGS, TASKS,
+                                       bench_workload, default_seq, hf_config, hf_workload)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -90,7 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser, size_choices, config_names,
                         help="with --hf: parameter dtype (default: bfloat16)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw-fused",
                         help="with --hf: torch AdamW fused (default) or foreach, memkern's "
-                        "FusedAdamW (8-bit state: memkern-adamw-8bit), or ShardedOptimizer")
+                        "FusedAdamW (32-bit or 8-bit state), or ShardedOptimizer")
+    parser.add_argument("--world-size", type=positive_int, default=1,
+                        help="with --hf and --sharding: plan one rank of this many (default: 1)")
+    parser.add_argument("--sharding", choices=SHARDINGS,
+                        help="with --hf: zero1 / zero2 (ShardedOptimizer's stages: use "
+                        "--optimizer sharded) or fsdp2 (fully_shard per decoder layer and on "
+                        "the model), over --world-size ranks; each rank trains --batch sequences")
     parser.add_argument("--plot", metavar="PATH", type=chart_file,
                         help="write a bar chart of each peak by category (PNG, or another "
                         "format by the file's suffix)")
@@ -103,14 +109,19 @@ def _plans(args: argparse.Namespace) -> list[tuple[str, StepPlan]]:
         cfg = hf_config(args.hf, args.set)
         seq = args.seq or default_seq(cfg, args.task)
         variants = args.variant or [_variant("plain"), _variant("patch")]
+        if (args.world_size > 1) != (args.sharding is not None):
+            raise ValueError("--world-size above 1 and --sharding go together")
         autocast = DTYPES[args.autocast] if args.autocast else None
         return [(name, plan_training_step(
             hf_workload(cfg, batch=args.batch, seq=seq, dtype=DTYPES[args.dtype], patch=patch,
-                        optimizer=args.optimizer, task=args.task, autocast=autocast),
-            device=args.device))
+                        optimizer=args.optimizer, task=args.task, autocast=autocast,
+                        sharding=args.sharding),
+            device=args.device, world_size=args.world_size))
                 for name, patch in variants]
-    if args.set or args.variant or args.task != "causal-lm" or args.autocast:
-        raise ValueError("--set, --variant, --task and --autocast go with --hf")
+    if (args.set or args.variant or args.sharding or args.world_size > 1
+            or args.task != "causal-lm" or args.autocast):
+        raise ValueError("--set, --variant, --sharding, --world-size, --task and --autocast go "
+                         "with --hf")
     from memkern.bench.configs import DEFAULT_CONFIGS
 
     names = args.configs or [c for c in DEFAULT_CONFIGS if "compiled" not in c]
@@ -134,8 +145,10 @@ def _summary(plans: list[tuple[str, StepPlan]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     plans = _plans(args)
+    ranks = (f"; one rank of {args.world_size}, {args.sharding}" if args.world_size > 1
+             else "")
     print(f"memkern plan: {TARGETS[args.device].describe()}; planned on fake tensors "
-          f"(torch {torch.__version__})")
+          f"(torch {torch.__version__}){ranks}")
     print(_summary(plans))
     print("columns: the peak's bytes by category (allocator blocks); 2nd: the highest moment of "
           "another phase")

@@ -58,6 +58,13 @@ _CPU_GEMMS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}
 """The CPU GEMMs whose 16-bit scratch is measured, with the positions of their two operands."""
 CPU_GEMM_MEASURED_MACS = 1 << 28
 """The largest CPU GEMM (multiply-adds) whose scratch the planner measures by running it."""
+_GLOO_SCRATCH = {torch.ops.c10d._reduce_scatter_base_.default: 1,
+                 torch.ops.c10d._allgather_base_.default: 0}
+"""The collectives a sharded step runs (``reduce_scatter_tensor``, ``all_gather_into_tensor``)
+with the position of the argument whose size gloo allocates and frees inside them: it
+reduces or gathers into a full-size copy (measured with the allocation trace on 2 gloo ranks:
+one input-sized block for a reduce-scatter, one output-sized block for an all-gather). NCCL
+works in place, in its own buffers outside torch's allocator: a GPU target adds nothing."""
 
 
 @functools.cache
@@ -110,8 +117,9 @@ class Target:
         """Bytes ``func`` allocates and frees inside itself on the target (besides its outputs):
         on a GPU, flash attention's backward scratch (16-bit inputs; the stand-in's attention
         op saves and returns what the GPU's flash kernels do); on the CPU, a 16-bit GEMM's
-        packed operands (measured: this module's docstring). (The fused cross-entropy row ops
-        allocate nothing inside: an online softmax over the logits in place.)"""
+        packed operands (measured: this module's docstring) and gloo's copy of a sharded
+        step's collective buffer. (The fused cross-entropy row ops allocate nothing inside: an
+        online softmax over the logits in place.)"""
         if self.name == "cpu":
             return self._cpu_workspaces(func, args)
         if func is not _ATTENTION_BACKWARD or args[1].dtype not in _HALF:
@@ -126,6 +134,9 @@ class Target:
 
     @staticmethod
     def _cpu_workspaces(func, args) -> list[int]:
+        if func in _GLOO_SCRATCH:
+            buffer = args[_GLOO_SCRATCH[func]]
+            return [buffer.numel() * buffer.element_size()]
         operands = _CPU_GEMMS.get(func)
         if operands is None:
             return []

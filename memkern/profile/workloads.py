@@ -17,6 +17,8 @@ from memkern.profile.plan import TrainingSetup, on_host
 
 PATCH_OPTIONS = ("linear", "norm", "mlp", "dropout", "loss")
 """The on/off families of :func:`memkern.patch` (see ``memkern.nn.patch``)."""
+SHARDINGS = ("zero1", "zero2", "fsdp2")
+"""How :func:`hf_workload` shards across the ranks of the default process group."""
 
 
 def bench_workload(config: str, size: str = "small", *, batch: int = 8, seq: int | None = None,
@@ -172,7 +174,8 @@ def task_batch(config, task: str, batch: int, seq: int) -> dict:
 def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bfloat16,
                 patch: dict | None = None, optimizer: str = "adamw-fused",
                 gradient_checkpointing: bool = False, task: str = "causal-lm",
-                autocast: torch.dtype | None = None) -> Callable[[], TrainingSetup]:
+                autocast: torch.dtype | None = None,
+                sharding: str | None = None) -> Callable[[], TrainingSetup]:
     """A ``transformers`` model for ``task`` (:data:`TASKS`) from ``config``
     (:func:`hf_config`), parameters in ``dtype``, trained as ``benchmarks/bench_hf.py`` trains
     it: ``model(**batch).loss``, ``backward()``, the optimizer's step,
@@ -189,6 +192,12 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
     ``gradient_checkpointing``: transformers' own (``model.gradient_checkpointing_enable()``).
     ``autocast``: the forward runs under ``torch.autocast(<the planned device>, dtype=autocast)``
     (AMP: float32 parameters, ``torch.float16`` or ``torch.bfloat16`` matmuls).
+
+    ``sharding`` (over the default process group: plan with ``world_size``), each rank
+    training on its own ``batch`` sequences: "zero1" / "zero2" (the ``"sharded"`` optimizer,
+    ``zero_stage`` 1 / 2: a whole model per rank, the optimizer state split), or "fsdp2"
+    (``fully_shard`` on each decoder layer, then on the model, as torchtitan does; then the
+    optimizer on the sharded parameters).
     """
     from transformers.initialization import no_init_weights
 
@@ -198,6 +207,13 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
         raise ValueError(f"optimizer={optimizer!r}: choose from {', '.join(OPTIMIZERS)}")
     if task not in TASKS:
         raise ValueError(f"task={task!r}: choose from {', '.join(TASKS)}")
+    if sharding is not None and sharding not in SHARDINGS:
+        raise ValueError(f"sharding={sharding!r}: choose from {', '.join(SHARDINGS)}")
+    if sharding in ("zero1", "zero2") and optimizer != "sharded":
+        raise ValueError(f"sharding={sharding!r} is ShardedOptimizer's: use optimizer='sharded'")
+    if sharding == "fsdp2" and optimizer == "sharded":
+        raise ValueError("sharding='fsdp2' shards the parameters: use a torch optimizer or "
+                         "memkern-adamw, not 'sharded'")
     model_cls = model_class(config, task)
 
     def make() -> TrainingSetup:
@@ -211,6 +227,8 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
             model.gradient_checkpointing_enable()
         if patch is not None:
             memkern.patch(model, **patch)
+        if sharding == "fsdp2":
+            _fully_shard(model)
         params = model.parameters()
         sharded = None
         if optimizer == "adamw-fused":
@@ -223,7 +241,8 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
             opt = memkern.optim.FusedAdamW(params, lr=1e-4, state_precision="8bit")
         else:
             opt = sharded = memkern.optim.ShardedOptimizer(
-                params, "adamw", lr=1e-4, loss_scale="dynamic", max_grad_norm=1.0)
+                params, "adamw", lr=1e-4, loss_scale="dynamic", max_grad_norm=1.0,
+                zero_stage=2 if sharding == "zero2" else 1)
         inputs = task_batch(config, task, batch, seq)
         device = next(model.parameters()).device.type
 
@@ -244,7 +263,28 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
         extras = "".join([f", autocast {autocast}" if autocast is not None else "",
                           ", gradient checkpointing" if gradient_checkpointing else ""])
         shape = (f"batch {batch}" if task == "image-classification" else f"batch {batch} x {seq}")
+        ranks = "" if sharding is None else \
+            f", {sharding} over {torch.distributed.get_world_size()} ranks"
         return TrainingSetup(model, opt, step,
-                             f"{model_cls.__name__} {how}, {dtype}{extras}, {optimizer}, {shape}")
+                             f"{model_cls.__name__} {how}, {dtype}{extras}, {optimizer}, "
+                             f"{shape}{ranks}")
 
     return make
+
+
+def _fully_shard(model: torch.nn.Module) -> None:
+    """FSDP2 over the default process group: ``fully_shard`` on each block of the model's
+    largest ``ModuleList`` (a causal LM's decoder layers), then on the model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from memkern import _fake
+
+    blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len,
+                 default=[])
+    device = next(model.parameters()).device.type
+    with _fake.without_dispatch_modes():  # the mesh's rank table is real even when planning
+        mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)

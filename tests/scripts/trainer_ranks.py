@@ -1,0 +1,85 @@
+"""Run by tests/test_integrations_trainer_ranks.py, in one process or under ``torchrun`` /
+``accelerate launch``: trains test_integrations_transformers.py's tiny Llama on its token
+sequences with ``MemkernTrainer`` (or plain ``Trainer``), a global batch of ``--global-batch``
+sequences split over the ranks, and writes what it logged to ``--result`` (rank 0): the loss
+of every optimizer step this run took (a resumed run: from its checkpoint on), and per rank
+the model's wrapper and the optimizer state it holds.
+
+    torchrun --standalone --nproc-per-node 2 tests/scripts/trainer_ranks.py --out DIR ...
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from test_integrations_transformers import Sequences, arguments, tiny_llama  # noqa: E402
+from transformers import Trainer, TrainerCallback  # noqa: E402
+
+from memkern.integrations.transformers import MemkernTrainer  # noqa: E402
+
+SEQUENCES = 40
+"""Per epoch: 5 micro-batches of 8 sequences, windows of 2, 2 and 1 (the epoch's end)."""
+
+
+class Losses(TrainerCallback):
+    """The loss of each step logged in this run, by step."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        if logs and "loss" in logs:
+            self.losses[state.global_step] = logs["loss"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trainer", choices=("memkern", "plain"), default="memkern")
+    parser.add_argument("--zero-stage", type=int, default=1)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--save-steps", type=int)
+    parser.add_argument("--resume")
+    parser.add_argument("--result", required=True)
+    args = parser.parse_args(argv)
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.manual_seed(args.seed + int(os.environ.get("RANK", "0")))  # ranks start unequal:
+    model = tiny_llama()  # the optimizer broadcasts rank 0's weights, as DDP would
+    saving = dict(save_strategy="steps", save_steps=args.save_steps) if args.save_steps else {}
+    training = arguments(args.out, steps=args.steps, batch=args.global_batch // world,
+                         seed=args.seed, logging_steps=1, learning_rate=3e-3, **saving)
+    losses = Losses()
+    common = dict(model=model, args=training, train_dataset=Sequences(SEQUENCES, args.seed),
+                  callbacks=[losses])
+    if args.trainer == "memkern":
+        trainer = MemkernTrainer(**common, zero_stage=args.zero_stage)
+    else:
+        trainer = Trainer(**common)
+    trainer.train(resume_from_checkpoint=args.resume)
+
+    opt = getattr(trainer, "memkern_optimizer", None)
+    held = None if opt is None else sum(t.numel() for seg in opt._segments
+                                        for t in seg.state.values())
+    mine = {"wrapper": type(trainer.model_wrapped).__name__, "state_elements": held,
+            "world": world, "zero_stage": None if opt is None else opt.zero_stage}
+    ranks = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(ranks, mine)
+    else:
+        ranks = [mine]
+    if trainer.args.process_index == 0:
+        with open(args.result, "w") as fh:
+            json.dump({"losses": losses.losses, "ranks": ranks,
+                       "parameters": sum(p.numel() for p in model.parameters())}, fh)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    main()

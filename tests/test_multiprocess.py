@@ -1,0 +1,32 @@
+"""The multi-process harness (tests/multiprocess.py) reports every rank's output when a launch
+fails: here one rank raises while the other is stuck, and is killed after the grace period."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import multiprocess
+
+
+def scenario_one_rank_fails(rank, world, seed, out):
+    if rank == world - 1:
+        raise ValueError(f"rank {rank} cannot go on")
+    print(f"rank {rank} waits", flush=True)
+    time.sleep(600)  # not a collective, so nothing ends it but the harness
+
+
+if __name__ == "__main__":
+    multiprocess.serve(globals())
+
+
+def test_a_failed_rank_ends_the_launch_with_every_ranks_output(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failure:
+        multiprocess.launch(__file__, 2, ["one_rank_fails"], str(tmp_path), 0, timeout=200)
+    message = str(failure.value)
+    assert "world size 2, ['one_rank_fails']: a rank failed" in message
+    assert "----- rank 0: killed (still running)\nrank 0 waits" in message
+    assert "----- rank 1: exit status 1" in message
+    assert "ValueError: rank 1 cannot go on" in message
+    assert time.monotonic() - start < 200  # ended by the failure, not the timeout

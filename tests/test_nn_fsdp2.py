@@ -1,0 +1,153 @@
+"""memkern's layers and fused head + loss under FSDP2's ``fully_shard``, across real processes
+(2 gloo ranks on the CPU), in every usual unit layout: the root only; each decoder block and the
+root; the final norm and the output layer as one unit (torchtitan's layout); the output layer
+alone; ``reshard_after_forward=False``; activation checkpointing per block (memkern.checkpoint
+and torch's, through transformers' gradient checkpointing); bfloat16 mixed precision.
+
+Oracle: the plain transformers model, unpatched and unsharded, on each rank's batch, its
+gradients averaged over the ranks as FSDP2 averages them (float32: <= 1e-6 relative); under
+mixed precision, the plain model sharded the same way, within bfloat16's rounding. Tiny GPT-2
+(tied embeddings), Llama and Qwen2 built from their configs. Launched through
+tests/multiprocess.py.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import memkern as mk
+import multiprocess
+from compare import rel_err
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, BATCH, SEQ = 131, 2, 13
+_COMMON = dict(hidden_size=48, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+               bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
+
+
+def _gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=48, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        attn_implementation="sdpa"))
+
+
+FAMILIES = {
+    "gpt2": _gpt2,
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**_COMMON)),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_COMMON)),
+}
+LAYOUTS = {  # name -> (units, fully_shard options, activation checkpointing)
+    "root": ((), {}, None),
+    "blocks": (("blocks",), {}, None),
+    "blocks+norm_head": (("blocks", "norm_head"), {}, None),
+    "blocks+head": (("blocks", "head"), {}, None),
+    "keep_unsharded": (("blocks", "norm_head"), {"reshard_after_forward": False}, None),
+    "memkern_checkpoint": (("blocks", "norm_head"), {}, "memkern"),
+    "torch_checkpoint": (("blocks", "norm_head"), {}, "torch"),
+    "bf16": (("blocks", "norm_head"), {"mp_policy": MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}, None),
+}
+# GPT-2's output layer is its input embedding: it stays in the root's unit (a parameter lives
+# in one unit), so the layouts that only differ by the output layer's unit are left out.
+CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS
+         if not (family == "gpt2" and layout in ("blocks+norm_head", "blocks+head"))]
+
+
+def blocks_and_final_norm(model):
+    """The decoder blocks and the final norm of a transformers causal LM."""
+    if hasattr(model, "transformer"):  # GPT-2
+        return list(model.transformer.h), model.transformer.ln_f
+    return list(model.model.layers), model.model.norm
+
+
+def shard(model, layout: str, mesh):
+    units, options, recompute = LAYOUTS[layout]
+    blocks, norm = blocks_and_final_norm(model)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    if recompute == "memkern":
+        for block in blocks:
+            mk.checkpoint(block)
+    elif recompute == "torch":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if "blocks" in units:
+        for block in blocks:
+            fully_shard(block, mesh=mesh, **options)
+    if "norm_head" in units and not tied:
+        fully_shard([norm, model.lm_head], mesh=mesh, **options)
+    if "head" in units and not tied:
+        fully_shard(model.lm_head, mesh=mesh, **options)
+    return fully_shard(model, mesh=mesh, **options)
+
+
+def batch(seed: int, rank: int):
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100  # an untrained prompt
+    return ids, labels
+
+
+def gradients(model, ids, labels) -> dict[str, torch.Tensor]:
+    output = model(input_ids=ids, labels=labels)
+    loss = output.loss
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads[name] = grad.detach().float().clone()
+    model.zero_grad()
+    # the fused loss leaves no logits
+    return dict(grads, loss=loss.detach().float()), output.logits is None
+
+
+def scenario_gradients(rank, world, seed, out):
+    """Every (family, layout): the patched sharded model's gradients (gathered), and the
+    oracle's: the plain model's, unsharded and averaged over the ranks' batches (float32), or
+    sharded the same way (bfloat16 mixed precision)."""
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for family, layout in CASES:
+        torch.manual_seed(seed)
+        plain = FAMILIES[family]().train()
+        model = mk.patch(copy.deepcopy(plain))
+        ids, labels = batch(seed, rank)
+        got, fused = gradients(shard(model, layout, mesh), ids, labels)
+        if "mp_policy" in LAYOUTS[layout][1]:
+            expected, _ = gradients(shard(plain, layout, mesh), ids, labels)
+        else:
+            per_rank = [gradients(plain, *batch(seed, r))[0] for r in range(world)]
+            expected = {k: sum(g[k] for g in per_rank) / world for k in per_rank[0]}
+            expected["loss"] = per_rank[rank]["loss"]
+        results[family, layout] = dict(got=got, expected=expected, fused=fused)
+    return results
+
+
+if __name__ == "__main__":
+    multiprocess.serve(globals())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    seed = multiprocess.fresh_seed()
+    return multiprocess.launch(__file__, 2, ["gradients"], str(tmp_path_factory.mktemp("fsdp2")),
+                               seed)["gradients"]
+
+
+@pytest.mark.parametrize("family, layout", CASES, ids=[f"{f}-{l}" for f, l in CASES])
+def test_gradients_equal_the_plain_model(runs, family, layout):
+    bf16 = "mp_policy" in LAYOUTS[layout][1]
+    tol = 3e-2 if bf16 else 1e-6
+    for rank, result in enumerate(runs):
+        r = result[family, layout]
+        assert r["fused"]
+        assert r["got"].keys() == r["expected"].keys()
+        for name, expected in r["expected"].items():
+            err = rel_err(r["got"][name], expected)
+            assert err <= tol, (rank, name, err)
