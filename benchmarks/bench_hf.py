@@ -147,7 +147,8 @@ def make_batch(family: str, size: dict, device: torch.device) -> dict:
     else:
         ids = torch.randint(1, size["vocab"], (b, t))
         batch = dict(input_ids=ids, labels=ids)
-    return {k: v.to(device) for k, v in batch.items()}
+    dtype = getattr(torch, size["dtype"])  # images and latents in the parameters' dtype
+    return {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in batch.items()}
 
 
 def loss_of(model, batch: dict) -> torch.Tensor:

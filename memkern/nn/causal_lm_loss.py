@@ -72,6 +72,9 @@ class _LossRequest:
     target: torch.Tensor
     ignore_index: int
     num_items: Any
+    per_row: bool = False
+    """Per-row losses (reduction "none"): the weight gradient is then computed in backward from
+    the rows, never held ``[vocab, hidden]`` from the forward (the masked-LM loss)."""
 
 
 @dataclasses.dataclass
@@ -129,7 +132,8 @@ def _fused_loss(head: nn.Linear, hidden: torch.Tensor, request: _LossRequest,
     return linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype), request.target,
         None if bias is None else bias.to(dtype), ignore_index=request.ignore_index,
-        reduction="mean" if num_items is None else "sum", num_items=num_items, softcap=softcap)
+        reduction="none" if request.per_row else "mean" if num_items is None else "sum",
+        num_items=num_items, softcap=softcap)
 
 
 class CausalLMHead(nn.Linear):

@@ -14,13 +14,15 @@ touching transformers' code:
   loss of its own) and opens a fused call;
 * a forward hook on the encoder (``model.base_model``) keeps only the labelled rows of its
   output, ``[n_labelled, hidden]``, so that the head's transform runs on those rows only;
-* the decoder (a memkern class of its ``nn.Linear``, as for causal LMs,
-  :mod:`memkern.nn.causal_lm_loss`) keeps its input and returns a placeholder that takes no
-  memory instead of logits;
-* a forward hook on the model computes the loss with
-  :func:`memkern.nn.functional.linear_cross_entropy` from the decoder's input, weight and bias
-  and the labelled rows' labels — the mean over labelled tokens, as ``CrossEntropyLoss()`` —
-  and returns the output with that ``loss`` and ``logits=None``.
+* the decoder is replaced in its parent, for the call, by the stand-in of
+  :mod:`memkern.nn.causal_lm_loss`, which keeps its input and returns a placeholder that takes
+  no memory instead of logits;
+* a forward hook on the model puts the decoder back and calls it (a memkern class of its
+  ``nn.Linear``, as for causal LMs) with the kept rows and a loss request: the call computes
+  the loss with :func:`memkern.nn.functional.linear_cross_entropy` from the rows, its weight
+  and bias and the labelled rows' labels — the mean over labelled tokens, as
+  ``CrossEntropyLoss()`` — and the hook returns the output with that ``loss`` and
+  ``logits=None``.
 
 Saved for backward by the head and loss: the labelled rows' encoder output, the transform's
 tensors for those rows, and per labelled row the loss's input gradient and log-sum-exp; never
@@ -39,9 +41,8 @@ import torch
 from torch import nn
 
 from memkern import _fake
-from memkern.nn.causal_lm_loss import _CALL, _HEADS, _FusedCall, output_layer_problem
-from memkern.nn.functional._common import autocast_enabled
-from memkern.nn.functional.linear_cross_entropy import linear_cross_entropy
+from memkern.nn.causal_lm_loss import (_CALL, _HEADS, _FusedCall, _HeadStandIn, _LossRequest,
+                                       output_layer_problem)
 
 IGNORE_INDEX = -100
 """The label of unmasked tokens (``CrossEntropyLoss``'s default ignore_index)."""
@@ -73,14 +74,16 @@ def _bind_labels(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
 
 def _open_call(model: nn.Module, args: tuple, kwargs: dict):
     head = model.get_output_embeddings()
-    if not model.training or type(head) not in _HEADS.values():
+    if not model.training or not isinstance(head, tuple(_HEADS.values())):
         return None
     args, kwargs, labels = _bind_labels(model, args, kwargs)
     if labels is None:
         return None
-    call = _MaskedCall(softcap=None, labels=labels)
+    call = _MaskedCall(softcap=None, head=head, seat=model.__dict__[_FUSED], labels=labels)
     for m in (model, head, model.base_model):
         m.__dict__[_CALL] = call
+    parent, attr = call.seat
+    setattr(parent, attr, _HeadStandIn(call))
     return args, kwargs
 
 
@@ -124,29 +127,29 @@ def _close_call(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any
     call = model.__dict__.pop(_CALL, None)
     if call is None:
         return None
-    head = model.get_output_embeddings()
-    head.__dict__.pop(_CALL, None)
+    parent, attr = call.seat
+    setattr(parent, attr, call.head)
     model.base_model.__dict__.pop(_CALL, None)
     if output is None:  # the forward raised: only restore
+        call.head.__dict__.pop(_CALL, None)
         return None
     if call.placeholder is None or call.rows is None:
+        call.head.__dict__.pop(_CALL, None)
         raise RuntimeError(
             f"memkern.patch: {type(model).__name__}.forward did not run its encoder and then its "
             "output layer, so the fused masked-LM loss cannot be computed; patch it with "
             "memkern.patch(model, loss=False)")
     hidden, call.hidden = call.hidden, None
-    weight, bias = head.weight, head.bias
-    dtype = (torch.get_autocast_dtype(hidden.device.type)
-             if autocast_enabled(hidden.device.type)  # as F.linear would compute
-             else torch.promote_types(hidden.dtype, weight.dtype))
-    target = call.target
     # Per-row losses, then their mean: the weight gradient is computed in the backward from the
     # few labelled rows (one more [rows, vocab] GEMM, by blocks) instead of being accumulated
-    # in the forward and held, [vocab, hidden], until the backward.
-    losses = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).to(dtype),
-                                  weight.to(dtype), target, None if bias is None else bias.to(dtype),
-                                  ignore_index=IGNORE_INDEX, reduction="none")
-    loss = losses.sum() / target.numel()
+    # in the forward and held, [vocab, hidden], until the backward. Through the layer's call,
+    # as the causal-LM loss, so that a wrapper (FSDP2) makes its weight available.
+    call.loss_request = _LossRequest(call.target, IGNORE_INDEX, None, per_row=True)
+    try:
+        losses = call.head(hidden)
+    finally:
+        call.head.__dict__.pop(_CALL, None)
+    loss = losses.sum() / call.target.numel()
     if isinstance(output, tuple):
         return (loss, *(None if o is call.placeholder else o for o in output))
     fields = {k: v for k, v in output.items() if v is not call.placeholder}
@@ -183,12 +186,13 @@ def fuse_masked_lm_loss(model: nn.Module) -> tuple[str, str, str] | str | None:
     if why is not None:
         return why
     head = model.get_output_embeddings()
+    name = next(n for n, m in model.named_modules() if m is head)
+    parent_name, _, attr = name.rpartition(".")
     old = type(head)
     if old in _HEADS:
         head.__class__ = _HEADS[old]
     model.register_forward_pre_hook(_open_call, with_kwargs=True)
     model.base_model.register_forward_hook(_keep_labelled_rows)
     model.register_forward_hook(_close_call, with_kwargs=True, always_call=True)
-    model.__dict__[_FUSED] = True
-    name = next(n for n, m in model.named_modules() if m is head)
+    model.__dict__[_FUSED] = (model.get_submodule(parent_name), attr)  # where the stand-in sits
     return name, f"{old.__module__}.{old.__qualname__}", f"memkern.nn.causal_lm_loss.{type(head).__qualname__}"
