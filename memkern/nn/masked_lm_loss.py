@@ -42,7 +42,7 @@ from torch import nn
 
 from memkern import _fake
 from memkern.nn.causal_lm_loss import (_CALL, _HEADS, _FusedCall, _HeadStandIn, _LossRequest,
-                                       output_layer_problem)
+                                       end_call, head_seat, output_layer_problem)
 
 IGNORE_INDEX = -100
 """The label of unmasked tokens (``CrossEntropyLoss``'s default ignore_index)."""
@@ -124,11 +124,9 @@ def _keep_labelled_rows(base: nn.Module, args: tuple, output: Any) -> Any:
 
 
 def _close_call(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    call = model.__dict__.pop(_CALL, None)
+    call = end_call(model)
     if call is None:
         return None
-    parent, attr = call.seat
-    setattr(parent, attr, call.head)
     model.base_model.__dict__.pop(_CALL, None)
     if output is None:  # the forward raised: only restore
         call.head.__dict__.pop(_CALL, None)
@@ -185,14 +183,12 @@ def fuse_masked_lm_loss(model: nn.Module) -> tuple[str, str, str] | str | None:
     why = _why_not_fusable(model)
     if why is not None:
         return why
-    head = model.get_output_embeddings()
-    name = next(n for n, m in model.named_modules() if m is head)
-    parent_name, _, attr = name.rpartition(".")
+    head, name, seat = head_seat(model)
     old = type(head)
     if old in _HEADS:
         head.__class__ = _HEADS[old]
     model.register_forward_pre_hook(_open_call, with_kwargs=True)
     model.base_model.register_forward_hook(_keep_labelled_rows)
     model.register_forward_hook(_close_call, with_kwargs=True, always_call=True)
-    model.__dict__[_FUSED] = (model.get_submodule(parent_name), attr)  # where the stand-in sits
+    model.__dict__[_FUSED] = seat  # where the stand-in sits
     return name, f"{old.__module__}.{old.__qualname__}", f"memkern.nn.causal_lm_loss.{type(head).__qualname__}"
