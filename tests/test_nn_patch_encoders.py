@@ -258,9 +258,11 @@ def test_masked_lm_loss_false_keeps_transformers_loss():
 
 
 def test_feed_forward_with_inner_dropout_is_left_alone_with_the_reason():
-    diffusers = pytest.importorskip("diffusers")
+    pytest.importorskip("diffusers")
+    from diffusers.models.attention import FeedForward
+
     ff = nn.Module()
-    ff.ff = diffusers.models.attention.FeedForward(D, dropout=0.1, activation_fn="gelu-approximate")
+    ff.ff = FeedForward(D, dropout=0.1, activation_fn="gelu-approximate")
     mk.patch(ff)
     assert any("dropout p=0.1" in why for _, why in mk.nn.patch_report(ff).skipped)
 
