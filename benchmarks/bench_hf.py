@@ -1,7 +1,11 @@
-"""Hugging Face causal LMs: plain transformers vs Liger-Kernel vs ``memkern.patch``.
+"""Hugging Face models: plain transformers vs Liger-Kernel vs ``memkern.patch``.
 
-For each family (Llama, GPT-2, Mistral, Qwen2, Gemma 2), a model built from a config (nothing
-downloaded) trains with ``model(input_ids=x, labels=x).loss``, backward and an AdamW step:
+For each family (causal LMs: Llama, GPT-2, Mistral, Qwen2, Gemma 2; encoders: BERT and XLM-R
+sequence classification, XLM-R masked LM with a 50k vocabulary (15% of the tokens labelled);
+ViT image classification (128 x 128 images, 8 x 8 patches: 257 tokens); diffusers' DiT (32 x 32
+latents, 2 x 2 patches: 256 tokens; its loss the mean square of the output)), a model built
+from a config (nothing downloaded) trains with ``model(**batch).loss``, backward and an AdamW
+step:
 
 * ``plain``: transformers as it is;
 * ``liger``: ``apply_liger_kernel_to_<family>(model=model)``, when ``liger_kernel`` imports
@@ -18,15 +22,19 @@ measure): the parameters plus the peak allocation of ``model(...).loss.backward(
 memkern-full alternate step by step in one process, so their ratios share the machine's load;
 on a shared CPU the process CPU time (also reported) is the steadier measure of the work.
 GPT-2's dropout (0.1) draws different masks in torch and memkern: its losses differ slightly.
+Saved for backward (the issue's measure for the encoders, :func:`memkern.profile.saved_bytes`):
+the bytes the training forward leaves for backward, each storage once, parameters excluded.
 
 RoPE (Liger fuses it): the bytes ``apply_rotary_pos_emb`` saves for backward and its share of
 the step time, measured on the Llama model, show what fusing it could gain.
 
     python benchmarks/bench_hf.py [--size cpu|160m] [--device cpu|cuda] [--families llama,gpt2]
                                   [--reps 3] [--save PATH]
+    python benchmarks/bench_hf.py --families bert,xlm-roberta,xlm-roberta-mlm,vit,dit
 
 ``--size cpu`` (default on a CPU): the issue's shape scaled down, width 256, 2 layers, 4 heads
-(2 KV), MLP 704, vocab 32000, batch 2 x 512, float32. ``--size 160m`` (default on a GPU): width
+(2 KV), MLP 704, vocab 32000, batch 2 x 512, float32. ``--size small``: width 256, 2 layers, 4
+heads, MLP 1024, batch 4 x 128, float32 (the encoders' saved-bytes measure). ``--size 160m`` (default on a GPU): width
 1024, 8 layers, 16 heads (8 KV), MLP 2816, vocab 32000, batch 4 x 2048, bf16 parameters, fused
 AdamW. Targets: CPU forward + backward peak <= 0.5x plain's; GPU (160m Llama) peak <= 0.9x Liger's at <= 1.0x
 plain's time.
@@ -54,10 +62,20 @@ from memkern.profile import allocation_stats, saved_bytes  # noqa: E402
 SIZES = {
     "cpu": dict(width=256, layers=2, heads=4, kv_heads=2, mlp=704, vocab=32000, batch=2, seq=512,
                 dtype="float32"),
+    "small": dict(width=256, layers=2, heads=4, kv_heads=4, mlp=1024, vocab=32000, batch=4,
+                  seq=128, dtype="float32"),
     "160m": dict(width=1024, layers=8, heads=16, kv_heads=8, mlp=2816, vocab=32000, batch=4,
                  seq=2048, dtype="bfloat16"),
 }
 FAMILIES = ("llama", "gpt2", "mistral", "qwen2", "gemma2")
+ENCODERS = {  # family -> (transformers model type, task, vocabulary)
+    "bert": ("bert", "sequence-classification", None),
+    "xlm-roberta": ("xlm-roberta", "sequence-classification", None),
+    "xlm-roberta-mlm": ("xlm-roberta", "masked-lm", 50000),
+    "vit": ("vit", "image-classification", None),
+}
+OTHERS = (*ENCODERS, "dit")
+"""Families measured when named in --families (not by default)."""
 LIGER_FN = {"llama": "apply_liger_kernel_to_llama", "mistral": "apply_liger_kernel_to_mistral",
             "qwen2": "apply_liger_kernel_to_qwen2", "gemma2": "apply_liger_kernel_to_gemma2"}
 TARGET_CPU_PEAK = 0.5
@@ -69,6 +87,16 @@ def model_config(family: str, size: dict):
     import transformers
 
     s = size
+    if family in ENCODERS:
+        from memkern.profile import hf_config
+
+        model_type, task, vocab = ENCODERS[family]
+        image = dict(image_size=128, patch_size=8, num_labels=10) if task == "image-classification" \
+            else dict(vocab_size=vocab or s["vocab"], max_position_embeddings=s["seq"] + 2,
+                      num_labels=2)
+        return hf_config(model_type, dict(hidden_size=s["width"], num_hidden_layers=s["layers"],
+                                          num_attention_heads=s["heads"],
+                                          intermediate_size=s["mlp"], **image))
     common_cfg = dict(hidden_size=s["width"], num_hidden_layers=s["layers"],
                       num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
                       intermediate_size=s["mlp"], vocab_size=s["vocab"],
@@ -89,8 +117,43 @@ def model_config(family: str, size: dict):
 def build(family: str, size: dict, device: torch.device):
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_config(model_config(family, size))
+    if family == "dit":
+        from diffusers import DiTTransformer2DModel
+
+        model = DiTTransformer2DModel(num_attention_heads=size["heads"],
+                                      attention_head_dim=size["width"] // size["heads"],
+                                      in_channels=4, num_layers=size["layers"], sample_size=32,
+                                      patch_size=2, num_embeds_ada_norm=1000)
+    elif family in ENCODERS:
+        from memkern.profile.workloads import model_class
+
+        cfg = model_config(family, size)
+        model = model_class(cfg, ENCODERS[family][1])(cfg)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(model_config(family, size))
     return model.to(device=device, dtype=getattr(torch, size["dtype"])).train()
+
+
+def make_batch(family: str, size: dict, device: torch.device) -> dict:
+    """The keyword arguments of one training call of ``family``'s model."""
+    from memkern.profile.workloads import task_batch
+
+    b, t = size["batch"], size["seq"]
+    if family == "dit":
+        batch = dict(hidden_states=torch.randn(b, 4, 32, 32), timestep=torch.randint(0, 1000, (b,)),
+                     class_labels=torch.randint(0, 1000, (b,)))
+    elif family in ENCODERS:
+        batch = task_batch(model_config(family, size), ENCODERS[family][1], b, t)
+    else:
+        ids = torch.randint(1, size["vocab"], (b, t))
+        batch = dict(input_ids=ids, labels=ids)
+    dtype = getattr(torch, size["dtype"])  # images and latents in the parameters' dtype
+    return {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in batch.items()}
+
+
+def loss_of(model, batch: dict) -> torch.Tensor:
+    out = model(**batch)
+    return out.loss if getattr(out, "loss", None) is not None else out.sample.float().pow(2).mean()
 
 
 PATCHES = {"plain": None, "memkern": {}, "memkern-full": {"recompute": "full"}}
@@ -104,7 +167,8 @@ def planned_peak(family: str, name: str, size: dict, device: torch.device) -> fl
     plan = plan_training_step(hf_workload(
         model_config(family, size), batch=size["batch"], seq=size["seq"],
         dtype=getattr(torch, size["dtype"]), patch=PATCHES[name],
-        optimizer="adamw-fused" if device.type == "cuda" else "adamw"),
+        optimizer="adamw-fused" if device.type == "cuda" else "adamw",
+        task=ENCODERS[family][1] if family in ENCODERS else "causal-lm"),
         device="cuda" if device.type == "cuda" else "cpu")
     return plan.held["parameters"] + plan.held["optimizer state"] + plan.step_peak_above_start
 
@@ -122,10 +186,10 @@ def make_configuration(name: str, base, family: str, device: torch.device):
     return model, opt
 
 
-def make_steps(model, opt, ids):
+def make_steps(model, opt, batch):
     """(forward + backward, the whole training step)."""
     def forward_backward():
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = loss_of(model, batch)
         loss.backward()
         return loss.detach()
 
@@ -153,12 +217,13 @@ def state_bytes(model, opt=None) -> int:
 def measure(family: str, names: list[str], size: dict, device: torch.device, reps: int) -> dict:
     torch.manual_seed(0)
     base = build(family, size, device)
-    ids = torch.randint(1, size["vocab"], (size["batch"], size["seq"]), device=device)
+    batch = make_batch(family, size, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     runs = {}
     for name in names:
         model, opt = make_configuration(name, base, family, device)
-        forward_backward, step = make_steps(model, opt, ids)
+        forward_backward, step = make_steps(model, opt, batch)
+        saved = saved_bytes(lambda: loss_of(model, batch))
         first_loss = float(step())  # also creates the optimizer state
         sync()
         gc.collect()  # garbage freed during a measurement would lower its peak
@@ -167,7 +232,7 @@ def measure(family: str, names: list[str], size: dict, device: torch.device, rep
         gc.collect()
         stats = allocation_stats(step, device=device)
         runs[name] = dict(step=step, held=state_bytes(model, opt), step_peak=stats.peak,
-                          fwd_bwd_peak=state_bytes(model) + fwd_bwd.peak,
+                          fwd_bwd_peak=state_bytes(model) + fwd_bwd.peak, saved=saved,
                           first_loss=first_loss, times=[], cpu_times=[])
     del base
     for _ in range(reps):  # alternate the configurations step by step
@@ -183,6 +248,7 @@ def measure(family: str, names: list[str], size: dict, device: torch.device, rep
         out[name] = {"peak_bytes": r["held"] + r["step_peak"], "held_bytes": r["held"],
                      "forward_backward_peak_bytes": r["fwd_bwd_peak"],
                      "step_peak_bytes": r["step_peak"], "first_loss": r["first_loss"],
+                     "saved_bytes": r["saved"],
                      "median_step_seconds": statistics.median(r["times"]),
                      "all_step_seconds": r["times"],
                      "median_step_cpu_seconds": statistics.median(r["cpu_times"]),
@@ -281,17 +347,18 @@ def main(argv=None) -> None:
             r["peak_vs_plain"] = r["peak_bytes"] / plain["peak_bytes"]
             r["forward_backward_peak_vs_plain"] = (r["forward_backward_peak_bytes"]
                                                    / plain["forward_backward_peak_bytes"])
+            r["saved_vs_plain"] = r["saved_bytes"] / plain["saved_bytes"]
             r["time_vs_plain"] = r["median_step_seconds"] / plain["median_step_seconds"]
             r["cpu_time_vs_plain"] = r["median_step_cpu_seconds"] / plain["median_step_cpu_seconds"]
             if "liger" in fam:
                 r["peak_vs_liger"] = r["peak_bytes"] / fam["liger"]["peak_bytes"]
             planned = ""
-            if name in PATCHES:
+            if name in PATCHES and family != "dit":
                 r["planned_peak_bytes"] = planned_peak(family, name, size, device)
                 planned = f" (planned {r['planned_peak_bytes'] / 2**20:.1f})"
             print(f"{name:>13}: step peak {r['peak_bytes'] / 2**20:7.1f} MiB{planned} ({r['peak_vs_plain']:.2f}x "
                   f"plain)  fwd+bwd peak {r['forward_backward_peak_bytes'] / 2**20:7.1f} MiB "
-                  f"({r['forward_backward_peak_vs_plain']:.2f}x)  step {1e3 * r['median_step_seconds']:8.1f} ms ({r['time_vs_plain']:.2f}x "
+                  f"({r['forward_backward_peak_vs_plain']:.2f}x)  saved {r['saved_vs_plain']:.3f}x  step {1e3 * r['median_step_seconds']:8.1f} ms ({r['time_vs_plain']:.2f}x "
                   f"plain; process CPU time {r['cpu_time_vs_plain']:.2f}x)  first loss {r['first_loss']:.4f}",
                   flush=True)
         results["families"][family] = fam

@@ -88,3 +88,31 @@ def fake_process_group(world_size: int):
         yield
     finally:
         dist.destroy_process_group()
+
+_DATA = "_memkern_data"
+
+
+def _active_fake_mode():
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+
+def fake_with_data(real: torch.Tensor) -> torch.Tensor:
+    """A fake tensor of the active fake mode standing for ``real``, which it keeps (:func:`data_of`):
+    for what a planned step must compute from data, a shape that depends on values (the
+    labelled rows of a masked-LM batch). torch has no public query of the active fake mode."""
+    fake = _active_fake_mode().from_tensor(real)
+    setattr(fake, _DATA, real)
+    return fake
+
+
+def data_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The real tensor a :func:`fake_with_data` tensor stands for (None for any other)."""
+    return getattr(t, _DATA, None)
+
+
+def computed_on_host(fn, *args):
+    """``fn(*args)`` on real tensors with no dispatch mode active, its result turned into a fake
+    tensor of the active fake mode."""
+    with without_dispatch_modes():
+        out = fn(*args)
+    return _active_fake_mode().from_tensor(out)

@@ -4,6 +4,8 @@
     memkern plan --hf llama --set hidden_size=1024 --set num_hidden_layers=8 \\
         --set intermediate_size=2816 --batch 4 --seq 2048 --variant plain --variant patch \\
         --variant patch:recompute=full
+    memkern plan --hf xlm-roberta --task sequence-classification --dtype float32 \\
+        --autocast float16 --batch 8 --seq 256
 
 Each configuration or variant is one :func:`memkern.profile.plan_training_step`; the command
 prints a row per plan (its peak, where it is, what it is made of, the second-highest moment),
@@ -23,10 +25,10 @@ from memkern.bench.workload import bench_workload
 from memkern.profile.plan import CATEGORIES, StepPlan, plan_training_step
 from memkern.profile.plan_report import MIB, format_plan, plan_chart
 from memkern.profile.targets import TARGETS
-from memkern.profile.workloads import PATCH_OPTIONS, SHARDINGS, hf_config, hf_workload
+from memkern.profile.workloads import (OPTIMIZERS, PATCH_OPTIONS, SHARDINGS, TASKS, default_seq,
+                                       hf_config, hf_workload)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-OPTIMIZERS = ("adamw-fused", "adamw", "memkern-adamw", "memkern-adamw-8bit", "sharded")
 
 
 def _variant(text: str) -> tuple[str, dict | None]:
@@ -73,8 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser, size_choices, config_names,
     parser.add_argument("--seq", type=positive_int,
                         help="sequence length (default: the model's)")
     parser.add_argument("--hf", metavar="MODEL",
-                        help="plan a transformers causal LM instead: a model type (llama, "
-                        "mistral, qwen2, gpt2, ...) or a config.json (or its directory)")
+                        help="plan a transformers model instead: a model type (llama, gpt2, "
+                        "bert, xlm-roberta, vit, ...) or a config.json (or its directory)")
+    parser.add_argument("--task", choices=sorted(TASKS), default="causal-lm",
+                        help="with --hf: what the model is trained for (default: causal-lm)")
+    parser.add_argument("--autocast", choices=("float16", "bfloat16"),
+                        help="with --hf: run the forward under torch.autocast with this dtype "
+                        "(AMP; use --dtype float32 for float32 parameters)")
     parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
                         help="with --hf: a config setting (repeatable), e.g. hidden_size=1024")
     parser.add_argument("--variant", type=_variant, action="append",
@@ -102,17 +109,21 @@ def add_arguments(parser: argparse.ArgumentParser, size_choices, config_names,
 def _plans(args: argparse.Namespace) -> list[tuple[str, StepPlan]]:
     if args.hf:
         cfg = hf_config(args.hf, args.set)
-        seq = args.seq or getattr(cfg, "max_position_embeddings", None) or 2048
+        seq = args.seq or default_seq(cfg, args.task)
         variants = args.variant or [_variant("plain"), _variant("patch")]
         if (args.world_size > 1) != (args.sharding is not None):
             raise ValueError("--world-size above 1 and --sharding go together")
+        autocast = DTYPES[args.autocast] if args.autocast else None
         return [(name, plan_training_step(
             hf_workload(cfg, batch=args.batch, seq=seq, dtype=DTYPES[args.dtype], patch=patch,
-                        optimizer=args.optimizer, sharding=args.sharding),
+                        optimizer=args.optimizer, task=args.task, autocast=autocast,
+                        sharding=args.sharding),
             device=args.device, world_size=args.world_size))
                 for name, patch in variants]
-    if args.set or args.variant or args.sharding or args.world_size > 1:
-        raise ValueError("--set, --variant, --sharding and --world-size go with --hf")
+    if (args.set or args.variant or args.sharding or args.world_size > 1
+            or args.task != "causal-lm" or args.autocast):
+        raise ValueError("--set, --variant, --sharding, --world-size, --task and --autocast go "
+                         "with --hf")
     names = args.configs or [c for c in DEFAULT_CONFIGS if "compiled" not in c]
     return [(name, plan_training_step(bench_workload(name, args.size, batch=args.batch,
                                                      seq=args.seq), device=args.device))

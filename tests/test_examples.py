@@ -125,6 +125,15 @@ def test_quickstart_learns(tmp_path):
     assert len(losses) == 5 and losses[-1] < 0.5 * losses[0], proc.stdout
 
 
+def test_finetune_encoder_learns(tmp_path):
+    """The encoder fine-tune (XLM-R from a config, memkern.patch, autocast) learns its task."""
+    pytest.importorskip("transformers")
+    proc = _run([os.path.join(REPO, "examples", "finetune_encoder.py")], str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", proc.stdout)]
+    assert len(losses) == 3 and losses[-1] < 0.5 * losses[0], proc.stdout
+
+
 @pytest.mark.slow
 def test_hf_trainer_example_trains_and_resumes(tmp_path):
     """With no --out, the checkpoints go to the temporary directory, not the working one."""

@@ -72,6 +72,9 @@ class _LossRequest:
     target: torch.Tensor
     ignore_index: int
     num_items: Any
+    per_row: bool = False
+    """Per-row losses (reduction "none"): the weight gradient is then computed in backward from
+    the rows, never held ``[vocab, hidden]`` from the forward (the masked-LM loss)."""
 
 
 @dataclasses.dataclass
@@ -129,7 +132,8 @@ def _fused_loss(head: nn.Linear, hidden: torch.Tensor, request: _LossRequest,
     return linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype), request.target,
         None if bias is None else bias.to(dtype), ignore_index=request.ignore_index,
-        reduction="mean" if num_items is None else "sum", num_items=num_items, softcap=softcap)
+        reduction="none" if request.per_row else "mean" if num_items is None else "sum",
+        num_items=num_items, softcap=softcap)
 
 
 class CausalLMHead(nn.Linear):
@@ -229,12 +233,20 @@ def _open_call(model: nn.Module, args: tuple, kwargs: dict) -> None:
     return None
 
 
-def _close_call(model: nn.Module, args: tuple, output: Any) -> Any:
+def end_call(model: nn.Module) -> _FusedCall | None:
+    """Close ``model``'s open fused call, if any, its output layer put back in its seat;
+    returns the call."""
     call = model.__dict__.pop(_CALL, None)
+    if call is not None:
+        parent, attr = call.seat
+        setattr(parent, attr, call.head)
+    return call
+
+
+def _close_call(model: nn.Module, args: tuple, output: Any) -> Any:
+    call = end_call(model)
     if call is None:
         return None
-    parent, attr = call.seat
-    setattr(parent, attr, call.head)
     call.head.__dict__.pop(_CALL, None)
     if call.softcap is not None:
         setattr(model.config, SOFTCAP_ATTR, call.softcap)
@@ -253,11 +265,29 @@ def _close_call(model: nn.Module, args: tuple, output: Any) -> Any:
     return output
 
 
-def _why_not_fusable(model: nn.Module) -> str | None:
-    """None if ``model`` looks like a transformers causal LM whose loss can be fused."""
+def output_layer_problem(model: nn.Module) -> str | None:
+    """Why ``model``'s output layer (``get_output_embeddings()``) cannot hand its input to a
+    fused loss, or None: it must be an ``nn.Linear`` or memkern ``Linear`` (exact classes)."""
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear) or type(head) not in (*_HEADS, *_HEADS.values()):
         return "no nn.Linear output layer (get_output_embeddings)"
+    return None
+
+
+def head_seat(model: nn.Module) -> tuple[nn.Linear, str, tuple[nn.Module, str]]:
+    """``model``'s output layer, its name, and its seat: its parent module and attribute name
+    there (where the stand-in sits during a fused call)."""
+    head = model.get_output_embeddings()
+    name = next(n for n, m in model.named_modules() if m is head)
+    parent_name, _, attr = name.rpartition(".")
+    return head, name, (model.get_submodule(parent_name), attr)
+
+
+def _why_not_fusable(model: nn.Module) -> str | None:
+    """None if ``model`` looks like a transformers causal LM whose loss can be fused."""
+    problem = output_layer_problem(model)
+    if problem is not None:
+        return problem
     original = getattr(model, "loss_function", None)
     if original is None:
         return "no loss_function: this transformers version computes the loss inline (needs >= 4.46)"
@@ -284,13 +314,9 @@ def fuse_causal_lm_loss(model: nn.Module) -> tuple[str, str, str] | str | None:
     why = _why_not_fusable(model)
     if why is not None:
         return why
-    head = model.get_output_embeddings()
-    name = next(n for n, m in model.named_modules() if m is head)
-    parent_name, _, attr = name.rpartition(".")
-    original = model.loss_function
+    head, name, seat = head_seat(model)
     try:
-        model.loss_function = FusedCausalLMLoss(original, head,
-                                                (model.get_submodule(parent_name), attr))
+        model.loss_function = FusedCausalLMLoss(model.loss_function, head, seat)
     except AttributeError:
         return "this transformers version's loss_function cannot be set (needs >= 4.46)"
     old = type(head)

@@ -8,14 +8,18 @@ What is swapped (each family can be turned off by its keyword):
   :class:`memkern.nn.RMSNorm`, Llama-style ``*RMSNorm`` of ``transformers`` (the
   ``LlamaRMSNorm`` formula: float32 statistics, ``weight * normalised.to(input dtype)``).
 * ``dropout``: ``nn.Dropout`` -> :class:`memkern.nn.Dropout`.
-* ``mlp``: MLP blocks run as one memkern MLP Function with ``recompute``:
-  GPT-2 style ``fc -> GELU -> proj (-> dropout)`` (``transformers``' ``GPT2MLP``, and
-  ``nn.Sequential(Linear, GELU/ReLU/SiLU, Linear[, Dropout])``) and Llama style
-  ``down(silu(gate(x)) * up(x))`` (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``).
+* ``mlp``: MLP blocks run as one memkern MLP with ``recompute``, recognised by structure:
+  ``fc -> activation -> proj (-> dropout)`` — ``nn.Sequential(Linear, GELU/ReLU/SiLU, Linear[,
+  Dropout])``, or any module holding exactly two linear layers and an activation (and a
+  dropout) that its forward calls in that order (GPT-2's, ViT's, DeiT's MLP); diffusers'
+  ``FeedForward`` with a GELU projection (DiT); the post-LN MLP that BERT-family layers split
+  in two modules (:mod:`memkern.nn.split_mlp`); and Llama style ``down(silu(gate(x)) * up(x))``
+  (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``).
 * ``loss``: a ``transformers`` causal LM whose forward computes its loss from ``lm_head``
   through ``self.loss_function`` trains through memkern's fused linear cross-entropy whenever
   it is in training mode and ``labels`` are given: no ``[tokens, vocab]`` logits, and the
-  output's ``logits`` is None in those calls (:mod:`memkern.nn.causal_lm_loss`). Without
+  output's ``logits`` is None in those calls (:mod:`memkern.nn.causal_lm_loss`); a masked LM
+  the same way, on its labelled rows only (:mod:`memkern.nn.masked_lm_loss`). Without
   labels, or in eval mode, the model computes its logits and loss as before.
 
 How: each module's class is replaced by a memkern subclass of it (``module.__class__ = ...``),
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 
 import torch
 from torch import nn
@@ -38,7 +43,9 @@ from torch import nn
 from memkern.nn import dropout as _dropout_mod
 from memkern.nn import linear as _linear_mod
 from memkern.nn import norm as _norm_mod
+from memkern.nn import split_mlp as _split_mlp
 from memkern.nn.causal_lm_loss import fuse_causal_lm_loss
+from memkern.nn.masked_lm_loss import fuse_masked_lm_loss
 from memkern.nn.functional.linear import linear as _linear
 from memkern.nn.functional.mlp import RECOMPUTE, mlp as _mlp
 from memkern.nn.functional.norm import rms_norm as _rms_norm
@@ -79,11 +86,11 @@ def _hf_rms_norm_forward(self, hidden_states):
 
 def _gpt2_mlp_forward(self, hidden_states):
     cfg = self._memkern_mlp
-    fc, proj = getattr(self, cfg["fc"]), getattr(self, cfg["proj"])
+    fc, proj = self.get_submodule(cfg["fc"]), self.get_submodule(cfg["proj"])
     y = _mlp(hidden_states, fc.weight, fc.bias, proj.weight, proj.bias,
              activation=cfg["activation"], recompute=cfg["recompute"], transposed=cfg["transposed"])
     drop = cfg.get("dropout")
-    return getattr(self, drop)(y) if drop is not None else y
+    return self.get_submodule(drop)(y) if drop is not None else y
 
 
 def _llama_mlp_forward(self, x):
@@ -105,13 +112,15 @@ _FORWARDS = {
     "rms_norm": _hf_rms_norm_forward,
     "gpt2_mlp": _gpt2_mlp_forward,
     "llama_mlp": _llama_mlp_forward,
+    "split_mlp_layer": _split_mlp.layer_forward,
+    "split_mlp_intermediate": _split_mlp.intermediate_forward,
+    "split_mlp_output": _split_mlp.output_forward,
 }
 
 # transformers classes recognised by name: class name -> kind of patched forward
 _HF_CLASSES = {
     "Conv1D": "conv1d",
     "LlamaRMSNorm": "rms_norm", "MistralRMSNorm": "rms_norm", "Qwen2RMSNorm": "rms_norm",
-    "GPT2MLP": "gpt2_mlp",
     "LlamaMLP": "llama_mlp", "MistralMLP": "llama_mlp", "Qwen2MLP": "llama_mlp",
 }
 
@@ -120,36 +129,42 @@ _HF_CLASSES = {
 # the base class, and this module's __getattr__ rebuilds the class from it in a new process.
 
 _PREFIX = "Memkern__"
-_classes: dict[type, type] = {}
+_classes: dict[tuple[type, str], type] = {}
 
 
-def _encode(base: type) -> str:
-    return _PREFIX + f"{base.__module__}.{base.__qualname__}".replace("_", "_U").replace(".", "_D")
+def _escape(text: str) -> str:
+    return text.replace("_", "_U").replace(".", "_D")
 
 
-def _decode(name: str) -> tuple[str, str]:
-    path = name[len(_PREFIX):].replace("_D", ".").replace("_U", "_")
+def _encode(base: type, kind: str) -> str:
+    return _PREFIX + _escape(kind) + "_K" + _escape(f"{base.__module__}.{base.__qualname__}")
+
+
+def _decode(name: str) -> tuple[str, str, str]:
+    """(kind, module, qualname) of a class name made by :func:`_encode`."""
+    kind, _, path = name[len(_PREFIX):].partition("_K")
+    kind, path = (t.replace("_D", ".").replace("_U", "_") for t in (kind, path))
     module, _, qualname = path.rpartition(".")
-    return module, qualname
+    return kind, module, qualname
 
 
 def _patched_class(base: type, kind: str) -> type:
-    if base not in _classes:
-        name = _encode(base)
+    if (base, kind) not in _classes:
+        name = _encode(base, kind)
         cls = type(name, (base,), {"forward": _FORWARDS[kind], _MARK: True, "__module__": __name__,
                                    "__qualname__": name})
-        _classes[base] = cls
+        _classes[base, kind] = cls
         globals()[name] = cls
-    return _classes[base]
+    return _classes[base, kind]
 
 
 def __getattr__(name: str):  # PEP 562: unpickling a patched model in a fresh process
     if name.startswith(_PREFIX):
-        module, qualname = _decode(name)
+        kind, module, qualname = _decode(name)
         base = importlib.import_module(module)
         for part in qualname.split("."):
             base = getattr(base, part)
-        return _patched_class(base, _HF_CLASSES[base.__name__])
+        return _patched_class(base, kind)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -207,33 +222,160 @@ def _swap(m: nn.Module, new_cls: type, name: str, report: PatchReport) -> None:
     report.swapped.append((name, old, _describe(new_cls)))
 
 
+def _forward_calls(m: nn.Module, names: list[str]) -> bool:
+    """Whether ``m``'s forward calls ``self.<name>(`` for each of ``names``, in that order (read
+    from its source: the structure says which layers a block has, its forward in which order
+    it runs them)."""
+    try:
+        source = inspect.getsource(type(m).forward)
+    except (OSError, TypeError):
+        return False
+    at = -1
+    for name in names:
+        at = source.find(f"self.{name}(", at + 1)
+        if at < 0:
+            return False
+    return True
+
+
+def _features(m: nn.Module, transposed: bool) -> tuple[int, int]:
+    """(in, out) features of a linear-like layer."""
+    rows, cols = m.weight.shape
+    return (rows, cols) if transposed else (cols, rows)
+
+
+def _is_dropout(m: nn.Module) -> bool:
+    return type(m) in (nn.Dropout, _dropout_mod.Dropout)
+
+
+def _is_layer_norm(m: nn.Module) -> bool:
+    return type(m) in (nn.LayerNorm, _norm_mod.LayerNorm)
+
+
+def _only_children(m: nn.Module) -> dict[str, nn.Module] | None:
+    """``m``'s children by name, if ``m`` holds no parameters or buffers of its own."""
+    if next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None:
+        return None
+    return dict(m.named_children())
+
+
+def _mlp_layout(m: nn.Module):
+    """(fc, activation, proj, dropout or None) attribute names of a block that is exactly two
+    linear layers with an activation between them (and a dropout after), run in that order."""
+    kids = _only_children(m)
+    if kids is None:
+        return None
+    lin = [n for n, c in kids.items() if _linear_like(c)]
+    act = [n for n, c in kids.items() if _activation_kind(c) is not None]
+    drop = [n for n, c in kids.items() if _is_dropout(c)]
+    if len(lin) != 2 or len(act) != 1 or len(drop) > 1 or len(kids) != 3 + len(drop):
+        return None
+    for fc, proj in (lin, lin[::-1]):
+        if _forward_calls(m, [fc, act[0], proj, *drop]):
+            return fc, act[0], proj, drop[0] if drop else None
+    return None
+
+
 def _mlp_config(m: nn.Module, recompute: str):
-    """The memkern MLP configuration for a GPT-2-style block, or a reason it is not one."""
+    """The memkern MLP configuration for a GPT-2-style block (``nn.Sequential(Linear, act,
+    Linear[, Dropout])``, or any module holding exactly those layers and calling them in that
+    order: GPT-2's, ViT's, DeiT's MLP), or a reason it is not one, or None."""
     if isinstance(m, nn.Sequential):
         mods = list(m)
         names = list(m._modules.keys())
-        if len(mods) not in (3, 4):
-            return None
-        fc, act, proj = mods[:3]
-        drop = mods[3] if len(mods) == 4 else None
-        if drop is not None and not isinstance(drop, nn.Dropout):
+        if len(mods) not in (3, 4) or (len(mods) == 4 and not isinstance(mods[3], nn.Dropout)):
             return None
         n_fc, n_act, n_proj = names[:3]
-        n_drop = names[3] if drop is not None else None
+        n_drop = names[3] if len(mods) == 4 else None
     else:
-        fc, act, proj = getattr(m, "c_fc", None), getattr(m, "act", None), getattr(m, "c_proj", None)
-        drop = getattr(m, "dropout", None)
-        n_fc, n_act, n_proj, n_drop = "c_fc", "act", "c_proj", "dropout"
-    lf, lp = _linear_like(fc) if fc is not None else None, _linear_like(proj) if proj is not None else None
-    if lf is None or lp is None:
-        return None if isinstance(m, nn.Sequential) else "its layers are not Linear/Conv1D"
+        layout = _mlp_layout(m)
+        if layout is None:
+            return None
+        n_fc, n_act, n_proj, n_drop = layout
+    fc, act, proj = getattr(m, n_fc), getattr(m, n_act), getattr(m, n_proj)
+    lf, lp = _linear_like(fc), _linear_like(proj)
+    kind = _activation_kind(act)
+    if lf is None or lp is None or kind is None:
+        return None
     if lf[1] != lp[1]:
         return "mixed Linear and Conv1D layers"
-    kind = _activation_kind(act) if act is not None else None
-    if kind is None:
-        return None if isinstance(m, nn.Sequential) else f"activation {type(act).__name__} is not supported"
+    if _features(fc, lf[1])[1] != _features(proj, lp[1])[0]:
+        return None
     return {"fc": n_fc, "act": n_act, "proj": n_proj, "dropout": n_drop, "activation": kind,
             "recompute": recompute, "transposed": lf[1]}
+
+
+def _feed_forward_config(m: nn.Module, recompute: str):
+    """diffusers' ``FeedForward`` with a GELU projection: ``net = [GELU(proj: Linear), Dropout,
+    Linear(, Dropout)]`` run in order; the inner dropout must have p = 0 (DiT's default), as
+    the fused MLP has no dropout between its GEMMs. The config, a reason, or None."""
+    kids = _only_children(m)
+    net = kids.get("net") if kids is not None and len(kids) == 1 else None
+    if type(net) is not nn.ModuleList or len(net) not in (3, 4):
+        return None
+    first, inner, proj, *rest = net
+    gelu = _only_children(first)
+    if not (type(first).__name__ == "GELU" and type(first).__module__.startswith("diffusers.")
+            and gelu is not None and list(gelu) == ["proj"] and _linear_like(first.proj) == (True, False)
+            and _is_dropout(inner) and _linear_like(proj) == (True, False)
+            and all(_is_dropout(d) for d in rest)):
+        return None
+    if inner.p != 0:
+        return f"dropout p={inner.p} between the GEMMs (the fused MLP has none there)"
+    kind = {"none": "gelu", "tanh": "gelu_tanh"}.get(getattr(first, "approximate", None))
+    if kind is None:
+        return None
+    return {"fc": "net.0.proj", "proj": "net.2", "dropout": "net.3" if rest else None,
+            "activation": kind, "recompute": recompute, "transposed": False}
+
+
+def _intermediate_layout(m: nn.Module):
+    """(dense, activation) names of a module that is exactly ``act(dense(x))``."""
+    kids = _only_children(m)
+    if kids is None or len(kids) != 2:
+        return None
+    lin = [n for n, c in kids.items() if _linear_like(c) == (True, False)]
+    act = [n for n, c in kids.items() if _activation_kind(c) is not None]
+    if len(lin) == 1 and len(act) == 1 and _forward_calls(m, [lin[0], act[0]]):
+        return lin[0], act[0]
+    return None
+
+
+def _residual_norm_layout(m: nn.Module):
+    """(dense, dropout, norm) names of a module that is exactly ``forward(h, x) =
+    norm(dropout(dense(h)) + x)`` (BERT's output modules)."""
+    kids = _only_children(m)
+    if kids is None or len(kids) != 3:
+        return None
+    lin = [n for n, c in kids.items() if _linear_like(c) == (True, False)]
+    drop = [n for n, c in kids.items() if _is_dropout(c)]
+    norm = [n for n, c in kids.items() if _is_layer_norm(c)]
+    try:
+        two_inputs = len(inspect.signature(m.forward).parameters) == 2
+    except (TypeError, ValueError):
+        return None
+    if (len(lin) == 1 and len(drop) == 1 and len(norm) == 1 and two_inputs
+            and _forward_calls(m, [lin[0], drop[0], norm[0]])):
+        return lin[0], drop[0], norm[0]
+    return None
+
+
+def _split_mlp_config(layer: nn.Module, recompute: str):
+    """(intermediate module, output module, their :class:`split_mlp.SplitMLPCall`) of a layer
+    whose MLP is split in two child modules (BERT family), or None."""
+    if _split_mlp.is_fused(layer) or _is_patched(layer):
+        return None
+    kids = dict(layer.named_children())
+    inter = [(c, lay) for c in kids.values() if not _is_patched(c) and (lay := _intermediate_layout(c))]
+    out = [(c, lay) for c in kids.values() if not _is_patched(c) and (lay := _residual_norm_layout(c))]
+    if len(inter) != 1 or len(out) != 1:
+        return None
+    (im, (fc, act)), (om, (proj, drop, norm)) = inter[0], out[0]
+    kind = _activation_kind(getattr(im, act))
+    d_in, d_hidden = _features(getattr(im, fc), False)
+    if _features(getattr(om, proj), False) != (d_hidden, d_in):
+        return None
+    return im, om, _split_mlp.SplitMLPCall(im, fc, kind, proj, drop, norm, recompute)
 
 
 def patch(model: nn.Module, *, linear: bool = True, norm: bool = True, mlp: bool = True,
@@ -268,14 +410,21 @@ def patch(model: nn.Module, *, linear: bool = True, norm: bool = True, mlp: bool
                 report.skipped.append((name, f"{t.__name__} does not have the LlamaRMSNorm layout"))
         elif dropout and t is nn.Dropout:
             _swap(m, _dropout_mod.Dropout, name, report)
-        elif mlp and (t is nn.Sequential or hf == "gpt2_mlp"):
-            cfg = _mlp_config(m, recompute)
+        elif mlp and (cfg := _mlp_config(m, recompute) or _feed_forward_config(m, recompute)):
             if isinstance(cfg, dict):
                 m._memkern_mlp = cfg
                 _swap(m, SequentialMLP if t is nn.Sequential else _patched_class(t, "gpt2_mlp"),
                       name, report)
-            elif cfg is not None:
+            else:
                 report.skipped.append((name, f"{t.__name__}: {cfg}"))
+        elif mlp and (split := _split_mlp_config(m, recompute)) is not None:
+            im, om, call = split
+            prefix = name + "." if name else ""
+            names = {c: prefix + n for n, c in m.named_children()}
+            _swap(m, _patched_class(t, "split_mlp_layer"), name, report)
+            _swap(im, _patched_class(type(im), "split_mlp_intermediate"), names[im], report)
+            _swap(om, _patched_class(type(om), "split_mlp_output"), names[om], report)
+            _split_mlp.fuse(m, im, om, call)
         elif mlp and hf == "llama_mlp":
             act = getattr(m, "act_fn", None)
             ok = all(type(getattr(m, n, None)) in (nn.Linear, _linear_mod.Linear)
@@ -285,7 +434,7 @@ def patch(model: nn.Module, *, linear: bool = True, norm: bool = True, mlp: bool
                 _swap(m, _patched_class(t, "llama_mlp"), name, report)
             else:
                 report.skipped.append((name, f"{t.__name__}: not a silu gate/up/down MLP"))
-    fused = fuse_causal_lm_loss(model) if loss else None
+    fused = (fuse_masked_lm_loss(model) or fuse_causal_lm_loss(model)) if loss else None
     if isinstance(fused, tuple):
         report.swapped.append(fused)
     elif fused is not None:

@@ -27,7 +27,9 @@ each, so the second-highest moment is the peak of another phase.
 
 The set-up runs on the CPU as a stand-in for the target device: a :class:`Target`
 (:mod:`memkern.profile.targets`) says what a GPU does differently (attention kernels, cuBLAS's
-workspace, memkern's GPU code paths) and the planner applies it.
+workspace, memkern's GPU code paths) and the planner applies it. A step written for the GPU
+with ``torch.autocast("cuda")`` is planned under the CPU's autocast with the same dtype
+(:class:`_AutocastOnHost`).
 """
 from __future__ import annotations
 
@@ -408,6 +410,40 @@ def _held(tl: _Timeline) -> dict[str, int]:
     return held
 
 
+# -------------------------------------------------------------------------------- autocast
+
+
+class _AutocastOnHost(torch.amp.autocast_mode.autocast):
+    """``torch.autocast`` while a step is planned for a GPU on the CPU stand-in: a GPU script's
+    ``torch.autocast("cuda", dtype)`` (default dtype float16, as on a GPU) runs as the CPU's
+    autocast with that dtype, so its matmuls, their saved inputs and the weights' cached
+    low-precision copies are planned in that dtype rather than ignored (CPU-only torch
+    disables a CUDA autocast). The CPU's op lists stand in for CUDA's: CUDA keeps softmax,
+    layer_norm and the losses in float32, the CPU runs some of them in the low dtype."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
+                 cache_enabled: bool | None = None) -> None:
+        if device_type == "cuda":
+            device_type, dtype = "cpu", dtype or torch.float16
+        super().__init__(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+
+@contextlib.contextmanager
+def _autocast_on_host(device_type: str):
+    """For a CUDA target: ``torch.autocast`` and ``torch.amp.autocast`` are
+    :class:`_AutocastOnHost` while the step is planned (the module attributes a script reads
+    at call time; restored after)."""
+    if device_type != "cuda":
+        yield
+        return
+    saved = torch.autocast, torch.amp.autocast
+    torch.autocast = torch.amp.autocast = _AutocastOnHost
+    try:
+        yield
+    finally:
+        torch.autocast, torch.amp.autocast = saved
+
+
 # -------------------------------------------------------------------------------- entry point
 
 
@@ -445,6 +481,7 @@ def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Targ
                 stack.enter_context(_fake.fake_process_group(world_size))
             stack.enter_context(_fake.fake_mode())
             stack.enter_context(backend.planning_for(tgt.device_type))
+            stack.enter_context(_autocast_on_host(tgt.device_type))
             stack.enter_context(tl)
             setup = build()
             if not isinstance(setup, TrainingSetup):

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from memkern import _fake
 from memkern.profile.plan import TrainingSetup, on_host
 
 PATCH_OPTIONS = ("linear", "norm", "mlp", "dropout", "loss")
@@ -69,20 +70,90 @@ def _parse(text: str) -> tuple[str, object]:
         return key.strip(), value
 
 
+OPTIMIZERS = ("adamw-fused", "adamw", "memkern-adamw", "memkern-adamw-8bit", "sharded")
+"""The optimizers :func:`hf_workload` builds."""
+
+TASKS = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "image-classification": "AutoModelForImageClassification",
+}
+"""The tasks :func:`hf_workload` trains: task -> the ``transformers`` auto class of its model."""
+
+MASKED_FRACTION = 0.15
+"""The fraction of tokens a masked-LM batch labels (BERT's); the others are -100."""
+
+
+def default_seq(config, task: str) -> int:
+    """A task's default sequence length: 2048 for a causal LM (or its context, if shorter),
+    512 for an encoder (or its positions, less RoBERTa's two padding offsets)."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if task == "causal-lm":
+        return min(2048, positions or 2048)
+    return min(512, (positions or 514) - 2 * (getattr(config, "model_type", "") in
+                                              ("roberta", "xlm-roberta", "camembert")))
+
+
+def model_class(config, task: str):
+    """The model class ``transformers``' auto class ``TASKS[task]`` gives ``config``."""
+    import transformers
+
+    auto = getattr(transformers, TASKS[task])
+    # The auto class's mapping (private): its from_config() fails on mappings to several
+    # classes (DeiT's image classification in transformers 5.24); the first is the plain model.
+    try:
+        found = auto._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(f"{config.model_type} has no {task} model in transformers "
+                         f"({TASKS[task]})") from None
+    return found[0] if isinstance(found, tuple) else found
+
+
+def task_batch(config, task: str, batch: int, seq: int) -> dict:
+    """One batch of ``task``'s inputs and labels, random (masked LM: one token in
+    ``round(1 / MASKED_FRACTION)`` labelled, the others -100)."""
+    if task == "image-classification":
+        size, channels = config.image_size, getattr(config, "num_channels", 3)
+        return dict(pixel_values=torch.randn(batch, channels, size, size),
+                    labels=torch.randint(0, config.num_labels, (batch,)))
+    ids = torch.randint(1, config.vocab_size, (batch, seq))
+    if task == "causal-lm":
+        return dict(input_ids=ids, labels=ids)
+    if task == "masked-lm":  # with data: memkern's fused loss keeps the labelled rows
+        with _fake.without_dispatch_modes():
+            every = round(1 / MASKED_FRACTION)
+            labelled = torch.arange(batch * seq).view(batch, seq) % every == 0
+            labels = torch.where(labelled, torch.randint(1, config.vocab_size, (batch, seq)), -100)
+        return dict(input_ids=ids,
+                    labels=_fake.fake_with_data(labels) if _fake.fake_mode_active() else labels)
+    if task == "sequence-classification":
+        return dict(input_ids=ids, labels=torch.randint(0, config.num_labels, (batch,)))
+    return dict(input_ids=ids, labels=torch.randint(0, config.num_labels, (batch, seq)))
+
+
 def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bfloat16,
                 patch: dict | None = None, optimizer: str = "adamw-fused",
-                gradient_checkpointing: bool = False,
+                gradient_checkpointing: bool = False, task: str = "causal-lm",
+                autocast: torch.dtype | None = None,
                 sharding: str | None = None) -> Callable[[], TrainingSetup]:
-    """A ``transformers`` causal LM from ``config`` (:func:`hf_config`), parameters in
-    ``dtype``, trained as ``benchmarks/bench_hf.py`` trains it: ``model(input_ids=ids,
-    labels=ids).loss``, ``backward()``, the optimizer's step, ``zero_grad(set_to_none=True)``.
+    """A ``transformers`` model for ``task`` (:data:`TASKS`) from ``config``
+    (:func:`hf_config`), parameters in ``dtype``, trained as ``benchmarks/bench_hf.py`` trains
+    it: ``model(**batch).loss``, ``backward()``, the optimizer's step,
+    ``zero_grad(set_to_none=True)``. The batch: ``batch`` sequences of ``seq`` token ids and
+    the task's labels (causal LM: the ids; masked LM: 15% of the tokens labelled; image
+    classification: ``batch`` images of the config's size, ``seq`` unused).
 
     ``patch``: None (plain transformers) or the keyword arguments of :func:`memkern.patch`
     (``{}`` for its defaults, ``{"recompute": "full"}``, ``{"mlp": False}``...).
     ``optimizer``: "adamw-fused" (``torch.optim.AdamW(fused=True)``), "adamw" (foreach),
     "memkern-adamw" (:class:`memkern.optim.FusedAdamW`), "memkern-adamw-8bit" (its 8-bit
-    state) or "sharded" (
-    :class:`memkern.optim.ShardedOptimizer`, AdamW, dynamic loss scale, clipping at 1.0).
+    state) or "sharded" (:class:`memkern.optim.ShardedOptimizer`, AdamW, dynamic loss scale,
+    clipping at 1.0).
+    ``gradient_checkpointing``: transformers' own (``model.gradient_checkpointing_enable()``).
+    ``autocast``: the forward runs under ``torch.autocast(<the planned device>, dtype=autocast)``
+    (AMP: float32 parameters, ``torch.float16`` or ``torch.bfloat16`` matmuls).
 
     ``sharding`` (over the default process group: plan with ``world_size``), each rank
     training on its own ``batch`` sequences: "zero1" / "zero2" (the ``"sharded"`` optimizer,
@@ -90,13 +161,14 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
     (``fully_shard`` on each decoder layer, then on the model, as torchtitan does; then the
     optimizer on the sharded parameters).
     """
-    import transformers
+    from transformers.initialization import no_init_weights
 
     import memkern
 
-    optimizers = ("adamw-fused", "adamw", "memkern-adamw", "memkern-adamw-8bit", "sharded")
-    if optimizer not in optimizers:
-        raise ValueError(f"optimizer={optimizer!r}: choose from {', '.join(optimizers)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: choose from {', '.join(OPTIMIZERS)}")
+    if task not in TASKS:
+        raise ValueError(f"task={task!r}: choose from {', '.join(TASKS)}")
     if sharding is not None and sharding not in SHARDINGS:
         raise ValueError(f"sharding={sharding!r}: choose from {', '.join(SHARDINGS)}")
     if sharding in ("zero1", "zero2") and optimizer != "sharded":
@@ -104,10 +176,14 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
     if sharding == "fsdp2" and optimizer == "sharded":
         raise ValueError("sharding='fsdp2' shards the parameters: use a torch optimizer or "
                          "memkern-adamw, not 'sharded'")
+    model_cls = model_class(config, task)
 
     def make() -> TrainingSetup:
-        with on_host():  # built on the CPU in float32, then moved (and cast) to the device
-            model = transformers.AutoModelForCausalLM.from_config(config)
+        # built on the CPU in float32, then moved (and cast) to the device; the weights'
+        # initial values do not matter to a plan (ViT's truncated-normal init cannot run on
+        # fake tensors)
+        with on_host(), no_init_weights():
+            model = model_cls(config)
         model = model.to(dtype=dtype).train()
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -129,10 +205,12 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
             opt = sharded = memkern.optim.ShardedOptimizer(
                 params, "adamw", lr=1e-4, loss_scale="dynamic", max_grad_norm=1.0,
                 zero_stage=2 if sharding == "zero2" else 1)
-        ids = torch.randint(1, config.vocab_size, (batch, seq))
+        inputs = task_batch(config, task, batch, seq)
+        device = next(model.parameters()).device.type
 
         def step() -> None:
-            loss = model(input_ids=ids, labels=ids).loss
+            with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+                loss = model(**inputs).loss
             if sharded is not None:
                 sharded.backward(loss)
                 sharded.step()
@@ -144,11 +222,14 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
 
         how = "plain" if patch is None else "memkern.patch(" + ", ".join(
             f"{k}={v!r}" for k, v in patch.items()) + ")"
+        extras = "".join([f", autocast {autocast}" if autocast is not None else "",
+                          ", gradient checkpointing" if gradient_checkpointing else ""])
+        shape = (f"batch {batch}" if task == "image-classification" else f"batch {batch} x {seq}")
         ranks = "" if sharding is None else \
             f", {sharding} over {torch.distributed.get_world_size()} ranks"
         return TrainingSetup(model, opt, step,
-                             f"{type(model).__name__} {how}, {dtype}, {optimizer}, "
-                             f"batch {batch} x {seq}{ranks}")
+                             f"{model_cls.__name__} {how}, {dtype}{extras}, {optimizer}, "
+                             f"{shape}{ranks}")
 
     return make
 

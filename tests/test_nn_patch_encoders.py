@@ -1,0 +1,282 @@
+"""memkern.patch on encoders (BERT, RoBERTa, XLM-R, ELECTRA, DeBERTa-v2), vision transformers
+(ViT, DeiT) and diffusers' DiT, all built from tiny configs (nothing downloaded).
+
+Oracle: the unpatched model itself (transformers' / diffusers' own layers and loss), in float64
+with dropout off: same loss, same gradients. The recognised blocks are those the report lists;
+the fused masked-LM loss holds no [tokens, vocab] or [vocab, hidden] tensor; the split MLP's
+dropout drops a p-fraction and its backward uses the forward's mask (float64 composition of
+torch ops with that mask).
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import memkern as mk
+from memkern.profile import SavedTensorsRecorder, saved_bytes
+from compare import rel_err
+
+transformers = pytest.importorskip("transformers")
+
+D, MLP_WIDTH, VOCAB, LAYERS = 24, 40, 67, 2
+
+
+def _encoder(family: str, head: str, dropout: float = 0.0, vocab: int = VOCAB):
+    extra = {"embedding_size": D} if family == "electra" else {}
+    cfg = transformers.AutoConfig.for_model(
+        family, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=2,
+        intermediate_size=MLP_WIDTH, vocab_size=vocab, max_position_embeddings=24,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0, num_labels=3, **extra)
+    return transformers.AutoModelForMaskedLM.from_config(cfg) if head == "mlm" else \
+        transformers.AutoModelForSequenceClassification.from_config(cfg)
+
+
+def _vision(family: str):
+    cls = {"vit": transformers.ViTForImageClassification, "deit": transformers.DeiTForImageClassification}[family]
+    cfg = transformers.AutoConfig.for_model(
+        family, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=2,
+        intermediate_size=MLP_WIDTH, image_size=12, patch_size=4, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return cls(cfg)
+
+
+def _dit():
+    diffusers = pytest.importorskip("diffusers")
+    return diffusers.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8,
+                                           in_channels=4, num_layers=LAYERS, sample_size=8,
+                                           patch_size=2, num_embeds_ada_norm=11)
+
+
+def _batch(kind: str, g: torch.Generator):
+    if kind == "mlm":
+        ids = torch.randint(3, VOCAB, (3, 19), generator=g)
+        labels = torch.where(torch.rand(3, 19, generator=g) < 0.2, ids, -100)
+        return dict(input_ids=ids, labels=labels)
+    if kind == "cls":
+        return dict(input_ids=torch.randint(3, VOCAB, (3, 19), generator=g),
+                    labels=torch.randint(0, 3, (3,), generator=g))
+    if kind == "image":
+        return dict(pixel_values=torch.randn(3, 3, 12, 12, generator=g, dtype=torch.float64),
+                    labels=torch.randint(0, 3, (3,), generator=g))
+    return dict(hidden_states=torch.randn(3, 4, 8, 8, generator=g, dtype=torch.float64),
+                timestep=torch.randint(0, 1000, (3,), generator=g),
+                class_labels=torch.randint(0, 11, (3,), generator=g))
+
+
+def _loss(model, batch):
+    torch.manual_seed(7)  # DiT drops class labels at random in train mode: the same draws
+    out = model(**batch)
+    return out.loss if hasattr(out, "loss") else out.sample.pow(2).mean()
+
+
+# (model, batch kind, class names of the blocks the report must list as swapped)
+CASES = {
+    "bert-cls": (lambda: _encoder("bert", "cls"), "cls", {"BertIntermediate", "BertOutput"}),
+    "xlm-roberta-cls": (lambda: _encoder("xlm-roberta", "cls"), "cls",
+                        {"XLMRobertaIntermediate", "XLMRobertaOutput"}),
+    "electra-cls": (lambda: _encoder("electra", "cls"), "cls",
+                    {"ElectraIntermediate", "ElectraOutput"}),
+    "deberta-v2-cls": (lambda: _encoder("deberta-v2", "cls"), "cls",
+                       {"DebertaV2Intermediate", "DebertaV2Output"}),
+    "roberta-mlm": (lambda: _encoder("roberta", "mlm"), "mlm",
+                    {"RobertaIntermediate", "RobertaOutput", "MemkernCausalLMHead"}),
+    "xlm-roberta-mlm": (lambda: _encoder("xlm-roberta", "mlm"), "mlm", {"MemkernCausalLMHead"}),
+    "electra-mlm": (lambda: _encoder("electra", "mlm"), "mlm", {"MemkernCausalLMHead"}),
+    "deberta-v2-mlm": (lambda: _encoder("deberta-v2", "mlm"), "mlm", {"MemkernCausalLMHead"}),
+    "vit": (lambda: _vision("vit"), "image", {"ViTMLP"}),
+    "deit": (lambda: _vision("deit"), "image", {"DeiTMLP"}),
+    "dit": (_dit, "dit", {"FeedForward", "TimestepEmbedding"}),
+}
+
+
+def _swapped_classes(model) -> set[str]:
+    return {old.rsplit(".", 1)[-1] for _, old, _ in mk.nn.patch_report(model).swapped} | {
+        new.rsplit(".", 1)[-1] for _, _, new in mk.nn.patch_report(model).swapped}
+
+
+@pytest.mark.parametrize("recompute", ["activation", "full"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_patched_model_has_the_unpatched_loss_and_gradients(name, recompute):
+    make, kind, blocks = CASES[name]
+    torch.manual_seed(0)
+    ref = make().double().train()
+    model = mk.patch(copy.deepcopy(ref), recompute=recompute)
+    assert blocks <= _swapped_classes(model), mk.nn.patch_report(model)
+    assert not mk.nn.patch_report(model).skipped or kind in ("cls", "image", "dit")
+    batch = _batch(kind, torch.Generator().manual_seed(1))
+    loss, ref_loss = _loss(model, batch), _loss(ref, batch)
+    assert rel_err(loss.detach(), ref_loss.detach()) < 1e-12
+    loss.backward()
+    ref_loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if q.grad is not None:  # (atol: the key biases' gradients are 0 up to rounding)
+            assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14), n
+
+
+def test_split_mlp_under_transformers_gradient_checkpointing():
+    """transformers reruns a checkpointed layer's forward in backward without its hooks: the
+    recomputation must take the fused path too (it raised CheckpointError when hooks opened
+    the fused call)."""
+    torch.manual_seed(0)
+    ref = _encoder("bert", "cls").double().train()
+    model = mk.patch(copy.deepcopy(ref))
+    model.gradient_checkpointing_enable()
+    batch = _batch("cls", torch.Generator().manual_seed(5))
+    loss, ref_loss = _loss(model, batch), _loss(ref, batch)
+    loss.backward()
+    ref_loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14), n
+
+
+def test_patched_encoder_pickles_and_keeps_its_state_dict():
+    model = _encoder("bert", "cls").train()
+    keys = list(model.state_dict())
+    mk.patch(model)
+    assert list(model.state_dict()) == keys
+    layer = model.bert.encoder.layer[0]
+    assert isinstance(layer.intermediate, transformers.models.bert.modeling_bert.BertIntermediate)
+    clone = pickle.loads(pickle.dumps(model))
+    batch = _batch("cls", torch.Generator().manual_seed(2))
+    model.eval()
+    clone.eval()
+    assert torch.equal(model(**batch).logits, clone(**batch).logits)
+    assert type(clone.bert.encoder.layer[1].output) is type(model.bert.encoder.layer[1].output)
+
+
+def test_intermediate_module_called_alone_computes_what_it_did():
+    ref = _encoder("xlm-roberta", "cls").double()
+    model = mk.patch(copy.deepcopy(ref))
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    inter, ref_inter = model.roberta.encoder.layer[0].intermediate, ref.roberta.encoder.layer[0].intermediate
+    assert inter(x).shape == (2, 5, MLP_WIDTH)
+    assert rel_err(inter(x), ref_inter(x)) < 1e-14
+
+
+def test_layer_that_uses_the_intermediate_output_otherwise_raises():
+    model = mk.patch(_encoder("bert", "cls"))
+    layer = model.bert.encoder.layer[0]
+
+    def feed_forward_chunk(attention_output):  # scales the intermediate output
+        return layer.output(2.0 * layer.intermediate(attention_output), attention_output)
+
+    layer.feed_forward_chunk = feed_forward_chunk
+    with pytest.raises(RuntimeError, match="mlp=False"):
+        model(**_batch("cls", torch.Generator().manual_seed(3)))
+    layer.feed_forward_chunk = lambda a: layer.intermediate(a)  # never reaches the output module
+    with pytest.raises(RuntimeError, match="mlp=False"):
+        model(**_batch("cls", torch.Generator().manual_seed(3)))
+
+
+def test_mlp_false_keeps_the_split_mlp_unfused():
+    model = mk.patch(_encoder("bert", "cls"), mlp=False)
+    assert not {"BertIntermediate", "BertOutput"} & _swapped_classes(model)
+
+
+def test_split_mlp_dropout_drops_a_p_fraction_and_backward_uses_its_mask():
+    """The fused block's dropout (the output module's): a p-fraction of zeros, survivors
+    scaled by 1/(1 - p), and the gradients those of torch ops applying that very mask."""
+    p = 0.3
+    torch.manual_seed(0)
+    model = mk.patch(_encoder("bert", "cls", dropout=p).double().train())
+    layer = model.bert.encoder.layer[0]
+    seen = {}
+    layer.intermediate.register_forward_hook(lambda m, a, o: seen.update(attention_output=a[0]))
+    layer.output.dropout.register_forward_hook(lambda m, a, o: seen.update(x=a[0], y=o))
+    out = layer(torch.randn(4, 31, D, dtype=torch.float64))
+    x = seen["attention_output"]
+    kept = seen["y"] != 0
+    frac = 1 - kept.double().mean().item()
+    n = kept.numel()
+    assert abs(frac - p) < 5 * math.sqrt(p * (1 - p) / n), frac
+    assert rel_err(seen["y"][kept], seen["x"][kept] / (1 - p)) < 1e-15
+
+    inter, o = layer.intermediate, layer.output
+    w = [t.detach().clone().requires_grad_() for t in (inter.dense.weight, inter.dense.bias,
+                                                        o.dense.weight, o.dense.bias)]
+    xr = x.detach().clone().requires_grad_()
+    h = torch.nn.functional.gelu(xr @ w[0].T + w[1]) @ w[2].T + w[3]
+    ref = torch.nn.functional.layer_norm(h * kept / (1 - p) + xr, (D,), o.LayerNorm.weight.detach(),
+                                         o.LayerNorm.bias.detach(), o.LayerNorm.eps)
+    assert rel_err(out, ref) < 1e-12
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, inter.dense.weight, inter.dense.bias, o.dense.weight,
+                                    o.dense.bias], g)
+    want = torch.autograd.grad(ref, [xr, *w], g)
+    assert all(rel_err(a, b) < 1e-10 for a, b in zip(got, want))
+
+
+def test_masked_lm_loss_is_transformers_own_and_holds_no_vocab_sized_tensor():
+    vocab = 5003
+    torch.manual_seed(0)
+    ref = _encoder("xlm-roberta", "mlm", dropout=0.1, vocab=vocab).train()
+    model = mk.patch(copy.deepcopy(ref))
+    ids = torch.randint(3, vocab, (3, 19))
+    labels = torch.where(torch.rand(3, 19) < 0.15, ids, -100)
+    labels[0, 0] = ids[0, 0]  # at least one labelled token
+    model.eval()
+    ref.eval()
+    out, ref_out = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    assert torch.equal(out.logits, ref_out.logits)  # eval: unchanged, logits computed
+    model.train()
+    with SavedTensorsRecorder() as rec:
+        out = model(input_ids=ids, labels=labels)
+    assert out.logits is None
+    rows = int((labels != -100).sum())
+    assert rows < 19 * 3
+    assert all(vocab not in e.shape for e in rec.entries.values()), rec.entries
+    base = saved_bytes(lambda: ref(input_ids=ids, labels=labels).loss)
+    assert rec.bytes < 0.45 * base, rec.bytes / base
+
+
+def test_masked_lm_labels_given_positionally_and_all_ignored():
+    torch.manual_seed(0)
+    ref = _encoder("bert", "mlm").double().train()
+    model = mk.patch(copy.deepcopy(ref))
+    ids = torch.randint(3, VOCAB, (2, 9))
+    labels = torch.where(torch.rand(2, 9) < 0.4, ids, -100)
+    position = list(inspect.signature(model.forward).parameters).index("labels")
+    args = (ids, *[None] * (position - 1), labels)
+    assert rel_err(model(*args).loss, ref(*args).loss) < 1e-12
+    none = torch.full_like(ids, -100)
+    got, want = model(input_ids=ids, labels=none).loss, ref(input_ids=ids, labels=none).loss
+    assert torch.isnan(want) and torch.isnan(got)
+
+
+def test_masked_lm_loss_false_keeps_transformers_loss():
+    model = mk.patch(_encoder("bert", "mlm").train(), loss=False)
+    batch = _batch("mlm", torch.Generator().manual_seed(4))
+    assert model(**batch).logits.shape == (3, 19, VOCAB)
+
+
+def test_feed_forward_with_inner_dropout_is_left_alone_with_the_reason():
+    pytest.importorskip("diffusers")
+    from diffusers.models.attention import FeedForward
+
+    ff = nn.Module()
+    ff.ff = FeedForward(D, dropout=0.1, activation_fn="gelu-approximate")
+    mk.patch(ff)
+    assert any("dropout p=0.1" in why for _, why in mk.nn.patch_report(ff).skipped)
+
+
+def test_module_with_two_linears_called_in_another_order_is_not_an_mlp():
+    class NotAnMLP(nn.Module):  # an activation *before* the first linear layer
+        def __init__(self):
+            super().__init__()
+            self.a, self.act, self.b = nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.b(self.a(self.act(x)))
+
+    m = mk.patch(NotAnMLP().double())
+    assert "NotAnMLP" not in _swapped_classes(m)
+    x = torch.randn(3, 8, dtype=torch.float64)
+    assert rel_err(m(x), m.b(m.a(torch.nn.functional.gelu(x)))) < 1e-14
