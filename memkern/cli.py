@@ -26,6 +26,7 @@ import math
 import os
 import platform
 import sys
+import textwrap
 from collections.abc import Sequence
 
 import torch
@@ -71,8 +72,8 @@ MIN_STEPS = 3
 """One warm-up step, one profiled for memory, at least one timed."""
 
 SPREAD_LIMIT = 0.2
-"""A configuration whose timed steps spread wider than this, (max - min) / median, gets a note
-under the bench table: its time ratios are not to be trusted."""
+"""A configuration whose per-round time ratios spread wider than this ((3rd - 1st quartile) /
+median) gets a note under the bench table: its time ratio is not to be trusted."""
 
 
 def _available_devices() -> list[str]:
@@ -205,6 +206,9 @@ def _parser() -> argparse.ArgumentParser:
                        "(default: 0)")
     bench.add_argument("--compile", action="store_true",
                        help="run the memkern configurations' forward under torch.compile")
+    bench.add_argument("--threads", type=_at_least(1),
+                       help="torch's intra-op threads (default: OMP_NUM_THREADS if set, else "
+                       "the cores other processes leave free by the load average, at least 1)")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
 
     report = sub.add_parser(
@@ -241,48 +245,65 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):.1f}"
 
 
-def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
+def _legend(*parts: str) -> str:
+    """Legend lines under a table, wrapped to the output's width."""
+    from memkern.bench.output import width
+
+    return textwrap.fill("; ".join(parts), width=min(width(), 100))
+
+
+def _print_bench(rows, cfg: GPTConfig, args, device: torch.device, threads) -> None:
+    from memkern.bench.output import table
+    from memkern.bench.timing import ratio
+
     base = next((r for r in rows if r.config == BASELINE), None)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ranks = (f", {world} ranks (memkern configurations sharded across them, torch ones "
              "replicated; figures are rank 0's)") if world > 1 else ""
-    print(f"\nmemkern bench: GPT {args.size} ({rows[0].num_params / 1e6:.2f}M params, "
-          f"{cfg.layers} layers, width {cfg.width}), batch {args.batch} x seq {cfg.seq} per rank, "
-          f"{args.steps} steps on {device}{ranks} (torch {torch.__version__})")
-    width = max(len("configuration"), *(len(r.config) for r in rows))
-    head = (f"{'configuration':<{width}} {'peak MiB':>9} {'held MiB':>9} {'saved act MiB':>13} "
-            f"{'opt B/param':>11} {'step ms':>8} {'tokens/s':>9} {'final loss':>10}")
-    if base is not None:
-        head += f" {'peak vs AMP':>11} {'time vs AMP':>11}"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        line = (f"{r.config:<{width}} {_mib(r.peak_bytes):>9} {_mib(r.held_bytes):>9} "
-                f"{_mib(r.saved_activation_bytes):>13} "
-                f"{r.optimizer_side_bytes_per_param:>11.2f} {r.step_seconds * 1e3:>8.1f} "
-                f"{r.tokens_per_second:>9.0f} {r.final_loss:>10.4f}")
-        if base is not None:
-            line += (f" {r.peak_bytes / base.peak_bytes:>10.2f}x"
-                     f" {r.step_seconds / base.step_seconds:>10.2f}x")
-        print(line)
-    print("peak: persistent state + the step's peak allocation "
-          + ("(CUDA allocator)" if device.type == "cuda" else "(profiler allocation trace)")
-          + "; held: "
-          + ("device memory allocated between steps" if device.type == "cuda"
-             else "persistent state (params, grads, master, optimizer state)")
-          + ";\nopt B/param: gradients + the fp32 weights the optimizer updates (master copies, or "
-          "fp32 parameters updated in place) + optimizer state, per parameter")
+    print("\n" + _legend(
+        f"memkern bench: GPT {args.size} ({rows[0].num_params / 1e6:.2f}M params, {cfg.layers} "
+        f"layers, width {cfg.width}), batch {args.batch} x seq {cfg.seq} per rank, {args.steps} "
+        f"steps on {device}{ranks} (torch {torch.__version__}), {threads.count} "
+        f"thread{'s' * (threads.count > 1)} ({threads.reason})"))
+    vs = f" vs {BASELINE}" if base is not None else ""
+    memory = [[r.config, _mib(r.peak_bytes), _mib(r.held_bytes),
+               _mib(r.saved_activation_bytes), f"{r.optimizer_side_bytes_per_param:.2f}"]
+              + ([f"{r.peak_bytes / base.peak_bytes:.2f}x"] if base else []) for r in rows]
+    print("\nmemory, MiB\n" + table(["configuration", "peak", "held", "saved for backward",
+                                     "optimizer bytes/param"] + (["peak" + vs] if base else []),
+                                    memory))
+    print(_legend(
+        "peak: persistent state + the step's peak allocation "
+        + ("(CUDA allocator)" if device.type == "cuda" else "(profiler allocation trace)"),
+        "held: " + ("device memory allocated between steps" if device.type == "cuda"
+                    else "persistent state (params, grads, master, optimizer state)"),
+        "saved for backward: what one micro-batch's forward saves",
+        "optimizer bytes/param: gradients + the fp32 weights the optimizer updates (master "
+        "copies, or fp32 parameters updated in place) + optimizer state, per parameter"))
+    ratios = {r.config: ratio(r.step_times, base.step_times) for r in rows} if base else {}
+    speed = [[r.config, f"{r.step_seconds * 1e3:.1f}", f"{r.tokens_per_second:.0f}",
+              f"{r.final_loss:.4f}"]
+             + ([f"{ratios[r.config].median:.2f}x", f"{ratios[r.config].spread:.0%}"]
+                if base else []) for r in rows]
+    rounds = len(rows[0].step_times)
+    print("\n" + _legend(f"time, ms per step: {rounds} round{'s' * (rounds > 1)} of one timed "
+                        "step of each configuration, the order rotated") + "\n" + table(["configuration", "step", "tokens/s", "final loss"]
+                                      + (["time" + vs, "spread"] if base else []), speed))
+    print(_legend("step: the median timed step",
+                  *(["time vs " + BASELINE + ": the median over the rounds of the step's time "
+                     "/ " + BASELINE + "'s in the same round", "spread: (3rd - 1st quartile) / "
+                     "median of those per-round ratios"] if base else [])))
     if device.type == "cuda":
-        from memkern.bench.host_device import table
+        from memkern.bench.host_device import table as host_device_table
 
         print("\nper step on the GPU: host = issuing the step (wall time until the call "
               "returns), GPU = its kernels' summed time (profiler); the larger one bounds it")
-        print("\n".join(table([(r.config, r.host_device) for r in rows])))
-    spread = [f"{r.config} {r.step_spread:.0%}" for r in rows if r.step_spread > SPREAD_LIMIT]
+        print("\n".join(host_device_table([(r.config, r.host_device) for r in rows])))
+    spread = [f"{name} {r.spread:.0%}" for name, r in ratios.items() if r.spread > SPREAD_LIMIT]
     if spread:
-        print(f"note: timed steps spread over {SPREAD_LIMIT:.0%} ((max - min) / median) in "
-              f"{', '.join(spread)}{_load()}: those time ratios are uncertain; run again, or "
-              "with more --steps")
+        print(f"note: time ratios spread over {SPREAD_LIMIT:.0%} in {', '.join(spread)}"
+              f"{_load()}: those ratios are uncertain; run again with more --steps (rounds), or "
+              "on a quieter machine")
 
 
 def _load() -> str:
@@ -297,25 +318,36 @@ def _load() -> str:
 def _bench(args: argparse.Namespace) -> int:
     from memkern.bench.data import stdlib_corpus
     from memkern.bench.runner import run
+    from memkern.bench.timing import choose_threads, ratio
 
+    threads = choose_threads(args.threads, default=torch.get_num_threads())
+    torch.set_num_threads(threads.count)
     device = args.device
     cfg = _model_config(args, device)
-    corpus = stdlib_corpus()
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    rows = []
-    for i, name in enumerate(args.configs):
-        rows.append(run(name, cfg, corpus, steps=args.steps, batch=args.batch, device=device,
-                        seed=args.seed, progress=rank0 and not args.quiet,
-                        compile=args.compile, memory_budget=args.memory_budget,
-                        max_grad_norm=args.max_grad_norm))
+    rows = run(args.configs, cfg, stdlib_corpus(), steps=args.steps, batch=args.batch,
+               device=device, seed=args.seed, progress=rank0 and not args.quiet,
+               compile=args.compile, memory_budget=args.memory_budget,
+               max_grad_norm=args.max_grad_norm)
     if not rank0:
         return 0
-    _print_bench(rows, cfg, args, device)
+    _print_bench(rows, cfg, args, device, threads)
     if args.json:
+        base = next((r for r in rows if r.config == BASELINE), None)
+
+        def vs_baseline(r) -> dict:
+            if base is None:
+                return {}
+            q = ratio(r.step_times, base.step_times)
+            return {"time_vs_baseline": {"median": q.median, "first_quartile": q.low,
+                                         "third_quartile": q.high}}
+
         _write_json(args.json, {"command": "bench", "size": args.size, "seq": cfg.seq,
                                 "batch": args.batch, "steps": args.steps, "device": str(device),
                                 "torch": torch.__version__, "baseline": BASELINE,
-                                "rows": [dict(vars(r), final_loss=r.final_loss) for r in rows]})
+                                "threads": threads.count, "threads_reason": threads.reason,
+                                "rows": [dict(vars(r), final_loss=r.final_loss,
+                                              **vs_baseline(r)) for r in rows]})
     if args.plot:
         from memkern.bench.plot import memory_chart
 

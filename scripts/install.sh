@@ -41,7 +41,7 @@ else
   "$python" -m pip install "torch==2.13.0"
 fi
 
-"$python" -m pip install "setuptools>=64" wheel ninja numpy matplotlib
+"$python" -m pip install "setuptools>=64" wheel ninja numpy matplotlib "rich>=13"
 if [ "$with_tests" = 1 ]; then
   "$python" -m pip install "pytest>=8" pytest-xdist expecttest "triton>=3.4" "transformers>=5.23" \
     "accelerate>=1.15"
