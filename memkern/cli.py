@@ -249,7 +249,7 @@ def _legend(*parts: str) -> str:
     """Legend lines under a table, wrapped to the output's width."""
     from memkern.bench.output import width
 
-    return textwrap.fill("; ".join(parts), width=min(width(), 100))
+    return textwrap.fill("; ".join(parts), width=min(width(), 100), break_on_hyphens=False)
 
 
 def _print_bench(rows, cfg: GPTConfig, args, device: torch.device, threads) -> None:
@@ -365,21 +365,20 @@ def _report(args: argparse.Namespace) -> int:
     cfg = _model_config(args, device)
     num_params, saved = measured_activations(cfg, stdlib_corpus(), args.batch, device)
     rows = predict(num_params, saved, args.world_sizes)
-    print(f"memkern report: GPT {args.size} ({num_params / 1e6:.2f}M params), batch "
-          f"{args.batch} x seq {cfg.seq}; model state from the per-parameter formulas of "
-          f"docs/memory.md (Adam), activations measured on {device}")
-    head = (f"{'configuration':<24} {'W':>3} {'B/param':>8} {'state MiB':>10} "
-            f"{'activ. MiB':>10} {'device MiB':>10} {'host MiB':>9}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['config']:<24} {r['world_size']:>3} {r['bytes_per_param']:>8.2f} "
-              f"{_mib(r['model_state_bytes']):>10} {_mib(r['activation_bytes']):>10} "
-              f"{_mib(r['device_bytes']):>10} {_mib(r['host_bytes']):>9}")
-    print("W: processes (ranks); B/param: model-state bytes per parameter on each rank's "
-          "device;\nstate MiB: B/param x params; activ. MiB: bytes one micro-batch's forward "
-          "saves for backward (measured);\ndevice MiB: state + activations per rank; host MiB: "
-          "what offload keeps in host memory per rank")
+    from memkern.bench.output import table
+
+    print(_legend(f"memkern report: GPT {args.size} ({num_params / 1e6:.2f}M params), batch "
+                  f"{args.batch} x seq {cfg.seq}; model state from the per-parameter formulas of "
+                  f"docs/memory.md (Adam), activations measured on {device}"))
+    print("\nper rank, MiB\n" + table(
+        ["configuration", "W", "bytes/param", "model state", "activations", "device", "host"],
+        [[r["config"], str(r["world_size"]), f"{r['bytes_per_param']:.2f}",
+          _mib(r["model_state_bytes"]), _mib(r["activation_bytes"]), _mib(r["device_bytes"]),
+          _mib(r["host_bytes"])] for r in rows]))
+    print(_legend("W: processes (ranks)", "bytes/param: model-state bytes per parameter on each "
+                  "rank's device", "model state: bytes/param x params", "activations: what one "
+                  "micro-batch's forward saves for backward (measured)", "device: model state + "
+                  "activations", "host: what offload keeps in host memory"))
     if args.json:
         _write_json(args.json, {"command": "report", "size": args.size, "seq": cfg.seq,
                                 "batch": args.batch, "num_params": num_params,

@@ -1,5 +1,6 @@
 """The ``memkern`` command end to end: bench and report with short settings, their JSON and
 PNG, the measured claims in that JSON, the loss curves, and one-line errors for bad flags."""
+import itertools
 import json
 import os
 import re
@@ -354,7 +355,8 @@ def test_report_has_a_column_legend():
     proc = _run_cli("report", "--size", "tiny", "--batch", "1", "--seq", "16",
                     "--world-sizes", "1")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for column in ("W:", "B/param:", "state MiB:", "activ. MiB:", "device MiB:", "host MiB:"):
+    assert "per rank, MiB" in proc.stdout
+    for column in ("W:", "bytes/param:", "model state:", "activations:", "device:", "host:"):
         assert column in proc.stdout
     assert "docs/memory.md" in proc.stdout and "DESIGN" not in proc.stdout
 
@@ -445,3 +447,48 @@ def test_8bit_state_loss_curve_follows_32bit():
     assert early < 2e-3
     assert window < 1.5e-2
     assert step < 12e-2
+
+
+def _plan(value: int):
+    from memkern.profile.plan import CATEGORIES, Moment, StepPlan
+
+    def moment(phase: str) -> "Moment":
+        return Moment(phase, value * len(CATEGORIES), "aten::mm", "model.layers.0.mlp",
+                      dict.fromkeys(CATEGORIES, value), {}, {})
+
+    phases = {p: moment(p) for p in ("forward", "backward", "optimizer")}
+    return StepPlan("cuda", "a plan", phases["backward"], phases, 0, 0, {}, 0, 0.0)
+
+
+@pytest.mark.parametrize("columns", [80, 93, 120, 200])
+def test_plan_tables_headers_stay_apart_and_whole_at_every_width(columns):
+    """memkern plan's tables (the summary and each plan's phase table), with 5-digit MiB and
+    a long plan name, fit the width with every header whole in its own column."""
+    from memkern.profile import plan_command
+    from memkern.profile.plan_report import SHORT, format_plan
+
+    plans = [("patch:recompute=full", _plan(12345 << 20)), ("plain", _plan(7 << 20))]
+    os.environ["COLUMNS"] = str(columns)
+    try:
+        text = plan_command._summary(plans) + "\n\n" + format_plan(plans[0][1])
+    finally:
+        del os.environ["COLUMNS"]
+    short = list(SHORT.values())
+    expected = (["plan", "peak", "phase", "2nd highest", "its phase"], ["plan", *short],
+                ["phase", "peak", *short])
+    tables = 0
+    for block in text.split("\n\n"):
+        lines = block.splitlines()
+        rule = next((i for i, ln in enumerate(lines) if ln and set(ln) == {"─"}), None)
+        if rule is None:
+            continue
+        tables += 1
+        assert all(len(ln) <= columns for ln in lines), block
+        top = rule - 1
+        while top > 0 and lines[top - 1].startswith(" "):
+            top -= 1
+        names = ("patch:recompute=full", "plain", "forward", "backward", "optimizer")
+        body = list(itertools.takewhile(lambda ln: ln.split()[0] in names, lines[rule + 1:]))
+        assert _headers_by_column(lines[top:rule], body) in expected, block
+        assert "params: parameters; grads: gradients;" in block or tables == 1
+    assert tables == 3
