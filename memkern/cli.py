@@ -14,6 +14,8 @@ Commands:
     memkern report   predicted per-rank memory of each configuration and world size
     memkern plan     a training step's device memory planned on fake tensors: the peak and
                      what it is made of, for a GPU or the CPU, without one
+    memkern fit      the cheapest memkern configuration (recomputation per block, 8-bit
+                     optimizer state, offload) that fits a model's step into a memory budget
 
 Under torchrun (WORLD_SIZE > 1) every rank trains and rank 0 prints.
 Documentation: docs/ in the repository (start with docs/index.md).
@@ -230,6 +232,17 @@ def _parser() -> argparse.ArgumentParser:
         "caching allocator's rounding: a plan for a GPU made without one.")
     plan_command.add_arguments(plan, sorted(SIZES), _config_list, _at_least(1), _output_file,
                                _chart_file)
+    from memkern.profile import fit_command
+
+    fit = sub.add_parser(
+        "fit", help="the cheapest memkern configuration that fits a memory budget",
+        description="Plan a transformers causal LM's training step on fake tensors (computing "
+        "nothing, no weights made) under memkern's configurations, cheapest first: 32-bit "
+        "optimizer state, 8-bit state, the optimizer offloaded to host memory, each with the "
+        "least per-block recomputation memkern.fit finds, and print the cheapest one whose "
+        "planned peak fits --memory-budget: what it recomputes and how to apply it; or by how "
+        "much the closest one misses.")
+    fit_command.add_arguments(fit, _at_least(1))
     return parser
 
 
@@ -286,9 +299,10 @@ def _print_bench(rows, cfg: GPTConfig, args, device: torch.device, threads) -> N
              + ([f"{ratios[r.config].median:.2f}x", f"{ratios[r.config].spread:.0%}"]
                 if base else []) for r in rows]
     rounds = len(rows[0].step_times)
-    print("\n" + _legend(f"time, ms per step: {rounds} round{'s' * (rounds > 1)} of one timed "
-                        "step of each configuration, the order rotated") + "\n" + table(["configuration", "step", "tokens/s", "final loss"]
-                                      + (["time" + vs, "spread"] if base else []), speed))
+    title = _legend(f"time, ms per step: {rounds} round{'s' * (rounds > 1)} of one timed step of "
+                    "each configuration, the order rotated")
+    print(f"\n{title}\n" + table(["configuration", "step", "tokens/s", "final loss"]
+                                 + (["time" + vs, "spread"] if base else []), speed))
     print(_legend("step: the median timed step",
                   *(["time vs " + BASELINE + ": the median over the rounds of the step's time "
                      "/ " + BASELINE + "'s in the same round", "spread: (3rd - 1st quartile) / "
@@ -301,9 +315,9 @@ def _print_bench(rows, cfg: GPTConfig, args, device: torch.device, threads) -> N
         print("\n".join(host_device_table([(r.config, r.host_device) for r in rows])))
     spread = [f"{name} {r.spread:.0%}" for name, r in ratios.items() if r.spread > SPREAD_LIMIT]
     if spread:
-        print(f"note: time ratios spread over {SPREAD_LIMIT:.0%} in {', '.join(spread)}"
-              f"{_load()}: those ratios are uncertain; run again with more --steps (rounds), or "
-              "on a quieter machine")
+        print(_legend(f"note: time ratios spread over {SPREAD_LIMIT:.0%} in {', '.join(spread)}"
+                      f"{_load()}: those ratios are uncertain; run again with more --steps "
+                      "(rounds), or on a quieter machine"))
 
 
 def _load() -> str:
@@ -412,13 +426,13 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "plan":
-        from memkern.profile import plan_command
+    if args.command in ("plan", "fit"):
+        from memkern.profile import fit_command, plan_command
 
         try:
-            return plan_command.run(args)
+            return (plan_command if args.command == "plan" else fit_command).run(args)
         except ValueError as exc:
-            print(f"memkern plan: error: {exc}", file=sys.stderr)
+            print(f"memkern {args.command}: error: {exc}", file=sys.stderr)
             return 2
     try:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
