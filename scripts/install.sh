@@ -55,13 +55,13 @@ else
     "minutes on 2 CPU cores (later builds recompile only what changed)"
 fi
 # The build's progress: ninja's "[n/m]" for each compiled unit (its source file, or "linking"),
-# from pip's verbose output; all of that output goes to build/install.log, whose end is shown
-# if the build fails.
+# from pip's verbose output (which indents it); all of that output goes to build/install.log,
+# whose end is shown if the build fails.
 mkdir -p build
 log=build/install.log
 echo "install.sh: compiled units of the total as they finish (full output: $log)"
 if ! "$python" -m pip install -v --no-build-isolation -e . 2>&1 | tee "$log" | awk '
-    /^\[[0-9]+\/[0-9]+\] / {
+    /^ *\[[0-9]+\/[0-9]+\] / {
       unit = "linking"
       for (i = 2; i < NF; i++) if ($i == "-c") unit = $(i + 1)
       sub(".*/csrc/", "csrc/", unit)
