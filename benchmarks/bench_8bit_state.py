@@ -130,7 +130,7 @@ def _compare_steps(n, device, steps, state32: float, state8: float,
     """Per case of PARAM_DTYPES, ``steps(dtype)``'s 32-bit and 8-bit step alternating within
     every repetition (after 3 warm-up ones, so that load from other processes on a shared
     machine falls on both alike): medians of the wall time and of the process's CPU time,
-    their ratios, the ratio of each step's fastest repetition (what the work itself costs:
+    the median of the per-repetition wall-time ratios (``common.ratio``), the CPU times' ratio, the ratio of each step's fastest repetition (what the work itself costs:
     load from other processes only ever adds time), and each step's fraction of the copy
     bandwidth counting the bytes it moves per element (grads and params, master 4 + 4, and
     ``state32``/``state8`` of state)."""
@@ -146,16 +146,16 @@ def _compare_steps(n, device, steps, state32: float, state8: float,
         t32, t8 = statistics.median(wall["32bit"]), statistics.median(wall["8bit"])
         cpu32, cpu8 = statistics.median(cpu["32bit"]), statistics.median(cpu["8bit"])
         moved = step_bytes(dtype)
-        ratios = [b / a for a, b in zip(wall["32bit"], wall["8bit"])]
+        ratio = common.ratio(wall, "8bit", "32bit")
         out[name] = {"fp32_state_ms": t32 * 1e3, "int8_state_ms": t8 * 1e3,
-                     "ratio_8bit_to_32bit": t8 / t32,
+                     "ratio_8bit_to_32bit": ratio["median"],
                      "ratio_fastest_8bit_to_32bit": min(wall["8bit"]) / min(wall["32bit"]),
                      # CPU seconds of all threads: the work itself, less the waiting for a
                      # core that a machine shared with other processes adds to wall time
                      "cpu_time_fp32_state_ms": cpu32 * 1e3, "cpu_time_int8_state_ms": cpu8 * 1e3,
                      "cpu_time_ratio_8bit_to_32bit": cpu8 / cpu32,
                      "ratio_per_repetition_min_median_max":
-                         [min(ratios), statistics.median(ratios), max(ratios)],
+                         [ratio["min"], ratio["median"], ratio["max"]],
                      "fp32_state_fraction_of_copy": (moved + state32) * n / t32 / copy_bw,
                      "int8_state_fraction_of_copy": (moved + state8) * n / t8 / copy_bw}
     return out

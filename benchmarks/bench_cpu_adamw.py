@@ -133,11 +133,6 @@ def summary(times: list[float], n: int, copy_s: float) -> dict[str, float]:
             "share_of_copy_bandwidth": copy_s / median}
 
 
-def ratio(times: dict[str, list[float]], slower: str, faster: str) -> dict[str, float]:
-    """How many times faster ``faster`` is than ``slower``, per repetition (both ran in it)."""
-    per_rep = [s / f for s, f in zip(times[slower], times[faster])]
-    return {"median": statistics.median(per_rep), "min": min(per_rep), "max": max(per_rep)}
-
 
 def sizes_of(n: int, odd: bool) -> list[int]:
     """Four tensor sizes adding up to n: odd ones, or multiples of 64 (n rounded down)."""
@@ -181,14 +176,14 @@ def bench(n: int, warmup: int, reps: int, odd: bool) -> dict[str, object]:
         "times_s": times, "skipped": skipped,
     }
     memkern = "memkern FusedAdamW.step()"
-    speedups = {"over torch fused": ratio(times, "torch AdamW(fused=True)", memkern),
-                "over torch foreach": ratio(times, "torch AdamW(foreach=True)", memkern),
-                "bare kernel time / step() time": ratio(times, "memkern adamw_step_ (bare kernel)",
-                                                     memkern),
-                "bf16 over torch composition": ratio(times, "torch bf16 composition",
-                                                     "memkern FusedAdamW.step() bf16")}
+    speedups = {"over torch fused": common.ratio(times, "torch AdamW(fused=True)", memkern),
+                "over torch foreach": common.ratio(times, "torch AdamW(foreach=True)", memkern),
+                "bare kernel time / step() time": common.ratio(
+                    times, "memkern adamw_step_ (bare kernel)", memkern),
+                "bf16 over torch composition": common.ratio(
+                    times, "torch bf16 composition", "memkern FusedAdamW.step() bf16")}
     if "DeepSpeedCPUAdam" in cases:
-        speedups["over DeepSpeedCPUAdam"] = ratio(times, "DeepSpeedCPUAdam", memkern)
+        speedups["over DeepSpeedCPUAdam"] = common.ratio(times, "DeepSpeedCPUAdam", memkern)
     result["speedups"] = speedups
     return result
 

@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from memkern.bench import timing
+
 
 def median_seconds(fn: Callable[[], object], *, warmup: int = 2, reps: int = 7,
                    device: torch.device | None = None,
@@ -68,13 +70,16 @@ def interleaved_times(cases: dict[str, tuple[Callable[[], None], Callable[[], ob
     prepare; ``cpu_times``, when given, receives each repetition's process CPU time (all
     threads) per case as well.
 
-    The cases take turns within every repetition, so that load from other processes on a
-    shared machine falls on all of them alike rather than on whichever ran last.
+    The cases take turns within every repetition, in an order rotated from one repetition to
+    the next (:func:`memkern.bench.timing.rotated`), so that load from other processes on a
+    shared machine falls on all of them alike rather than on whichever ran last; compare two
+    cases with :func:`ratio`.
     """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in cases}
     for i in range(warmup + reps):
-        for name, (prepare, step) in cases.items():
+        for name in timing.rotated(list(cases), i):
+            prepare, step = cases[name]
             prepare()
             sync()
             start, cpu_start = time.perf_counter(), time.process_time()
@@ -85,6 +90,16 @@ def interleaved_times(cases: dict[str, tuple[Callable[[], None], Callable[[], ob
                 if cpu_times is not None:
                     cpu_times.setdefault(name, []).append(time.process_time() - cpu_start)
     return times
+
+
+def ratio(times: dict[str, list[float]], case: str, baseline: str) -> dict[str, float]:
+    """``case``'s time over ``baseline``'s, repetition by repetition (both from one
+    :func:`interleaved_times`): the median of the per-repetition ratios, their quartiles and
+    their range."""
+    r = timing.ratio(times[case], times[baseline])
+    per_rep = [c / b for c, b in zip(times[case], times[baseline])]
+    return {"median": r.median, "first_quartile": r.low, "third_quartile": r.high,
+            "min": min(per_rep), "max": max(per_rep)}
 
 
 class TorchSwiGLU(torch.nn.Module):

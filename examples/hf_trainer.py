@@ -60,7 +60,7 @@ def main() -> None:
         args.out, max_steps=args.steps, per_device_train_batch_size=8,
         gradient_accumulation_steps=2, learning_rate=3e-3, weight_decay=0.01,
         max_grad_norm=1.0, lr_scheduler_type="cosine", warmup_steps=3, bf16=args.bf16,
-        logging_steps=10, save_steps=max(1, args.steps // 2), report_to=[],
+        logging_steps=min(10, args.steps), save_steps=max(1, args.steps // 2), report_to=[],
         use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
     trainer = MemkernTrainer(model=model, args=training, train_dataset=Sequences(512),
                              zero_stage=args.zero_stage)
@@ -68,9 +68,12 @@ def main() -> None:
     opt = trainer.memkern_optimizer
     if not trainer.is_world_process_zero():
         return
-    print(f"trained {trainer.state.global_step} steps, final loss {result.training_loss:.3f}, "
-          f"last grad norm {opt.grad_norm:.3f}, skipped steps {opt.skipped_steps}; "
-          f"checkpoints in {args.out}; {training.world_size} process(es), ZeRO-{args.zero_stage}")
+    logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    last = f"last logged loss {logged[-1]:.3f}" if logged else "no loss logged yet"
+    print(f"trained {trainer.state.global_step} steps, {last} (mean over the run "
+          f"{result.training_loss:.3f}), last grad norm {opt.grad_norm:.3f}, skipped steps "
+          f"{opt.skipped_steps}; checkpoints in {args.out}; {training.world_size} process(es), "
+          f"ZeRO-{args.zero_stage}")
 
 
 if __name__ == "__main__":

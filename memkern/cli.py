@@ -14,6 +14,8 @@ Commands:
     memkern report   predicted per-rank memory of each configuration and world size
     memkern plan     a training step's device memory planned on fake tensors: the peak and
                      what it is made of, for a GPU or the CPU, without one
+    memkern fit      the cheapest memkern configuration (recomputation per block, 8-bit
+                     optimizer state, offload) that fits a model's step into a memory budget
 
 Under torchrun (WORLD_SIZE > 1) every rank trains and rank 0 prints.
 Documentation: docs/ in the repository (start with docs/index.md).
@@ -26,6 +28,7 @@ import math
 import os
 import platform
 import sys
+import textwrap
 from collections.abc import Sequence
 
 import torch
@@ -71,8 +74,8 @@ MIN_STEPS = 3
 """One warm-up step, one profiled for memory, at least one timed."""
 
 SPREAD_LIMIT = 0.2
-"""A configuration whose timed steps spread wider than this, (max - min) / median, gets a note
-under the bench table: its time ratios are not to be trusted."""
+"""A configuration whose per-round time ratios spread wider than this ((3rd - 1st quartile) /
+median) gets a note under the bench table: its time ratio is not to be trusted."""
 
 
 def _available_devices() -> list[str]:
@@ -205,6 +208,9 @@ def _parser() -> argparse.ArgumentParser:
                        "(default: 0)")
     bench.add_argument("--compile", action="store_true",
                        help="run the memkern configurations' forward under torch.compile")
+    bench.add_argument("--threads", type=_at_least(1),
+                       help="torch's intra-op threads (default: OMP_NUM_THREADS if set, else "
+                       "the cores other processes leave free by the load average, at least 1)")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
 
     report = sub.add_parser(
@@ -226,6 +232,17 @@ def _parser() -> argparse.ArgumentParser:
         "caching allocator's rounding: a plan for a GPU made without one.")
     plan_command.add_arguments(plan, sorted(SIZES), _config_list, _at_least(1), _output_file,
                                _chart_file)
+    from memkern import fit_command
+
+    fit = sub.add_parser(
+        "fit", help="the cheapest memkern configuration that fits a memory budget",
+        description="Plan a transformers causal LM's training step on fake tensors (computing "
+        "nothing, no weights made) under memkern's configurations, cheapest first: 32-bit "
+        "optimizer state, 8-bit state, the optimizer offloaded to host memory, each with the "
+        "least per-block recomputation memkern.fit finds, and print the cheapest one whose "
+        "planned peak fits --memory-budget: what it recomputes and how to apply it; or by how "
+        "much the closest one misses.")
+    fit_command.add_arguments(fit, _at_least(1))
     return parser
 
 
@@ -241,48 +258,66 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):.1f}"
 
 
-def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
+def _legend(*parts: str) -> str:
+    """Legend lines under a table, wrapped to the output's width."""
+    from memkern.output import width
+
+    return textwrap.fill("; ".join(parts), width=min(width(), 100), break_on_hyphens=False)
+
+
+def _print_bench(rows, cfg: GPTConfig, args, device: torch.device, threads) -> None:
+    from memkern.output import table
+    from memkern.bench.timing import ratio
+
     base = next((r for r in rows if r.config == BASELINE), None)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ranks = (f", {world} ranks (memkern configurations sharded across them, torch ones "
              "replicated; figures are rank 0's)") if world > 1 else ""
-    print(f"\nmemkern bench: GPT {args.size} ({rows[0].num_params / 1e6:.2f}M params, "
-          f"{cfg.layers} layers, width {cfg.width}), batch {args.batch} x seq {cfg.seq} per rank, "
-          f"{args.steps} steps on {device}{ranks} (torch {torch.__version__})")
-    width = max(len("configuration"), *(len(r.config) for r in rows))
-    head = (f"{'configuration':<{width}} {'peak MiB':>9} {'held MiB':>9} {'saved act MiB':>13} "
-            f"{'opt B/param':>11} {'step ms':>8} {'tokens/s':>9} {'final loss':>10}")
-    if base is not None:
-        head += f" {'peak vs AMP':>11} {'time vs AMP':>11}"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        line = (f"{r.config:<{width}} {_mib(r.peak_bytes):>9} {_mib(r.held_bytes):>9} "
-                f"{_mib(r.saved_activation_bytes):>13} "
-                f"{r.optimizer_side_bytes_per_param:>11.2f} {r.step_seconds * 1e3:>8.1f} "
-                f"{r.tokens_per_second:>9.0f} {r.final_loss:>10.4f}")
-        if base is not None:
-            line += (f" {r.peak_bytes / base.peak_bytes:>10.2f}x"
-                     f" {r.step_seconds / base.step_seconds:>10.2f}x")
-        print(line)
-    print("peak: persistent state + the step's peak allocation "
-          + ("(CUDA allocator)" if device.type == "cuda" else "(profiler allocation trace)")
-          + "; held: "
-          + ("device memory allocated between steps" if device.type == "cuda"
-             else "persistent state (params, grads, master, optimizer state)")
-          + ";\nopt B/param: gradients + the fp32 weights the optimizer updates (master copies, or "
-          "fp32 parameters updated in place) + optimizer state, per parameter")
+    print("\n" + _legend(
+        f"memkern bench: GPT {args.size} ({rows[0].num_params / 1e6:.2f}M params, {cfg.layers} "
+        f"layers, width {cfg.width}), batch {args.batch} x seq {cfg.seq} per rank, {args.steps} "
+        f"steps on {device}{ranks} (torch {torch.__version__}), {threads.count} "
+        f"thread{'s' * (threads.count > 1)} ({threads.reason})"))
+    vs = f" vs {BASELINE}" if base is not None else ""
+    memory = [[r.config, _mib(r.peak_bytes), _mib(r.held_bytes),
+               _mib(r.saved_activation_bytes), f"{r.optimizer_side_bytes_per_param:.2f}"]
+              + ([f"{r.peak_bytes / base.peak_bytes:.2f}x"] if base else []) for r in rows]
+    print("\nmemory, MiB\n" + table(["configuration", "peak", "held", "saved for backward",
+                                     "optimizer bytes/param"] + (["peak" + vs] if base else []),
+                                    memory))
+    print(_legend(
+        "peak: persistent state + the step's peak allocation "
+        + ("(CUDA allocator)" if device.type == "cuda" else "(profiler allocation trace)"),
+        "held: " + ("device memory allocated between steps" if device.type == "cuda"
+                    else "persistent state (params, grads, master, optimizer state)"),
+        "saved for backward: what one micro-batch's forward saves",
+        "optimizer bytes/param: gradients + the fp32 weights the optimizer updates (master "
+        "copies, or fp32 parameters updated in place) + optimizer state, per parameter"))
+    ratios = {r.config: ratio(r.step_times, base.step_times) for r in rows} if base else {}
+    speed = [[r.config, f"{r.step_seconds * 1e3:.1f}", f"{r.tokens_per_second:.0f}",
+              f"{r.final_loss:.4f}"]
+             + ([f"{ratios[r.config].median:.2f}x", f"{ratios[r.config].spread:.0%}"]
+                if base else []) for r in rows]
+    rounds = len(rows[0].step_times)
+    title = _legend(f"time, ms per step: {rounds} round{'s' * (rounds > 1)} of one timed step of "
+                    "each configuration, the order rotated")
+    print(f"\n{title}\n" + table(["configuration", "step", "tokens/s", "final loss"]
+                                 + (["time" + vs, "spread"] if base else []), speed))
+    print(_legend("step: the median timed step",
+                  *(["time vs " + BASELINE + ": the median over the rounds of the step's time "
+                     "/ " + BASELINE + "'s in the same round", "spread: (3rd - 1st quartile) / "
+                     "median of those per-round ratios"] if base else [])))
     if device.type == "cuda":
-        from memkern.bench.host_device import table
+        from memkern.bench.host_device import table as host_device_table
 
         print("\nper step on the GPU: host = issuing the step (wall time until the call "
               "returns), GPU = its kernels' summed time (profiler); the larger one bounds it")
-        print("\n".join(table([(r.config, r.host_device) for r in rows])))
-    spread = [f"{r.config} {r.step_spread:.0%}" for r in rows if r.step_spread > SPREAD_LIMIT]
+        print("\n".join(host_device_table([(r.config, r.host_device) for r in rows])))
+    spread = [f"{name} {r.spread:.0%}" for name, r in ratios.items() if r.spread > SPREAD_LIMIT]
     if spread:
-        print(f"note: timed steps spread over {SPREAD_LIMIT:.0%} ((max - min) / median) in "
-              f"{', '.join(spread)}{_load()}: those time ratios are uncertain; run again, or "
-              "with more --steps")
+        print(_legend(f"note: time ratios spread over {SPREAD_LIMIT:.0%} in {', '.join(spread)}"
+                      f"{_load()}: those ratios are uncertain; run again with more --steps "
+                      "(rounds), or on a quieter machine"))
 
 
 def _load() -> str:
@@ -297,25 +332,36 @@ def _load() -> str:
 def _bench(args: argparse.Namespace) -> int:
     from memkern.bench.data import stdlib_corpus
     from memkern.bench.runner import run
+    from memkern.bench.timing import choose_threads, ratio
 
+    threads = choose_threads(args.threads, default=torch.get_num_threads())
+    torch.set_num_threads(threads.count)
     device = args.device
     cfg = _model_config(args, device)
-    corpus = stdlib_corpus()
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    rows = []
-    for i, name in enumerate(args.configs):
-        rows.append(run(name, cfg, corpus, steps=args.steps, batch=args.batch, device=device,
-                        seed=args.seed, progress=rank0 and not args.quiet,
-                        compile=args.compile, memory_budget=args.memory_budget,
-                        max_grad_norm=args.max_grad_norm))
+    rows = run(args.configs, cfg, stdlib_corpus(), steps=args.steps, batch=args.batch,
+               device=device, seed=args.seed, progress=rank0 and not args.quiet,
+               compile=args.compile, memory_budget=args.memory_budget,
+               max_grad_norm=args.max_grad_norm)
     if not rank0:
         return 0
-    _print_bench(rows, cfg, args, device)
+    _print_bench(rows, cfg, args, device, threads)
     if args.json:
+        base = next((r for r in rows if r.config == BASELINE), None)
+
+        def vs_baseline(r) -> dict:
+            if base is None:
+                return {}
+            q = ratio(r.step_times, base.step_times)
+            return {"time_vs_baseline": {"median": q.median, "first_quartile": q.low,
+                                         "third_quartile": q.high}}
+
         _write_json(args.json, {"command": "bench", "size": args.size, "seq": cfg.seq,
                                 "batch": args.batch, "steps": args.steps, "device": str(device),
                                 "torch": torch.__version__, "baseline": BASELINE,
-                                "rows": [dict(vars(r), final_loss=r.final_loss) for r in rows]})
+                                "threads": threads.count, "threads_reason": threads.reason,
+                                "rows": [dict(vars(r), final_loss=r.final_loss,
+                                              **vs_baseline(r)) for r in rows]})
     if args.plot:
         from memkern.bench.plot import memory_chart
 
@@ -333,21 +379,20 @@ def _report(args: argparse.Namespace) -> int:
     cfg = _model_config(args, device)
     num_params, saved = measured_activations(cfg, stdlib_corpus(), args.batch, device)
     rows = predict(num_params, saved, args.world_sizes)
-    print(f"memkern report: GPT {args.size} ({num_params / 1e6:.2f}M params), batch "
-          f"{args.batch} x seq {cfg.seq}; model state from the per-parameter formulas of "
-          f"docs/memory.md (Adam), activations measured on {device}")
-    head = (f"{'configuration':<24} {'W':>3} {'B/param':>8} {'state MiB':>10} "
-            f"{'activ. MiB':>10} {'device MiB':>10} {'host MiB':>9}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['config']:<24} {r['world_size']:>3} {r['bytes_per_param']:>8.2f} "
-              f"{_mib(r['model_state_bytes']):>10} {_mib(r['activation_bytes']):>10} "
-              f"{_mib(r['device_bytes']):>10} {_mib(r['host_bytes']):>9}")
-    print("W: processes (ranks); B/param: model-state bytes per parameter on each rank's "
-          "device;\nstate MiB: B/param x params; activ. MiB: bytes one micro-batch's forward "
-          "saves for backward (measured);\ndevice MiB: state + activations per rank; host MiB: "
-          "what offload keeps in host memory per rank")
+    from memkern.output import table
+
+    print(_legend(f"memkern report: GPT {args.size} ({num_params / 1e6:.2f}M params), batch "
+                  f"{args.batch} x seq {cfg.seq}; model state from the per-parameter formulas of "
+                  f"docs/memory.md (Adam), activations measured on {device}"))
+    print("\nper rank, MiB\n" + table(
+        ["configuration", "W", "bytes/param", "model state", "activations", "device", "host"],
+        [[r["config"], str(r["world_size"]), f"{r['bytes_per_param']:.2f}",
+          _mib(r["model_state_bytes"]), _mib(r["activation_bytes"]), _mib(r["device_bytes"]),
+          _mib(r["host_bytes"])] for r in rows]))
+    print(_legend("W: processes (ranks)", "bytes/param: model-state bytes per parameter on each "
+                  "rank's device", "model state: bytes/param x params", "activations: what one "
+                  "micro-batch's forward saves for backward (measured)", "device: model state + "
+                  "activations", "host: what offload keeps in host memory"))
     if args.json:
         _write_json(args.json, {"command": "report", "size": args.size, "seq": cfg.seq,
                                 "batch": args.batch, "num_params": num_params,
@@ -381,13 +426,13 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "plan":
-        from memkern import plan_command
+    if args.command in ("plan", "fit"):
+        from memkern import fit_command, plan_command
 
         try:
-            return plan_command.run(args)
+            return (plan_command if args.command == "plan" else fit_command).run(args)
         except ValueError as exc:
-            print(f"memkern plan: error: {exc}", file=sys.stderr)
+            print(f"memkern {args.command}: error: {exc}", file=sys.stderr)
             return 2
     try:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:

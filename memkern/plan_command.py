@@ -23,7 +23,8 @@ import torch
 from memkern.bench.configs import DEFAULT_CONFIGS
 from memkern.bench.workload import bench_workload
 from memkern.profile.plan import CATEGORIES, StepPlan, plan_training_step
-from memkern.profile.plan_report import MIB, format_plan, plan_chart
+from memkern.output import table
+from memkern.profile.plan_report import MIB, SHORT, format_plan, legend, plan_chart
 from memkern.profile.targets import TARGETS
 from memkern.profile.workloads import (OPTIMIZERS, PATCH_OPTIONS, SHARDINGS, TASKS, default_seq,
                                        hf_config, hf_workload)
@@ -131,16 +132,16 @@ def _plans(args: argparse.Namespace) -> list[tuple[str, StepPlan]]:
 
 
 def _summary(plans: list[tuple[str, StepPlan]]) -> str:
-    width = max(len("plan"), *(len(n) for n, _ in plans))
-    head = (f"{'plan':<{width}} {'peak MiB':>9} {'phase':>9} " +
-            " ".join(f"{c.split()[0][:9]:>9}" for c in CATEGORIES) + f" {'2nd MiB':>8} {'2nd phase':>9}")
-    lines = [head, "-" * len(head)]
-    for name, p in plans:
-        second = p.second
-        lines.append(f"{name:<{width}} {p.peak_bytes / MIB:>9.1f} {p.peak.phase:>9} "
-                     + " ".join(f"{p.peak.by_category[c] / MIB:>9.1f}" for c in CATEGORIES)
-                     + (f" {second.allocated / MIB:>8.1f} {second.phase:>9}" if second else ""))
-    return "\n".join(lines)
+    """Two tables: each plan's peak and second-highest moment, then its peak by category."""
+    peaks = table(["plan", "peak", "phase", "2nd highest", "its phase"],
+                  [[name, f"{p.peak_bytes / MIB:.1f}", p.peak.phase,
+                    *([f"{p.second.allocated / MIB:.1f}", p.second.phase] if p.second
+                      else ["", ""])] for name, p in plans])
+    parts = table(["plan", *(SHORT[c] for c in CATEGORIES)],
+                  [[name, *(f"{p.peak.by_category[c] / MIB:.1f}" for c in CATEGORIES)]
+                   for name, p in plans])
+    return (f"peaks, MiB (2nd highest: the highest moment of another phase)\n{peaks}\n\n"
+            f"each peak by category, MiB (allocator blocks)\n{parts}\n{legend()}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,8 +151,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"memkern plan: {TARGETS[args.device].describe()}; planned on fake tensors "
           f"(torch {torch.__version__}){ranks}")
     print(_summary(plans))
-    print("columns: the peak's bytes by category (allocator blocks); 2nd: the highest moment of "
-          "another phase")
     for name, p in plans:
         print(f"\n=== {name}\n{format_plan(p)}")
     if args.json:

@@ -41,7 +41,7 @@ else
   "$python" -m pip install "torch==2.13.0"
 fi
 
-"$python" -m pip install "setuptools>=64" wheel ninja numpy matplotlib
+"$python" -m pip install "setuptools>=64" wheel ninja numpy matplotlib "rich>=13"
 if [ "$with_tests" = 1 ]; then
   # the installed torch is named with the test packages so that none of them replaces it
   "$python" -m pip install "pytest>=8" pytest-xdist expecttest "triton>=3.4" "transformers>=5.23" \
@@ -55,5 +55,22 @@ else
   echo "install.sh: building memkern's C++ extension: the first build compiles for 8-10" \
     "minutes on 2 CPU cores (later builds recompile only what changed)"
 fi
-"$python" -m pip install --no-build-isolation -e .
+# The build's progress: ninja's "[n/m]" for each compiled unit (its source file, or "linking"),
+# from pip's verbose output (which indents it); all of that output goes to build/install.log,
+# whose end is shown if the build fails.
+mkdir -p build
+log=build/install.log
+echo "install.sh: compiled units of the total as they finish (full output: $log)"
+if ! "$python" -m pip install -v --no-build-isolation -e . 2>&1 | tee "$log" | awk '
+    /^ *\[[0-9]+\/[0-9]+\] / {
+      unit = "linking"
+      for (i = 2; i < NF; i++) if ($i == "-c") unit = $(i + 1)
+      sub(".*/csrc/", "csrc/", unit)
+      print "  " $1 " " unit
+      fflush()
+    }'; then
+  echo "install.sh: pip install failed; the end of $log:" >&2
+  tail -n 30 "$log" >&2
+  exit 1
+fi
 "$python" -c 'import memkern; print("memkern", memkern.__version__, "backends:", memkern.backends())'

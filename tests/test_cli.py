@@ -1,7 +1,9 @@
 """The ``memkern`` command end to end: bench and report with short settings, their JSON and
 PNG, the measured claims in that JSON, the loss curves, and one-line errors for bad flags."""
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -27,22 +29,37 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
 def bench_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     json_path, png_path = out / "bench.json", out / "bench.png"
-    proc = _run_cli("bench", *SHORT, "--json", str(json_path), "--plot", str(png_path))
+    # with progress bars (not --quiet), into a pipe
+    proc = _run_cli("bench", *SHORT[:-1], "--json", str(json_path), "--plot", str(png_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     with open(png_path, "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
     with open(json_path) as fh:
-        return json.load(fh), proc.stdout
+        return json.load(fh), proc.stdout, proc.stderr
 
 
 def test_bench_runs_and_writes_json_and_png(bench_json):
-    data, stdout = bench_json
+    data, stdout, _ = bench_json
     rows = {r["config"]: r for r in data["rows"]}
     assert set(rows) == set(cli.DEFAULT_CONFIGS)
     for r in rows.values():
         assert len(r["losses"]) == 4 and all(torch.isfinite(torch.tensor(r["losses"])))
         assert r["peak_bytes"] > 0 and r["step_seconds"] > 0 and r["num_params"] > 0
-    assert "memkern-full" in stdout and "peak vs AMP" in stdout
+        # 4 steps: 3 untimed, 1 round
+        assert len(r["step_times"]) == 1 and r["step_seconds"] == r["step_times"][0]
+        ratio = r["step_seconds"] / rows["torch-amp"]["step_seconds"]
+        assert r["time_vs_baseline"]["median"] == pytest.approx(ratio, rel=1e-12)
+    assert data["threads"] >= 1 and data["threads_reason"]
+    assert "memkern-full" in stdout and "peak vs torch-amp" in stdout
+
+
+def test_bench_progress_is_plain_lines_without_a_terminal(bench_json):
+    """Written to a pipe (a log file), the progress bars come once, finished: one line per
+    configuration, with its steps done of its total, and no carriage return."""
+    _, stdout, stderr = bench_json
+    assert "\r" not in stderr and "\r" not in stdout
+    bars = [ln.split()[0] for ln in stderr.splitlines() if " 4/4 loss " in ln]
+    assert bars == list(cli.DEFAULT_CONFIGS), stderr
 
 
 def test_bench_compiled_amp_with_a_memory_budget_saves_less_than_without(bench_json):
@@ -247,36 +264,100 @@ def test_help_starts_with_what_memkern_does_and_a_quick_start():
     assert "opt.backward(loss); opt.step(); opt.zero_grad()" in memkern.__doc__
 
 
-def _row(name: str, times_ms: tuple[float, float, float]):
+def _row(name: str, step_times_ms: list[float]):
     from memkern.bench.runner import Row
 
-    low, median, high = (t / 1e3 for t in times_ms)
+    times = [t / 1e3 for t in step_times_ms]
+    median = sorted(times)[len(times) // 2]
     return Row(name, 3 << 20, 1 << 20, 1, 1, 1, 1, 1000, 16.0, median, 4096 / median,
-               [2.5, 2.4], step_seconds_min=low, step_seconds_max=high)
+               [2.5, 2.4], step_seconds_min=min(times), step_seconds_max=max(times),
+               step_times=times)
 
 
-def test_bench_notes_configurations_whose_step_times_spread_in_one_line(capsys):
-    """(max - min) / median over 20%: named in one note under the table; 19%: not named."""
-    rows = [_row("torch-amp", (100.0, 110.0, 130.0)), _row("torch-fp32", (95.0, 100.0, 114.0)),
-            _row("memkern-full", (50.0, 60.0, 200.0))]
-    args = cli._parser().parse_args(["bench", "--size", "tiny", "--steps", "4"])
-    cli._print_bench(rows, SIZES["tiny"], args, torch.device("cpu"))
-    lines = capsys.readouterr().out.splitlines()
-    notes = [ln for ln in lines if ln.startswith("note:")]
-    assert len(notes) == 1 and notes[0] == lines[-1]
-    assert notes[0].startswith("note: timed steps spread over 20% ((max - min) / median) in "
-                               "torch-amp 27%, memkern-full 250% (load average ")
-    assert "torch-fp32" not in notes[0]
-    cli._print_bench(rows[1:2], SIZES["tiny"], args, torch.device("cpu"))
-    assert "note:" not in capsys.readouterr().out
+def _bench_output(capsys, rows, columns: int = 100) -> str:
+    args = cli._parser().parse_args(["bench", "--size", "tiny", "--steps", "9"])
+    from memkern.bench.timing import Threads
+
+    threads = Threads(1, "--threads")
+    os.environ["COLUMNS"] = str(columns)
+    try:
+        cli._print_bench(rows, SIZES["tiny"], args, torch.device("cpu"), threads)
+    finally:
+        del os.environ["COLUMNS"]
+    return capsys.readouterr().out
+
+
+def test_bench_time_ratio_is_the_median_of_per_round_ratios(capsys):
+    """A burst of load in rounds 0-1 (torch-amp 5x slower there) and in rounds 3-4
+    (memkern-full 5x slower): the ratio of medians would read 1.0x; the per-round ratios are
+    0.1, 0.1, 0.5, 2.5, 2.5 -> median 0.50x, quartiles 0.1 and 2.5 -> spread 480%, which the
+    note names. torch-fp32's rounds track torch-amp's: 1.20x, spread 0%, not named."""
+    amp = [500.0, 500.0, 100.0, 100.0, 100.0]
+    rows = [_row("torch-amp", amp), _row("torch-fp32", [1.2 * t for t in amp]),
+            _row("memkern-full", [50.0, 50.0, 50.0, 250.0, 250.0])]
+    out = _bench_output(capsys, rows)
+    # the time table: configuration, step, tokens/s, final loss, ratio, spread
+    by = {line.split()[0]: line.split() for line in out.split("time, ms per step")[1]
+          .split("\n\n")[0].splitlines() if line.split()[0] in ("torch-fp32", "memkern-full")}
+    assert by["memkern-full"][4:] == ["0.50x", "480%"]
+    assert by["torch-fp32"][4:] == ["1.20x", "0%"]
+    note = out[out.index("note:"):]  # the last lines
+    assert note.startswith("note: time ratios spread over 20% in memkern-full 480% (load "
+                           "average ")
+    assert "torch-fp32" not in note and note.count("note:") == 1
+    assert "note:" not in _bench_output(capsys, rows[:2])
+
+
+def _headers_by_column(head: list[str], body: list[str]) -> list[str]:
+    """Each column's header, read down the header lines within the column: the first column
+    (names, left-aligned) up to the end of its longest entry, every other column from the end
+    of the one before (that position blank) to the end of its right-aligned cells."""
+    ends = {tuple(m.end() for m in re.finditer(r"\S+", ln))[1:] for ln in body}
+    assert len(ends) == 1, "the numbers are not right-aligned in columns"
+    first = max(len(ln.split()[0]) for ln in head + body if ln and not ln.startswith(" "))
+    edges = [0, first, *next(iter(ends))]
+    headers = []
+    for a, b in zip(edges, edges[1:]):
+        assert all(ln[a:a + 1] in ("", " ") for ln in head) or a == 0, head
+        headers.append(" ".join(" ".join(ln[a:b].split()) for ln in head if ln[a:b].strip()))
+    return headers
+
+
+@pytest.mark.parametrize("columns", [80, 81, 97, 120, 200])
+def test_bench_tables_headers_stay_apart_and_whole_at_every_width(capsys, columns):
+    """Every line fits the width, and each header, read down its own column, is whole: no
+    header is cut or runs into its neighbour."""
+    rows = [_row(name, [1234567.8, 1234567.8, 1.0]) for name in cli.CONFIGS]
+    out = _bench_output(capsys, rows, columns)
+    tables = 0
+    for block in out.split("\n\n"):
+        lines = block.splitlines()
+        rule = next((i for i, ln in enumerate(lines) if set(ln) == {"─"}), None)
+        if rule is None:
+            continue
+        tables += 1
+        assert all(len(ln) <= columns for ln in lines), block
+        top = rule - 1  # the header's last line; its lines above start blank (bottom-aligned)
+        while lines[top - 1].startswith(" "):
+            top -= 1
+        head = lines[top:rule]
+        body = [ln for ln in lines[rule + 1:] if ln.split()[0] in cli.CONFIGS]  # no legend
+        assert _headers_by_column(head, body) in (
+            ["configuration", "peak", "held", "saved for backward", "optimizer bytes/param",
+             "peak vs torch-amp"],
+            ["configuration", "step", "tokens/s", "final loss", "time vs torch-amp", "spread"]
+        ), block
+    assert tables == 2
 
 
 def test_report_has_a_column_legend():
     proc = _run_cli("report", "--size", "tiny", "--batch", "1", "--seq", "16",
                     "--world-sizes", "1")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for column in ("W:", "B/param:", "state MiB:", "activ. MiB:", "device MiB:", "host MiB:"):
-        assert column in proc.stdout
+    assert "per rank, MiB" in proc.stdout
+    words = " ".join(proc.stdout.split())  # the legend wraps to the width
+    for column in ("W:", "bytes/param:", "model state:", "activations:", "device:", "host:"):
+        assert column in words
     assert "docs/memory.md" in proc.stdout and "DESIGN" not in proc.stdout
 
 
@@ -368,47 +449,128 @@ def test_8bit_state_loss_curve_follows_32bit():
     assert step < 12e-2
 
 
-def test_progress_bars_line_up_for_every_configuration(capsys):
-    """The bar starts at the same column for every configuration, compiled ones included
-    ("torch-amp-compiled-budget" once pushed its bar out of line)."""
-    from memkern.bench.runner import Progress
+def _plan(value: int):
+    from memkern.profile.plan import CATEGORIES, Moment, StepPlan
 
-    for name in [*cli.CONFIGS, *(f"{n}+compile" for n in cli.CONFIGS)]:
-        Progress(name, 3).update(3, 2.5)
-    lines = [line.lstrip("\r") for line in capsys.readouterr().err.split("\n") if line]
-    assert len(lines) == 2 * len(cli.CONFIGS)
-    assert len({line.index("[") for line in lines}) == 1, lines
+    def moment(phase: str) -> "Moment":
+        return Moment(phase, value * len(CATEGORIES), "aten::mm", "model.layers.0.mlp",
+                      dict.fromkeys(CATEGORIES, value), {}, {})
+
+    phases = {p: moment(p) for p in ("forward", "backward", "optimizer")}
+    return StepPlan("cuda", "a plan", phases["backward"], phases, 0, 0, {}, 0, 0.0)
 
 
-@pytest.mark.parametrize("steps,timed", [(3, [2]), (4, [3]), (5, [4]), (6, [5]), (9, [5, 6, 7, 8])])
-def test_bench_times_only_the_steps_after_the_warm_up(monkeypatch, steps, timed):
-    """Step 0 (first allocations, compilation), step 1 (profiled) and up to three warm-up steps
-    are not timed, at least one step is. A fake clock, advanced by each step, tells which
-    steps the reported times came from: step i takes 100 + i seconds."""
-    import types
+@pytest.mark.parametrize("columns", [80, 93, 120, 200])
+def test_plan_tables_headers_stay_apart_and_whole_at_every_width(columns):
+    """memkern plan's tables (the summary and each plan's phase table), with 5-digit MiB and
+    a long plan name, fit the width with every header whole in its own column."""
+    from memkern.profile import plan_command
+    from memkern.profile.plan_report import SHORT, format_plan
 
-    from memkern.bench import runner
+    plans = [("patch:recompute=full", _plan(12345 << 20)), ("plain", _plan(7 << 20))]
+    os.environ["COLUMNS"] = str(columns)
+    try:
+        text = plan_command._summary(plans) + "\n\n" + format_plan(plans[0][1])
+    finally:
+        del os.environ["COLUMNS"]
+    short = list(SHORT.values())
+    expected = (["plan", "peak", "phase", "2nd highest", "its phase"], ["plan", *short],
+                ["phase", "peak", *short])
+    tables = 0
+    for block in text.split("\n\n"):
+        lines = block.splitlines()
+        rule = next((i for i, ln in enumerate(lines) if ln and set(ln) == {"─"}), None)
+        if rule is None:
+            continue
+        tables += 1
+        assert all(len(ln) <= columns for ln in lines), block
+        top = rule - 1
+        while top > 0 and lines[top - 1].startswith(" "):
+            top -= 1
+        names = ("patch:recompute=full", "plain", "forward", "backward", "optimizer")
+        body = list(itertools.takewhile(lambda ln: ln.split()[0] in names, lines[rule + 1:]))
+        assert _headers_by_column(lines[top:rule], body) in expected, block
+        assert "params: parameters; grads: gradients;" in block or tables == 1
+    assert tables == 3
 
-    clock = [0.0]
-    monkeypatch.setattr(runner, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    real_build = runner.build
 
-    def build(*args, **kwargs):
-        setup = real_build(*args, **kwargs)
-        real_step, done = setup.train_step, []
+TINY_LLAMA = ["--hf", "llama", "--set", "hidden_size=32", "--set", "intermediate_size=64",
+              "--set", "num_hidden_layers=2", "--set", "num_attention_heads=2",
+              "--set", "num_key_value_heads=1", "--set", "vocab_size=96"]
 
-        def step(*step_args, **step_kwargs):
-            clock[0] += 100.0 + len(done)
-            done.append(True)
-            return real_step(*step_args, **step_kwargs)
 
-        setup.train_step = step
-        return setup
+def test_fit_prints_the_configuration_and_its_planned_peak(capsys):
+    """A budget the step fits as it is: 32-bit state, no recomputation, and the planned peak
+    is the one ``memkern plan`` computes for the same patched model and ShardedOptimizer."""
+    from memkern.profile import plan_training_step
+    from memkern.profile.workloads import hf_config, hf_workload
 
-    monkeypatch.setattr(runner, "build", build)
-    cfg = GPTConfig(SIZES["tiny"].layers, SIZES["tiny"].width, SIZES["tiny"].heads, seq=16)
-    row = runner.run("torch-amp", cfg, stdlib_corpus(), steps=steps, batch=2,
-                     device=torch.device("cpu"), progress=False)
-    assert len(row.losses) == steps
-    assert (row.step_seconds_min, row.step_seconds_max) == (100.0 + timed[0], 100.0 + timed[-1])
-    assert row.step_seconds == pytest.approx(100.0 + sum(timed) / len(timed))
+    assert cli.main(["fit", *TINY_LLAMA, "--batch", "3", "--seq", "17", "--memory-budget",
+                     "1GiB", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "fits with: memkern.patch(model), 32-bit optimizer state"
+    assert out[3] == "  recomputes nothing beyond memkern's layers' defaults"
+    cfg = hf_config("llama", [s for s in TINY_LLAMA[2:] if s != "--set"])
+    plan = plan_training_step(hf_workload(cfg, batch=3, seq=17, patch={}, optimizer="sharded"),
+                              device="cpu")
+    assert out[2].startswith(f"  planned peak {plan.peak_bytes / 2**20:.1f} MiB of 1.00 GiB")
+
+
+def _fake_fit(peaks: dict[str, tuple[int, int]], calls: list):
+    """memkern.fit's stand-in: ``peaks[precision] = (peak with no recomputation, peak with
+    every block full)``; the recomputed FLOPs grow as the budget falls between the two."""
+    from memkern.profile.fit import FitReport, MemoryBudgetError
+
+    def fit(budget: int, **kwargs) -> FitReport:
+        key = kwargs.get("state_precision", "32bit")
+        calls.append((key, budget))
+        keep, full = peaks[key]
+        if budget < full:
+            raise MemoryBudgetError("no", full + 1)
+        flops = 0 if budget >= keep else int(1e9 * (keep - budget) / (keep - full))
+        return FitReport(budget, "cuda", {"layers.0": "keep"}, min(keep, budget), keep, flops,
+                         400e12, False, 5, 1.0, None)
+
+    return fit
+
+
+@pytest.mark.parametrize("budget,chosen,tried", [
+    (1000, "32-bit optimizer state", ["32bit"]),              # fits as it is: nothing else tried
+    (850, "8-bit optimizer state", ["32bit", "8bit"]),        # 8-bit recomputes less
+    (690, "32-bit optimizer state", ["32bit", "8bit"]),       # only 32-bit fits (full blocks)
+    (500, "optimizer offloaded to host memory", ["32bit", "8bit", "32bit"]),
+    (100, None, ["32bit", "8bit", "32bit"]),
+])
+def test_fit_chooses_the_cheapest_configuration_that_fits(budget, chosen, tried):
+    """32-bit: 900 bytes as it is, 680 with every block recomputed; 8-bit: 800 and 700 (a
+    model where 8-bit state saves less than recomputation can); offload spares 12 bytes per
+    parameter of 20 parameters: the 32-bit plan less 240."""
+    from memkern import fit_command
+
+    calls = []
+    candidates = fit_command.choose(_fake_fit({"32bit": (900, 680), "8bit": (800, 700)}, calls),
+                                    budget, 20)
+    assert [key for key, _ in calls] == tried
+    if len(tried) == 3:
+        assert calls[2][1] == budget + 240  # offload: planned with what it keeps off the device
+    best = candidates[0]
+    assert (best.name if best.fits else None) == chosen
+    if chosen and "offload" in chosen:
+        assert best.peak == min(900, budget + 240) - 240
+
+
+def test_fit_says_by_how_much_the_closest_configuration_misses(monkeypatch, capsys):
+    import memkern
+
+    budget = 300 << 20
+
+    def fit(model, batch, limit, **kwargs):  # 100 MiB short; offloaded (a larger limit): 300
+        raise memkern.MemoryBudgetError("no", limit + ((100 if limit == budget else 300) << 20))
+
+    monkeypatch.setattr(memkern, "fit", fit)
+    assert cli.main(["fit", *TINY_LLAMA, "--batch", "1", "--seq", "8", "--memory-budget",
+                     "300MiB"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("nothing fits 300.0 MiB: the closest, 32-bit optimizer state "
+                              "with every block recomputed whole, needs 400.0 MiB: 100.0 MiB "
+                              "(33%) more than the budget; lower --batch or --seq"), out

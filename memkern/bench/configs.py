@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import types
 from collections.abc import Callable
 
 import torch
@@ -115,15 +116,23 @@ def _activation_memory_budget(budget: float) -> contextlib.AbstractContextManage
     return functorch_config.patch(activation_memory_budget=budget)
 
 
+def _own_forward(model: GPT) -> Callable:
+    """``model.forward`` with a code object of its own. Dynamo keeps compiled graphs per code
+    object and its guards do not tell two GPTs apart, so compiling ``GPT.forward`` itself would
+    give every compiled configuration the graph the first one compiled, with that one's
+    settings (the memory budget); with its own code, each configuration compiles and keeps its
+    own graph while the others stay built beside it (the bench times them in rounds)."""
+    f = type(model).forward
+    own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__,
+                             f.__closure__)
+    return types.MethodType(own, model)
+
+
 def _compile_forward(model: GPT, memory_budget: float | None = None) -> None:
     """``torch.compile`` the model's forward (the module stays itself: its parameters, its
     state_dict keys and what the optimizers hold are unchanged); with ``memory_budget``, every
     compilation of it runs at that activation memory budget."""
-    # Each configuration compiles its own graph: dynamo would otherwise reuse one compiled for
-    # an earlier configuration (the same GPT.forward code; it does not guard on the module),
-    # with that configuration's settings (the memory budget).
-    torch.compiler.reset()
-    compiled = torch.compile(model.forward)
+    compiled = torch.compile(_own_forward(model))
     if memory_budget is None:
         model.forward = compiled
         return

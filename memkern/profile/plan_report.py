@@ -1,12 +1,19 @@
 """A :class:`~memkern.profile.plan.StepPlan` as a table, and as a stacked bar chart."""
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 
+from memkern.output import table, width
 from memkern.plot import stacked_bars
 from memkern.profile.plan import CATEGORIES, Moment, StepPlan
 
 MIB = 1 << 20
+SHORT = {"parameters": "params", "gradients": "grads", "master weights": "master",
+         "optimizer state": "opt state", "saved for backward": "saved",
+         "kept from forward": "kept", "transient": "temp"}
+"""The categories' column headers in the tables (:data:`LEGEND` spells them out)."""
+LEGEND = "; ".join(f"{short}: {cat}" for cat, short in SHORT.items())
 TOP = 6
 """Entries listed under each category of a moment, largest first."""
 SHOWN = MIB // 20
@@ -43,12 +50,16 @@ def format_plan(plan: StepPlan) -> str:
     second = plan.second
     if second is not None:
         lines += [""] + _moment_lines("second-highest moment", second)
-    head = f"{'phase':<10} {'peak MiB':>9} " + " ".join(f"{c[:11]:>11}" for c in CATEGORIES)
-    lines += ["", head, "-" * len(head)]
-    for phase, m in plan.phase_peaks.items():
-        lines.append(f"{phase:<10} {m.allocated / MIB:>9.1f} "
-                     + " ".join(f"{m.by_category[c] / MIB:>11.1f}" for c in CATEGORIES))
+    lines += ["", "each phase's peak, MiB", table(
+        ["phase", "peak", *(SHORT[c] for c in CATEGORIES)],
+        [[phase, f"{m.allocated / MIB:.1f}", *(f"{m.by_category[c] / MIB:.1f}" for c in CATEGORIES)]
+         for phase, m in plan.phase_peaks.items()]), legend()]
     return "\n".join(lines)
+
+
+def legend() -> str:
+    """:data:`LEGEND`, wrapped to the output's width."""
+    return textwrap.fill(LEGEND, width=min(width(), 100))
 
 
 COLORS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#64b5cd", "#8c8c8c")
