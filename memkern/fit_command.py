@@ -4,8 +4,8 @@ memory budget, planned on fake tensors (no device needed).
     memkern fit --hf llama --set hidden_size=2048 --set num_hidden_layers=16 \\
         --batch 4 --seq 2048 --memory-budget 11GiB
 
-The model (a transformers causal LM built from its config on the meta device: no weights are
-made) is patched with :func:`memkern.patch` and trained with
+The model (a transformers model for `--task`, a causal LM by default, built from its config on
+the meta device: no weights are made) is patched with :func:`memkern.patch` and trained with
 :class:`memkern.optim.ShardedOptimizer` (AdamW, bf16 parameters, float32 master weights). Its
 configurations, cheapest first:
 
@@ -29,6 +29,7 @@ import torch
 
 from memkern.profile.fit import FitReport, MemoryBudgetError, parse_bytes
 from memkern.profile.targets import TARGETS
+from memkern.profile.workloads import TASKS
 
 GIB = 1 << 30
 OFFLOADED_BYTES_PER_PARAM = 12
@@ -61,15 +62,20 @@ class Candidate:
 def add_arguments(parser: argparse.ArgumentParser, positive_int) -> None:
     """The ``memkern fit`` flags (``memkern.cli`` passes its whole-number parser, so every
     command reads them the same way)."""
-    from memkern.profile.plan_command import DTYPES
+    from memkern.plan_command import DTYPES
 
     parser.add_argument("--hf", metavar="MODEL", required=True,
-                        help="a transformers causal LM: a model type (llama, mistral, qwen2, "
-                        "gpt2, ...) or a config.json (or its directory); nothing is downloaded")
+                        help="a transformers model: a model type (llama, qwen2, gpt2, bert, "
+                        "xlm-roberta, vit, ...) or a config.json (or its directory); nothing "
+                        "is downloaded")
     parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
                         help="a config setting (repeatable), e.g. hidden_size=1024")
+    parser.add_argument("--task", choices=sorted(TASKS), default="causal-lm",
+                        help="what the model is trained for, which picks its transformers head "
+                        "and its labels (default: causal-lm)")
     parser.add_argument("--batch", type=positive_int, required=True, help="sequences per step")
-    parser.add_argument("--seq", type=positive_int, required=True, help="sequence length")
+    parser.add_argument("--seq", type=positive_int, required=True,
+                        help="sequence length (ignored for image-classification)")
     parser.add_argument("--memory-budget", metavar="BYTES", required=True, type=_budget,
                         help="the device memory the step must fit in, e.g. 11GiB or 2500MiB")
     parser.add_argument("--device", choices=sorted(TARGETS), default="cuda",
@@ -93,23 +99,21 @@ def _budget(text: str) -> int:
 
 
 def _model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
-    """The patched model on the meta device (no weights made) and an example batch."""
-    import transformers
-
+    """The patched model of ``args.task`` on the meta device (no weights made) and an example
+    batch of that task's inputs and labels (:func:`memkern.profile.workloads.task_batch`)."""
     import memkern
-    from memkern.profile.plan_command import DTYPES
-    from memkern.profile.workloads import hf_config
+    from memkern.plan_command import DTYPES
+    from memkern.profile.workloads import hf_config, model_class, task_batch
 
     cfg = hf_config(args.hf, args.set)
     limit = getattr(cfg, "max_position_embeddings", None)
-    if limit is not None and args.seq > limit:
+    if args.task != "image-classification" and limit is not None and args.seq > limit:
         raise ValueError(f"--seq {args.seq} is longer than the model's max_position_embeddings "
                          f"({limit}); set a larger one with --set max_position_embeddings=N")
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model = model_class(cfg, args.task)(cfg)
     model = memkern.patch(model.to(DTYPES[args.dtype]).train())
-    ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
-    return model, {"input_ids": ids, "labels": ids}
+    return model, task_batch(cfg, args.task, args.batch, args.seq)
 
 
 def choose(fit: Callable[..., FitReport], budget: int, num_params: int) -> list[Candidate]:
