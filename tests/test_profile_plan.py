@@ -55,6 +55,18 @@ def test_large_request_splits_only_above_1mib_remainder():
     assert a.allocated == a.peak_allocated == 44 * MIB
 
 
+def test_a_1mib_request_is_the_small_pools_largest_and_one_byte_more_is_large():
+    """The pools' boundary: kSmallSize (1 MiB) itself is small (``size <= kSmallSize``)."""
+    a = CudaCachingAllocator()
+    small = a.malloc(MIB)  # a 2 MiB small segment, split: 1 MiB left for the small pool
+    assert small.size == MIB and small.small and a.reserved == 2 * MIB
+    again = a.malloc(MIB)  # the remainder fits exactly: no second segment
+    assert again.size == MIB and a.reserved == 2 * MIB
+    large = a.malloc(MIB + 1)  # 1 MiB + 512 after rounding: a 20 MiB large segment, split
+    assert large.size == MIB + 512 and not large.small and a.reserved == 22 * MIB
+    assert a.allocated == a.peak_allocated == 3 * MIB + 512
+
+
 def test_best_fit_reuse_and_merge_on_free():
     a = CudaCachingAllocator()
     x, y, z = (a.malloc(n * MIB) for n in (4, 3, 5))  # one 20 MiB segment: 4 | 3 | 5 | 8 free
