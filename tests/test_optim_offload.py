@@ -258,6 +258,29 @@ def test_a_window_clipped_by_a_hair_redoes_its_early_steps(algorithm):
         assert_same_bits(results[1], results[2], "clipped vs unclipped")
 
 
+def test_an_lr_set_after_the_early_steps_is_the_one_the_step_uses():
+    """A learning rate set between the window's last backward (the early steps, with the old
+    one) and ``step()`` (a schedule that sets each step's lr just before it): the step is taken
+    with the new one, bit for bit as the serial step. Found by test_optim_contract_fuzz."""
+    runs = []
+    for overlapped in (True, False):
+        model = make_model(8)
+        opt = make_optimizer(model)
+        if not overlapped:
+            serial(opt)
+        train(model, opt, torch.float32, windows=2, poisoned=None)
+        for micro in range(ACCUMULATION):
+            x, y = batch(2, micro, torch.float32)
+            opt.backward(torch.nn.functional.mse_loss(model(x), y))
+        if overlapped:
+            opt._overlap._wait_jobs()
+            assert opt._overlap._speculated, "no bucket was stepped before step()"
+        opt.param_groups[0]["lr"] = 1e-2
+        assert opt.step()
+        runs.append(snapshot(model, opt))
+    assert_same_bits(runs[0], runs[1], "lr set after the early steps")
+
+
 def test_parameters_change_in_step_only():
     """After the window's last backward, with buckets already stepped on the host, the model's
     parameters are bit for bit those before the window; step() then gives the serial result."""

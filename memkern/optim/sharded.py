@@ -228,7 +228,8 @@ class ShardedOptimizer(FlatOptimizer):
         # offload="cpu" in one process: the host steps start during the window's last
         # backward pass (memkern.optim.offload).
         self._overlap = (OverlappedHostStep(self._segments, self._update_segment,
-                                            self._shards.host, torch.get_num_threads())
+                                            self._shards.host, torch.get_num_threads(),
+                                            self._segment_hyperparameters)
                          if offload == "cpu" and self.world_size == 1 else None)
         # A gradient that arrives outside backward() (a plain loss.backward(), accelerate's
         # backward) is neither scaled nor counted: step() refuses it instead of stepping wrong.
@@ -460,6 +461,11 @@ class ShardedOptimizer(FlatOptimizer):
     def _update_segment(self, seg: Segment, grad_multiplier: torch.Tensor | None,
                         found_inf: torch.Tensor | None) -> None:
         self.algorithm.update(seg, self.param_groups[seg.group], grad_multiplier, found_inf)
+
+    def _segment_hyperparameters(self, i: int) -> dict[str, Any]:
+        """What segment ``i``'s step reads of its param group: all but the parameters."""
+        group = self.param_groups[self._segments[i].group]
+        return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
     def _settle_host_steps(self) -> None:
         """Before the state is read or replaced: undoes offload's early steps of an open
