@@ -142,6 +142,36 @@ def test_plan_matches_a_transformers_step_on_the_cpu(patch):
     assert abs(planned / measured - 1) <= TOLERANCE, (planned / MIB, measured / MIB)
 
 
+def test_each_persistent_category_holds_its_own_bytes():
+    """A bf16 model under ShardedOptimizer's AdamW, every byte counted by hand: weights and
+    gradients in one flat buffer each, the float32 master, the two moments and the step
+    counter each in their own category (not only their sum)."""
+    import memkern as mk
+    from memkern.profile.plan import TrainingSetup
+
+    def setup():
+        model = torch.nn.Sequential(torch.nn.Linear(37, 29), torch.nn.Tanh(),
+                                    torch.nn.Linear(29, 3)).to(torch.bfloat16)
+        opt = mk.optim.ShardedOptimizer(model.parameters(), "adamw", lr=1e-3)
+        x = torch.randn(5, 37, dtype=torch.bfloat16)
+
+        def step():
+            opt.backward(model(x).float().square().mean())
+            opt.step()
+            opt.zero_grad()
+
+        return TrainingSetup(model, opt, step)
+
+    plan = plan_training_step(setup, device="cpu")
+    # each parameter in a slot of a multiple of 256 elements: 37*29, 29, 29*3, 3 elements
+    slots = 1280 + 256 + 256 + 256
+    expected = {"parameters": 2 * slots, "gradients": 2 * slots, "master weights": 4 * slots,
+                "optimizer state": 2 * 4 * slots + 4}
+    assert {k: plan.held[k] for k in expected} == expected
+    optimizer_phase = plan.phase_peaks["optimizer"].by_category
+    assert {k: optimizer_phase[k] for k in expected} == expected
+
+
 def test_peak_phases_and_second_moment():
     """The step's phases are all measured; the second-highest moment is another phase's peak,
     no higher than the peak; a GPU plan counts cuBLAS's two workspaces (main and backward
