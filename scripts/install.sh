@@ -43,8 +43,8 @@ fi
 
 "$python" -m pip install "setuptools>=64" wheel ninja numpy matplotlib
 if [ "$with_tests" = 1 ]; then
-  "$python" -m pip install "pytest>=8" pytest-xdist expecttest "triton>=3.4" "transformers>=5.23" \
-    "accelerate>=1.15"
+  "$python" -m pip install "pytest>=8" pytest-xdist expecttest "hypothesis>=6.100" "triton>=3.4" \
+    "transformers>=5.23" "accelerate>=1.15"
 fi
 if [ "${MEMKERN_BUILD_EXT:-1}" = 0 ]; then
   :
