@@ -304,6 +304,13 @@ class ShardedOptimizer(FlatOptimizer):
                 if overlap is not None:
                     self._shards.watch_units(None)
                     overlap.end()
+        if not window.grads_in_pass:
+            self._settle_host_steps()
+            raise RuntimeError(
+                f"{name}: no parameter of this optimizer received a gradient from loss, so "
+                "the micro-batch was not counted. Were the model's parameters replaced after "
+                "the optimizer was built (model.load_state_dict(..., assign=True), a new "
+                "model)? Build the optimizer on the parameters the loss is computed from")
         window.add_micro_batch(mode, self.world_size)
 
     def _begin_overlap(self, overlap: OverlappedHostStep, mode: str) -> None:
@@ -354,6 +361,7 @@ class ShardedOptimizer(FlatOptimizer):
             return False
         if window.micro_batches < self.accumulation_steps and not force:
             return False
+        self._check_params_as_built("memkern.ShardedOptimizer.step")
         self.grad_buffer.claim_grads()
         stepped = self._window_end()
         window.close()
