@@ -37,6 +37,20 @@ def assert_close_to_torch(ours, theirs):
                                    msg=lambda m: f"parameter {i}: {m}")
 
 
+def step_both(opt, ref, ours, theirs, loss_of) -> None:
+    """One window of one micro-batch on memkern's front end and on torch's AdamW; a parameter
+    the loss leaves without a gradient gets a zero one for torch (memkern steps it so)."""
+    opt.backward(loss_of(ours))
+    assert opt.step()
+    opt.zero_grad()
+    ref.zero_grad()
+    loss_of(theirs).backward()
+    for p in theirs:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    ref.step()
+
+
 OFFLOAD = [pytest.param({}, id="plain"),
            pytest.param(dict(offload="cpu", zero_stage=2, bucket_size_mb=1e-3),
                         id="offload-stage2")]
@@ -52,18 +66,8 @@ def test_a_parameter_without_a_gradient_in_a_window_is_stepped_with_zero(options
     opt, ref = sharded(ours, **options), torch_adamw(theirs)
     for window in range(3):
         x = torch.randn(3)
-        for params, step in ((ours, None), (theirs, ref)):
-            loss = (params[0] @ x).square().sum() + (params[1].sum() if window != 1 else 0)
-            if step is None:
-                opt.backward(loss)
-                assert opt.step()
-                opt.zero_grad()
-            else:
-                ref.zero_grad()
-                loss.backward()
-                if params[1].grad is None:
-                    params[1].grad = torch.zeros_like(params[1])
-                ref.step()
+        step_both(opt, ref, ours, theirs, lambda params: (params[0] @ x).square().sum()
+                  + (params[1].sum() if window != 1 else 0))
     assert_close_to_torch(ours, theirs)
 
 
@@ -103,16 +107,8 @@ def test_zero_element_parameters_train_beside_the_others(options):
     opt, ref = sharded(ours, **options), torch_adamw(theirs)
     for _ in range(3):
         xs = [torch.randn(s) for s in shapes]
-        for params in (ours, theirs):
-            loss = sum((p * x).sum() for p, x in zip(params, xs)) + params[3].square().sum()
-            if params is ours:
-                opt.backward(loss)
-                assert opt.step()
-                opt.zero_grad()
-            else:
-                ref.zero_grad()
-                loss.backward()
-                ref.step()
+        step_both(opt, ref, ours, theirs, lambda params: params[3].square().sum()
+                  + sum((p * x).sum() for p, x in zip(params, xs)))
     assert_close_to_torch(ours, theirs)
     state = opt.state_dict()
     assert state["state"][1]["exp_avg"].shape == (0,)
@@ -136,16 +132,8 @@ def test_non_contiguous_parameters_train_like_torch():
     opt, ref = sharded(ours), torch_adamw(theirs)
     for _ in range(3):
         xs = [torch.randn(5, 3), torch.randn(3, 4)]
-        for params in (ours, theirs):
-            loss = (params[0] @ xs[0]).square().sum() + (xs[1] @ params[1]).square().sum()
-            if params is ours:
-                opt.backward(loss)
-                assert opt.step()
-                opt.zero_grad()
-            else:
-                ref.zero_grad()
-                loss.backward()
-                ref.step()
+        step_both(opt, ref, ours, theirs, lambda params: (params[0] @ xs[0]).square().sum()
+                  + (xs[1] @ params[1]).square().sum())
     assert_close_to_torch(ours, theirs)
 
 
