@@ -44,8 +44,9 @@ fi
 "$python" -m pip install "setuptools>=64" wheel ninja numpy matplotlib "rich>=13"
 if [ "$with_tests" = 1 ]; then
   # the installed torch is named with the test packages so that none of them replaces it
-  "$python" -m pip install "pytest>=8" pytest-xdist expecttest "triton>=3.4" "transformers>=5.23" \
-    "accelerate>=1.15" "diffusers>=0.42,<0.43" "torch==$("$python" -c 'import torch; print(torch.__version__)')"
+  "$python" -m pip install "pytest>=8" pytest-xdist expecttest "hypothesis>=6.100" "triton>=3.4" \
+    "transformers>=5.23" "accelerate>=1.15" "diffusers>=0.42,<0.43" \
+    "torch==$("$python" -c 'import torch; print(torch.__version__)')"
 fi
 if [ "${MEMKERN_BUILD_EXT:-1}" = 0 ]; then
   :

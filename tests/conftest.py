@@ -7,11 +7,22 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import memkern  # noqa: E402  (after TRITON_INTERPRET)
+
+# Property-based tests (hypothesis): CI runs a few examples per test ("ci"); a long local run
+# is MEMKERN_FUZZ_PROFILE=long (or pytest's --hypothesis-profile=long). No example database:
+# every run draws fresh examples, and a failure prints the call that reproduces it.
+settings.register_profile(
+    "ci", max_examples=150, deadline=None, database=None, print_blob=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                           HealthCheck.data_too_large])
+settings.register_profile("long", settings.get_profile("ci"), max_examples=3000)
+settings.load_profile(os.environ.get("MEMKERN_FUZZ_PROFILE", "ci"))
 
 
 def pytest_report_header(config):

@@ -49,6 +49,8 @@ def test_the_documentation_has_python_blocks_to_run():
 @pytest.mark.parametrize("code", [code for _, code in PYTHON_BLOCKS],
                          ids=[where for where, _ in PYTHON_BLOCKS])
 def test_documentation_python_block_runs_as_written(tmp_path, code):
+    # an exit code of 0 proves only that nothing raised: a block checks what it computes
+    assert re.search(r"^\s*assert ", code, re.M), "the block asserts nothing it computes"
     for package in ("transformers", "accelerate"):
         if re.search(rf"^\s*(from|import) {package}\b", code, re.M):
             pytest.importorskip(package)

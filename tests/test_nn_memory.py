@@ -160,6 +160,9 @@ def lce_inputs():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not mk.compiled.has_cpu, reason=(
+    "the 10% bound is the compiled kernels': the reference backend (no extension) keeps a few "
+    "float32 temporaries of each [chunk, V] block, about half the logits' bytes at this size"))
 def test_linear_cross_entropy_peak_memory_at_most_10_percent(lce_inputs):
     x, w, t = lce_inputs
     peaks = {}

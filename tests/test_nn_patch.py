@@ -183,6 +183,24 @@ def test_patch_swaps_the_expected_layers():
     assert isinstance(blk.attn, nn.Linear)  # isinstance checks still hold
 
 
+class ScaledLinear(nn.Linear):
+    """A subclass of nn.Linear with a forward of its own (as LoRA-style layers have)."""
+
+    def forward(self, x):
+        return 2.0 * super().forward(x) + 1.0
+
+
+def test_patch_leaves_a_linear_subclass_with_its_own_forward_alone():
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledLinear(7, 5), nn.ReLU(), nn.Linear(5, 3))  # not an MLP block
+    x = torch.randn(4, 7)
+    expected = model(x)
+    mk.patch(model)
+    assert type(model[0]) is ScaledLinear and type(model) is nn.Sequential
+    assert type(model[2]) is mk.nn.Linear
+    assert torch.equal(model(x), expected)
+
+
 def test_patch_is_idempotent_and_respects_flags():
     model, _ = _plain(TinyGPT)(0.1)
     mk.patch(model, linear=False, mlp=False)

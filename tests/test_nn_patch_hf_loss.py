@@ -154,6 +154,17 @@ def test_without_labels_or_in_eval_the_model_is_unchanged(family):
     assert torch.equal(model.generate(ids[:1, :5], **gen), ref.generate(ids[:1, :5], **gen))
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_labels_none_in_train_mode_returns_the_unpatched_logits(family):
+    """``labels=None`` passed explicitly (as data collators and generation loops do), in
+    training mode: no fused loss, the logits of the unpatched model bit for bit."""
+    model, ref = _pair(family, linear=False, norm=False, mlp=False, dropout=False)
+    ids, _ = _batch()
+    out, want = model(input_ids=ids, labels=None), ref(input_ids=ids, labels=None)
+    assert model.training and out.loss is None and want.loss is None
+    assert torch.equal(out.logits, want.logits)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_state_dict_parameters_and_tying_unchanged(family):
     torch.manual_seed(0)

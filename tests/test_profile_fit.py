@@ -19,7 +19,7 @@ import memkern as mk
 from memkern.bench.configs import build
 from memkern.bench.model import SIZES, GPTConfig
 from memkern.profile import allocation_stats, memory_breakdown
-from memkern.profile.fit import DEFAULT_MARGIN, LEVELS, parse_bytes
+from memkern.profile.fit import DEFAULT_MARGIN, LEVELS, parse_bytes, repeated_blocks
 
 MIB = 1 << 20
 
@@ -105,6 +105,25 @@ def test_fit_across_budgets(make):
             assert report.extra_flops <= previous[1]
         previous = (order, report.extra_flops)
     assert previous[0] == [0] * len(previous[0])  # the roomiest budget: nothing recomputed
+
+
+def test_a_budget_just_above_the_baseline_keeps_the_margin():
+    """A budget 1% above the planned peak without recomputation: that peak is not within
+    ``budget * (1 - margin)``, so the fit must recompute something and plan under it."""
+    base = SIZES["tiny"]
+    cfg = GPTConfig(base.layers, base.width, base.heads, seq=63, vocab=base.vocab)
+    model = build("memkern-full", cfg, torch.device("cpu"), seed=0,
+                  param_dtype=torch.float32).model
+    batch = torch.randint(0, cfg.vocab, (5, 63))
+    first_block = [repeated_blocks(model)[0][1]]  # one block: fewer steps to plan
+    kwargs = dict(loss=lambda m, b: m(*b), optimizer=_optimizer, device="cpu",
+                  blocks=first_block, throughput=1e12, apply=False)
+    baseline = mk.fit(model, (batch, batch), 1 << 40, **kwargs).baseline_peak
+    budget = int(baseline * 1.01)
+    report = mk.fit(model, (batch, batch), budget, **kwargs)
+    assert report.baseline_peak == baseline
+    assert report.planned_peak <= budget * (1 - DEFAULT_MARGIN), str(report)
+    assert set(report.choices.values()) != {"keep"}, str(report)
 
 
 def test_parse_bytes():

@@ -56,6 +56,18 @@ def test_large_request_splits_only_above_1mib_remainder():
     assert a.allocated == a.peak_allocated == 44 * MIB
 
 
+def test_a_1mib_request_is_the_small_pools_largest_and_one_byte_more_is_large():
+    """The pools' boundary: kSmallSize (1 MiB) itself is small (``size <= kSmallSize``)."""
+    a = CudaCachingAllocator()
+    small = a.malloc(MIB)  # a 2 MiB small segment, split: 1 MiB left for the small pool
+    assert small.size == MIB and small.small and a.reserved == 2 * MIB
+    again = a.malloc(MIB)  # the remainder fits exactly: no second segment
+    assert again.size == MIB and a.reserved == 2 * MIB
+    large = a.malloc(MIB + 1)  # 1 MiB + 512 after rounding: a 20 MiB large segment, split
+    assert large.size == MIB + 512 and not large.small and a.reserved == 22 * MIB
+    assert a.allocated == a.peak_allocated == 3 * MIB + 512
+
+
 def test_best_fit_reuse_and_merge_on_free():
     a = CudaCachingAllocator()
     x, y, z = (a.malloc(n * MIB) for n in (4, 3, 5))  # one 20 MiB segment: 4 | 3 | 5 | 8 free
@@ -129,6 +141,36 @@ def test_plan_matches_a_transformers_step_on_the_cpu(patch):
         if v.device.type == "cpu" and v.dim())
     measured = held + allocation_stats(step).peak
     assert abs(planned / measured - 1) <= TOLERANCE, (planned / MIB, measured / MIB)
+
+
+def test_each_persistent_category_holds_its_own_bytes():
+    """A bf16 model under ShardedOptimizer's AdamW, every byte counted by hand: weights and
+    gradients in one flat buffer each, the float32 master, the two moments and the step
+    counter each in their own category (not only their sum)."""
+    import memkern as mk
+    from memkern.profile.plan import TrainingSetup
+
+    def setup():
+        model = torch.nn.Sequential(torch.nn.Linear(37, 29), torch.nn.Tanh(),
+                                    torch.nn.Linear(29, 3)).to(torch.bfloat16)
+        opt = mk.optim.ShardedOptimizer(model.parameters(), "adamw", lr=1e-3)
+        x = torch.randn(5, 37, dtype=torch.bfloat16)
+
+        def step():
+            opt.backward(model(x).float().square().mean())
+            opt.step()
+            opt.zero_grad()
+
+        return TrainingSetup(model, opt, step)
+
+    plan = plan_training_step(setup, device="cpu")
+    # each parameter in a slot of a multiple of 256 elements: 37*29, 29, 29*3, 3 elements
+    slots = 1280 + 256 + 256 + 256
+    expected = {"parameters": 2 * slots, "gradients": 2 * slots, "master weights": 4 * slots,
+                "optimizer state": 2 * 4 * slots + 4}
+    assert {k: plan.held[k] for k in expected} == expected
+    optimizer_phase = plan.phase_peaks["optimizer"].by_category
+    assert {k: optimizer_phase[k] for k in expected} == expected
 
 
 def test_peak_phases_and_second_moment():

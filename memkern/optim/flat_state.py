@@ -238,6 +238,8 @@ class FlatOptimizer(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         if self.grad_buffer is not None:
             self.grad_buffer.flat_params()
+            # Where each parameter's weights live in the flat layout: checked at every step.
+            self._weight_ptrs = [p.data_ptr() for p in self.grad_buffer.params]
         self._segments: list[Segment] = self._make_segments()
         self._state_ready = False
 
@@ -279,6 +281,25 @@ class FlatOptimizer(torch.optim.Optimizer):
                                         [p for p, _ in run], [o - start for _, o in run],
                                         quantized=quantized))
         return segments
+
+    def _check_params_as_built(self, where: str) -> None:
+        """A RuntimeError when a parameter stopped requiring grad or its storage was replaced
+        since construction: the step would move a frozen parameter (weight decay, momentum),
+        or update a flat buffer the model no longer reads."""
+        for i, (p, ptr) in enumerate(zip(self.grad_buffer.params, self._weight_ptrs)):
+            what = f"a parameter of shape {tuple(p.shape)} ({p.dtype}, number {i} in the flat layout)"
+            if not p.requires_grad:
+                raise RuntimeError(
+                    f"{where}: {what} no longer requires grad; memkern steps every parameter it "
+                    "was built with (a frozen one would still move by weight decay and "
+                    "momentum), so no step was taken. Build the optimizer with the trainable "
+                    "parameters only, or set the param group's lr and weight_decay to 0")
+            if p.data_ptr() != ptr:
+                raise RuntimeError(
+                    f"{where}: the storage of {what} was replaced after the optimizer was built "
+                    "(model.to(), .cuda(), .half(), p.data = ...): the optimizer updates the "
+                    "flat buffer the model no longer reads, so no step was taken. Move or cast "
+                    "the model before building the optimizer")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_segments", None) is not None:
@@ -373,6 +394,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         if self._mesh is None:
+            self._check_params_as_built(f"memkern.{type(self).__name__}.step")
             self.grad_buffer.claim_grads()
             self._apply_update(grad_multiplier, found_inf)
         else:

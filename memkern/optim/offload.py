@@ -40,7 +40,8 @@ moments or 8-bit codes and absmax, step counter) is kept. At ``step()``:
   and its host weights rewritten from the restored master; the model's weights were never
   touched;
 - the window was clipped: each stepped bucket gets its state back and is stepped again with
-  the clipped multiplier.
+  the clipped multiplier. So is a bucket whose param group's hyper-parameters (the learning
+  rate, ...) were changed after its early step: the step uses those of ``step()``'s time.
 
 Buckets whose gradients arrive after the verdict (the last ones) are stepped once, exactly,
 with no copy. After a clipped window the next window does not speculate (clipping tends to
@@ -65,6 +66,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -193,6 +195,8 @@ class OverlappedHostStep:
         update: the kernel call of one segment.
         host: the copies between the model and the host.
         num_threads: the intra-op threads of each step (the process's).
+        hyperparameters: ``hyperparameters(i)``, the current hyper-parameters of segment
+            ``i``'s param group (what its step reads besides the state and gradients).
 
     The calls, per window: :meth:`begin` before the last backward, :meth:`segment_ready` for
     each segment whose gradients are final (any thread: the autograd engine's), :meth:`end`
@@ -201,8 +205,9 @@ class OverlappedHostStep:
     """
 
     def __init__(self, segments: list[Segment], update: Update, host: HostOffload,
-                 num_threads: int) -> None:
+                 num_threads: int, hyperparameters: Callable[[int], dict[str, Any]]) -> None:
         self.segments, self.update, self.host = segments, update, host
+        self.hyperparameters = hyperparameters
         self._backups: list[dict[str, torch.Tensor] | None] = [None] * len(segments)
         # One thread runs the host steps in the order their gradients arrived; each step's
         # kernel runs on the intra-op threads (with OpenMP the thread's own team, whose size
@@ -226,6 +231,7 @@ class OverlappedHostStep:
         self._jobs: dict[int, Future] = {}
         self._arrived: dict[int, torch.cuda.Event | None] = {}
         self._speculated: set[int] = set()
+        self._used: dict[int, dict[str, Any]] = {}  # the hyper-parameters of each early step
         self._verdict: tuple[torch.Tensor, torch.Tensor] | None = None
         self._spec_ready = self.host.fetch(self._spec, unclipped_multiplier.reshape(1))
 
@@ -261,13 +267,16 @@ class OverlappedHostStep:
             self._verdict = (multiplier, skip)
             speculated = sorted(self._speculated)
         # The steps done so far go up first: their uploads overlap the steps still to run.
+        kept = set()
         if not skipped and unclipped:
             for i in speculated:
                 self._jobs.pop(i).result()
-                self.host.push_weights(i)
+                if self._used[i] == self.hyperparameters(i):  # e.g. no lr set since
+                    kept.add(i)
+                    self.host.push_weights(i)
         self._wait_jobs()
         for i in range(len(self.segments)):
-            if i in self._speculated and (skipped or not unclipped):
+            if i in self._speculated and i not in kept:
                 self._restore(i)
                 if not skipped:
                     self._step(i, multiplier)
@@ -307,6 +316,7 @@ class OverlappedHostStep:
             return
         self.host.wait(self._spec_ready)
         self._backup(i)
+        self._used[i] = self.hyperparameters(i)
         self._step(i, self._spec)
 
     def _exact(self, i: int) -> None:

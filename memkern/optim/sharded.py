@@ -246,7 +246,8 @@ class ShardedOptimizer(FlatOptimizer):
         # offload="cpu" in one process: the host steps start during the window's last
         # backward pass (memkern.optim.offload).
         self._overlap = (OverlappedHostStep(self._segments, self._update_segment,
-                                            self._shards.host, torch.get_num_threads())
+                                            self._shards.host, torch.get_num_threads(),
+                                            self._segment_hyperparameters)
                          if offload == "cpu" and self.world_size == 1 else None)
         # A gradient that arrives outside backward() (a plain loss.backward(), accelerate's
         # backward) is neither scaled nor counted: step() refuses it instead of stepping wrong.
@@ -321,6 +322,13 @@ class ShardedOptimizer(FlatOptimizer):
                 if overlap is not None:
                     self._shards.watch_units(None)
                     overlap.end()
+        if not window.grads_in_pass:
+            self._settle_host_steps()
+            raise RuntimeError(
+                f"{name}: no parameter of this optimizer received a gradient from loss, so "
+                "the micro-batch was not counted. Were the model's parameters replaced after "
+                "the optimizer was built (model.load_state_dict(..., assign=True), a new "
+                "model)? Build the optimizer on the parameters the loss is computed from")
         window.add_micro_batch(mode, self.world_size)
 
     def _begin_overlap(self, overlap: OverlappedHostStep, mode: str) -> None:
@@ -371,6 +379,7 @@ class ShardedOptimizer(FlatOptimizer):
             return False
         if window.micro_batches < self.accumulation_steps and not force:
             return False
+        self._check_params_as_built("memkern.ShardedOptimizer.step")
         self.grad_buffer.claim_grads()
         stepped = self._window_end()
         window.close()
@@ -478,6 +487,11 @@ class ShardedOptimizer(FlatOptimizer):
     def _update_segment(self, seg: Segment, grad_multiplier: torch.Tensor | None,
                         found_inf: torch.Tensor | None) -> None:
         self.algorithm.update(seg, self.param_groups[seg.group], grad_multiplier, found_inf)
+
+    def _segment_hyperparameters(self, i: int) -> dict[str, Any]:
+        """What segment ``i``'s step reads of its param group: all but the parameters."""
+        group = self.param_groups[self._segments[i].group]
+        return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
     def _settle_host_steps(self) -> None:
         """Before the state is read or replaced: undoes offload's early steps of an open

@@ -32,6 +32,7 @@ class AccumulationWindow:
             gradients' device (exact counts up to 2**53).
         dirty: the buffer holds gradients that ``zero_grad()`` has not cleared.
         stray: a gradient arrived outside ``backward()``.
+        grads_in_pass: parameters that received a gradient in the last ``backward()`` pass.
     """
 
     def __init__(self, device: torch.device, accumulation_steps: int) -> None:
@@ -42,6 +43,7 @@ class AccumulationWindow:
         self.dirty = False
         self.stray = False
         self._in_backward = False
+        self.grads_in_pass = 0
         self._warned_unzeroed = False
         self._checked_batch_norm = accumulation_steps == 1
         self._accumulation_steps = accumulation_steps
@@ -123,6 +125,7 @@ class AccumulationWindow:
     def backward_pass(self):
         """Gradients that arrive within it come from ``backward()`` (:meth:`note_grad`)."""
         self._in_backward = True
+        self.grads_in_pass = 0
         try:
             yield
         finally:
@@ -131,7 +134,9 @@ class AccumulationWindow:
     def note_grad(self, p: torch.Tensor) -> None:
         """Post-accumulate hook of every parameter: a gradient outside a backward pass of
         the optimizer is stray."""
-        if not self._in_backward:
+        if self._in_backward:
+            self.grads_in_pass += 1
+        else:
             self.stray = True
 
     def add_micro_batch(self, mode: str, world_size: int) -> None:
