@@ -20,7 +20,8 @@ SHORT = ["--size", "tiny", "--steps", "4", "--batch", "4", "--seq", "64", "--qui
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    # the width of a log file (memkern.output.LOG_WIDTH), whatever COLUMNS the test run has
+    env = dict(os.environ, PYTHONWARNINGS="ignore", COLUMNS="120")
     return subprocess.run([sys.executable, "-m", "memkern.cli", *args], capture_output=True,
                           text=True, env=env, timeout=600)
 
@@ -464,7 +465,7 @@ def _plan(value: int):
 def test_plan_tables_headers_stay_apart_and_whole_at_every_width(columns):
     """memkern plan's tables (the summary and each plan's phase table), with 5-digit MiB and
     a long plan name, fit the width with every header whole in its own column."""
-    from memkern.profile import plan_command
+    from memkern import plan_command
     from memkern.profile.plan_report import SHORT, format_plan
 
     plans = [("patch:recompute=full", _plan(12345 << 20)), ("plain", _plan(7 << 20))]

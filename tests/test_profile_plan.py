@@ -89,8 +89,8 @@ def test_best_fit_reuse_and_merge_on_free():
 def _bench_peak(config: str, size: str, batch: int, seq: int) -> int:
     base = SIZES[size]
     cfg = GPTConfig(base.layers, base.width, base.heads, seq=seq, vocab=base.vocab)
-    row = run(config, cfg, stdlib_corpus(), steps=3, batch=batch, device=torch.device("cpu"),
-              progress=False)
+    [row] = run([config], cfg, stdlib_corpus(), steps=3, batch=batch, device=torch.device("cpu"),
+                progress=False)
     return row.peak_bytes
 
 

@@ -189,6 +189,9 @@ def run(names: Sequence[str], cfg: GPTConfig, corpus: torch.Tensor, *, steps: in
     the order rotated, so that load from other processes falls on all of them alike. A row's
     ``step_times`` are its times round by round; its step time is their median.
     """
+    if isinstance(names, str):
+        raise TypeError(f"names must be a sequence of configuration names, got the string "
+                        f"{names!r}: pass [{names!r}]")
     untimed = untimed_steps(steps)
     trials: list[Trial] = []
     with output.progress(progress) as bars:
