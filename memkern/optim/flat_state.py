@@ -50,6 +50,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch.distributed.tensor import DeviceMesh
 
+from memkern import _fake
 from memkern.ops import adamw8bit
 from memkern.optim import dtensor_params
 from memkern.optim.grad_buffer import GradBuffer, aligned, check_params
@@ -76,6 +77,12 @@ def wants_8bit_state(algorithm: str, p: torch.Tensor, group: dict[str, Any]) -> 
     precision = check_state_precision(algorithm, group.get("state_precision", "32bit"),
                                       "a param group's ")
     return precision == "8bit" and p.numel() >= MIN_8BIT_NUMEL
+
+
+def _weight_address(p: torch.Tensor) -> int | None:
+    """Where ``p``'s weights live (its data pointer); None for a fake or meta tensor, which has
+    no storage to compare (the planner's optimizers: their parameters are never replaced)."""
+    return None if _fake.is_fake(p) else p.data_ptr()
 
 
 @dataclasses.dataclass(eq=False)
@@ -239,7 +246,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         if self.grad_buffer is not None:
             self.grad_buffer.flat_params()
             # Where each parameter's weights live in the flat layout: checked at every step.
-            self._weight_ptrs = [p.data_ptr() for p in self.grad_buffer.params]
+            self._weight_ptrs = [_weight_address(p) for p in self.grad_buffer.params]
         self._segments: list[Segment] = self._make_segments()
         self._state_ready = False
 
@@ -294,7 +301,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                     "was built with (a frozen one would still move by weight decay and "
                     "momentum), so no step was taken. Build the optimizer with the trainable "
                     "parameters only, or set the param group's lr and weight_decay to 0")
-            if p.data_ptr() != ptr:
+            if _weight_address(p) != ptr:
                 raise RuntimeError(
                     f"{where}: the storage of {what} was replaced after the optimizer was built "
                     "(model.to(), .cuda(), .half(), p.data = ...): the optimizer updates the "
