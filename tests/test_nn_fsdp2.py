@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import memkern as mk
 import multiprocess
-from compare import rel_err
+from compare import params_rel_err, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -144,13 +144,16 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("family, layout", CASES, ids=[f"{f}-{l}" for f, l in CASES])
 def test_gradients_equal_the_plain_model(runs, family, layout):
     bf16 = "mp_policy" in LAYOUTS[layout][1]
-    tol = 3e-2 if bf16 else 1e-6
+    # float32: a bias's gradient sums every token's in another order here (each rank's half,
+    # then FSDP2's reduce-scatter) and cancels: 1.37e-6 norm-wise seen on some seeds
+    tol = 3e-2 if bf16 else 5e-6
     for rank, result in enumerate(runs):
         r = result[family, layout]
         assert r["fused"]
         assert r["got"].keys() == r["expected"].keys()
         for name, expected in r["expected"].items():
-            err = rel_err(r["got"][name], expected)
+            # norm-wise (compare.params_rel_err says why)
+            err = params_rel_err([r["got"][name]], [expected])
             assert err <= tol, (rank, name, err)
 
 
