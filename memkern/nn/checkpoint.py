@@ -214,6 +214,12 @@ def _full_forward(forward, args, kwargs):
     return tcp.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
+def recompute_in_backward(fn, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, keeping only its tensor arguments for backward: the call runs
+    again in backward (policy "full" for one function call; random ops see the same numbers)."""
+    return _full_forward(fn, args, kwargs)
+
+
 def _selective_forward(forward, args, kwargs):
     if reporting():
         note_saved(*(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)))

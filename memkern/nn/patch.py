@@ -15,6 +15,10 @@ What is swapped (each family can be turned off by its keyword):
   ``FeedForward`` with a GELU projection (DiT); the post-LN MLP that BERT-family layers split
   in two modules (:mod:`memkern.nn.split_mlp`); and Llama style ``down(silu(gate(x)) * up(x))``
   (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``).
+* ``attention``: a ``transformers`` model whose attention implementation is SDPA runs it with
+  its ``[batch, heads, tokens, tokens]`` probabilities recomputed in backward wherever SDPA
+  would keep them (its math kernel: on the CPU, attention dropout on), the dropout mask
+  replayed (:mod:`memkern.nn.hf_attention`).
 * ``loss``: a ``transformers`` causal LM whose forward computes its loss from ``lm_head``
   through ``self.loss_function`` trains through memkern's fused linear cross-entropy whenever
   it is in training mode and ``labels`` are given: no ``[tokens, vocab]`` logits, and the
@@ -41,6 +45,7 @@ import torch
 from torch import nn
 
 from memkern.nn import dropout as _dropout_mod
+from memkern.nn import hf_attention as _hf_attention
 from memkern.nn import linear as _linear_mod
 from memkern.nn import norm as _norm_mod
 from memkern.nn import split_mlp as _split_mlp
@@ -379,10 +384,12 @@ def _split_mlp_config(layer: nn.Module, recompute: str):
 
 
 def patch(model: nn.Module, *, linear: bool = True, norm: bool = True, mlp: bool = True,
-          dropout: bool = True, loss: bool = True, recompute: str = "activation",
-          verbose: bool = False) -> nn.Module:
+          dropout: bool = True, attention: bool = True, loss: bool = True,
+          recompute: str = "activation", verbose: bool = False) -> nn.Module:
     """Swap ``model``'s layers for memkern ones in place (see the module docstring); returns
-    ``model``. ``loss``: fuse a ``transformers`` causal LM's output layer and training loss.
+    ``model``. ``attention``: recompute a ``transformers`` model's SDPA attention probabilities
+    in backward. ``loss``: fuse a ``transformers`` causal or masked LM's output layer and
+    training loss.
     ``recompute`` is the policy of the swapped MLP blocks ("none" | "activation" | "full")."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"memkern.patch: model must be an nn.Module, got {type(model).__name__}")
@@ -434,6 +441,14 @@ def patch(model: nn.Module, *, linear: bool = True, norm: bool = True, mlp: bool
                 _swap(m, _patched_class(t, "llama_mlp"), name, report)
             else:
                 report.skipped.append((name, f"{t.__name__}: not a silu gate/up/down MLP"))
+    if attention and hasattr(getattr(model, "config", None), "_attn_implementation"):
+        before = model.config._attn_implementation
+        why = _hf_attention.install(model)
+        if why is not None:
+            report.skipped.append(("", f"attention not recomputed: {why}"))
+        elif before != _hf_attention.NAME:
+            report.swapped.append(("", f"attention implementation {before!r}",
+                                   f"{_hf_attention.NAME!r} (memkern.nn.hf_attention)"))
     fused = (fuse_masked_lm_loss(model) or fuse_causal_lm_loss(model)) if loss else None
     if isinstance(fused, tuple):
         report.swapped.append(fused)
