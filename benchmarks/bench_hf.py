@@ -12,7 +12,9 @@ step:
   (it needs a GPU) and supports the family; it patches transformers' classes for the whole
   process, so it runs in a subprocess of its own;
 * ``memkern``: ``memkern.patch(model)`` (fused loss, RMSNorm/LayerNorm, MLPs with
-  ``recompute="activation"``); ``memkern-full``: ``memkern.patch(model, recompute="full")``.
+  ``recompute="activation"``, attention probabilities recomputed); ``memkern-full``:
+  ``memkern.patch(model, recompute="full")``; ``memkern-sdpa`` (encoders):
+  ``memkern.patch(model, attention=False)``.
 
 Peak of a training step: the bytes the training state holds before the step (parameters,
 optimizer state) plus the step's peak allocation above that (CPU: the profiler's allocation
@@ -156,7 +158,10 @@ def loss_of(model, batch: dict) -> torch.Tensor:
     return out.loss if getattr(out, "loss", None) is not None else out.sample.float().pow(2).mean()
 
 
-PATCHES = {"plain": None, "memkern": {}, "memkern-full": {"recompute": "full"}}
+PATCHES = {"plain": None, "memkern": {}, "memkern-full": {"recompute": "full"},
+           "memkern-sdpa": {"attention": False}}
+"""memkern-sdpa (encoders only): ``patch(model, attention=False)``, the attention probabilities
+kept as SDPA keeps them: memkern / memkern-sdpa is what recomputing them costs and saves."""
 
 
 def planned_peak(family: str, name: str, size: dict, device: torch.device) -> float:
@@ -326,7 +331,8 @@ def main(argv=None) -> None:
     results = {"device": str(device), "size": size_name, "shape": size, "families": {}}
     for family in families:
         print(f"--- {family}", flush=True)
-        fam = measure(family, ["plain", "memkern", "memkern-full"], size, device, args.reps)
+        names = ["plain", "memkern", "memkern-full"] + (["memkern-sdpa"] if family in ENCODERS else [])
+        fam = measure(family, names, size, device, args.reps)
         why = liger_available(family)
         if why is None:
             cmd = [sys.executable, os.path.abspath(__file__), "--device", args.device, "--size",

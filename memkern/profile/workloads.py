@@ -15,7 +15,7 @@ import torch
 from memkern import _fake
 from memkern.profile.plan import TrainingSetup, on_host
 
-PATCH_OPTIONS = ("linear", "norm", "mlp", "dropout", "loss")
+PATCH_OPTIONS = ("linear", "norm", "mlp", "dropout", "attention", "loss")
 """The on/off families of :func:`memkern.patch` (see ``memkern.nn.patch``)."""
 SHARDINGS = ("zero1", "zero2", "fsdp2")
 """How :func:`hf_workload` shards across the ranks of the default process group."""
