@@ -141,3 +141,11 @@ def test_patched_model_unpickles_in_a_new_process_with_its_attention(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [hf_attention.NAME, "3"]
+
+
+def test_a_gpu_step_planned_on_the_cpu_keeps_sdpa_as_a_gpu_runs_it():
+    """A GPU's SDPA applies dropout in its fused kernels: a plan for one must not recompute."""
+    q = torch.randn(2, 3, 9, 5, requires_grad=True)
+    assert hf_attention._sdpa_keeps_probabilities(q, q, q, None, 0.1, False, None)
+    with mk.backend.planning_for("cuda"):
+        assert not hf_attention._sdpa_keeps_probabilities(q, q, q, None, 0.1, False, None)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from memkern import backend
 from memkern.nn.checkpoint import recompute_in_backward
 
 NAME = "memkern_sdpa"
@@ -41,7 +42,11 @@ def _sdpa_keeps_probabilities(query: torch.Tensor, key: torch.Tensor, value: tor
     """Whether SDPA would run its math kernel on these inputs (the one that keeps the
     ``[b, h, t, t]`` probabilities for backward). ``torch._fused_sdp_choice`` is torch's own
     kernel choice; it is private, hence read here only, and an error in it counts as "math"
-    whenever dropout is on (the fused CPU kernel has no dropout)."""
+    whenever dropout is on (the fused CPU kernel has no dropout). A GPU step planned on the
+    CPU (:mod:`memkern.profile.plan`) is answered as on the GPU, whose fused kernels apply
+    dropout: not the math kernel."""
+    if backend.device_type(query.device) == "cuda" and not query.is_cuda:
+        return False
     try:
         choice = torch._fused_sdp_choice(query, key, value, mask, dropout, is_causal, scale=scale,
                                          enable_gqa=query.shape[1] != key.shape[1])
