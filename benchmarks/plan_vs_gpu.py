@@ -104,7 +104,7 @@ def cpu_rows() -> list[dict]:
             plan = plan_training_step(bench_workload(config, size, batch=batch, seq=seq),
                                       device="cpu")
             planned = sum(plan.held.values()) + plan.step_peak_above_start
-            row = run(config, cfg, stdlib_corpus(), steps=3, batch=batch,
+            row, = run([config], cfg, stdlib_corpus(), steps=3, batch=batch,
                       device=torch.device("cpu"), progress=False)
             rows.append(dict(model=f"GPT {size} b{batch}x{seq}", config=config,
                              measured_mib=row.peak_bytes / MIB, planned_mib=planned / MIB,

@@ -44,6 +44,8 @@ void add_constants(py::module_& m) {
   m.attr("STATE8BIT_QBLOCK") = math::kQBlock;
   m.attr("STATE8BIT_SIGNED_CODES") = static_cast<int64_t>(math::kSignedCodes);
   m.attr("STATE8BIT_UNSIGNED_CODES") = static_cast<int64_t>(math::kUnsignedCodes);
+  m.attr("STATE8BIT_SIGNED_POWER") = math::kSignedPower;
+  m.attr("STATE8BIT_UNSIGNED_POWER") = math::kUnsignedPower;
   // memkern/ops/linear_cross_entropy.py (block_sizes and its twin lce::block_sizes)
   m.attr("LCE_MIN_BLOCK_BYTES") = lce::kMinBlockBytes;
   m.attr("LCE_ROW_ALIGN") = lce::kRowAlign;

@@ -92,15 +92,20 @@ def fake_process_group(world_size: int):
 _DATA = "_memkern_data"
 
 
-def _active_fake_mode():
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+def _active_fake_mode(caller: str):
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if mode is None:
+        raise RuntimeError(f"memkern._fake.{caller} makes a fake tensor of the active fake mode, "
+                           "and none is active: call it while planning (inside a "
+                           "FakeTensorMode, e.g. within memkern.profile.plan_training_step)")
+    return mode
 
 
 def fake_with_data(real: torch.Tensor) -> torch.Tensor:
     """A fake tensor of the active fake mode standing for ``real``, which it keeps (:func:`data_of`):
     for what a planned step must compute from data, a shape that depends on values (the
     labelled rows of a masked-LM batch). torch has no public query of the active fake mode."""
-    fake = _active_fake_mode().from_tensor(real)
+    fake = _active_fake_mode("fake_with_data").from_tensor(real)
     setattr(fake, _DATA, real)
     return fake
 
@@ -115,4 +120,4 @@ def computed_on_host(fn, *args):
     tensor of the active fake mode."""
     with without_dispatch_modes():
         out = fn(*args)
-    return _active_fake_mode().from_tensor(out)
+    return _active_fake_mode("computed_on_host").from_tensor(out)

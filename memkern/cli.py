@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from memkern.bench.configs import BASELINE, CONFIGS, DEFAULT_CONFIGS, MAX_GRAD_NORM
+from memkern.bench.configs import BASELINE, CONFIGS, DEFAULT_CONFIGS, MAX_GRAD_NORM, MIN_STEPS
 from memkern.bench.model import SIZES, GPTConfig
 
 
@@ -69,9 +69,6 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
 
-
-MIN_STEPS = 3
-"""One warm-up step, one profiled for memory, at least one timed."""
 
 SPREAD_LIMIT = 0.2
 """A configuration whose per-round time ratios spread wider than this ((3rd - 1st quartile) /

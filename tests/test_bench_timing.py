@@ -127,3 +127,14 @@ def test_bench_runner_times_its_configurations_in_rotated_rounds(monkeypatch):
     amp, fp32 = rows
     assert amp.step_times == [11.0, 14.0, 15.0] and fp32.step_times == [12.0, 13.0, 16.0]
     assert amp.step_seconds == 14.0 and len(amp.losses) == 8
+
+
+@pytest.mark.parametrize("names,steps,needle", [
+    ("torch-amp", 5, "names must be a sequence of configuration names, got the string"),
+    (["torch-amp"], 2, "steps=2 must be >= 3"),
+    (["torch-amp", "memkern-full", "torch-amp"], 5, "names repeats torch-amp"),
+])
+def test_bench_runner_refuses_what_it_cannot_time(names, steps, needle):
+    with pytest.raises((TypeError, ValueError), match=needle):
+        runner.run(names, SIZES["tiny"], stdlib_corpus(), steps=steps, batch=1,
+                   device=torch.device("cpu"), progress=False)

@@ -277,20 +277,17 @@ def _row(name: str, step_times_ms: list[float]):
                step_times=times)
 
 
-def _bench_output(capsys, rows, columns: int = 100) -> str:
+def _bench_output(capsys, monkeypatch, rows, columns: int = 100) -> str:
     args = cli._parser().parse_args(["bench", "--size", "tiny", "--steps", "9"])
     from memkern.bench.timing import Threads
 
     threads = Threads(1, "--threads")
-    os.environ["COLUMNS"] = str(columns)
-    try:
-        cli._print_bench(rows, SIZES["tiny"], args, torch.device("cpu"), threads)
-    finally:
-        del os.environ["COLUMNS"]
+    monkeypatch.setenv("COLUMNS", str(columns))
+    cli._print_bench(rows, SIZES["tiny"], args, torch.device("cpu"), threads)
     return capsys.readouterr().out
 
 
-def test_bench_time_ratio_is_the_median_of_per_round_ratios(capsys):
+def test_bench_time_ratio_is_the_median_of_per_round_ratios(capsys, monkeypatch):
     """A burst of load in rounds 0-1 (torch-amp 5x slower there) and in rounds 3-4
     (memkern-full 5x slower): the ratio of medians would read 1.0x; the per-round ratios are
     0.1, 0.1, 0.5, 2.5, 2.5 -> median 0.50x, quartiles 0.1 and 2.5 -> spread 480%, which the
@@ -298,7 +295,7 @@ def test_bench_time_ratio_is_the_median_of_per_round_ratios(capsys):
     amp = [500.0, 500.0, 100.0, 100.0, 100.0]
     rows = [_row("torch-amp", amp), _row("torch-fp32", [1.2 * t for t in amp]),
             _row("memkern-full", [50.0, 50.0, 50.0, 250.0, 250.0])]
-    out = _bench_output(capsys, rows)
+    out = _bench_output(capsys, monkeypatch, rows)
     # the time table: configuration, step, tokens/s, final loss, ratio, spread
     by = {line.split()[0]: line.split() for line in out.split("time, ms per step")[1]
           .split("\n\n")[0].splitlines() if line.split()[0] in ("torch-fp32", "memkern-full")}
@@ -308,7 +305,7 @@ def test_bench_time_ratio_is_the_median_of_per_round_ratios(capsys):
     assert note.startswith("note: time ratios spread over 20% in memkern-full 480% (load "
                            "average ")
     assert "torch-fp32" not in note and note.count("note:") == 1
-    assert "note:" not in _bench_output(capsys, rows[:2])
+    assert "note:" not in _bench_output(capsys, monkeypatch, rows[:2])
 
 
 def _headers_by_column(head: list[str], body: list[str]) -> list[str]:
@@ -327,11 +324,11 @@ def _headers_by_column(head: list[str], body: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("columns", [80, 81, 97, 120, 200])
-def test_bench_tables_headers_stay_apart_and_whole_at_every_width(capsys, columns):
+def test_bench_tables_headers_stay_apart_and_whole_at_every_width(capsys, monkeypatch, columns):
     """Every line fits the width, and each header, read down its own column, is whole: no
     header is cut or runs into its neighbour."""
     rows = [_row(name, [1234567.8, 1234567.8, 1.0]) for name in cli.CONFIGS]
-    out = _bench_output(capsys, rows, columns)
+    out = _bench_output(capsys, monkeypatch, rows, columns)
     tables = 0
     for block in out.split("\n\n"):
         lines = block.splitlines()
@@ -464,18 +461,15 @@ def _plan(value: int):
 
 
 @pytest.mark.parametrize("columns", [80, 93, 120, 200])
-def test_plan_tables_headers_stay_apart_and_whole_at_every_width(columns):
+def test_plan_tables_headers_stay_apart_and_whole_at_every_width(monkeypatch, columns):
     """memkern plan's tables (the summary and each plan's phase table), with 5-digit MiB and
     a long plan name, fit the width with every header whole in its own column."""
     from memkern import plan_command
     from memkern.profile.plan_report import SHORT, format_plan
 
     plans = [("patch:recompute=full", _plan(12345 << 20)), ("plain", _plan(7 << 20))]
-    os.environ["COLUMNS"] = str(columns)
-    try:
-        text = plan_command._summary(plans) + "\n\n" + format_plan(plans[0][1])
-    finally:
-        del os.environ["COLUMNS"]
+    monkeypatch.setenv("COLUMNS", str(columns))
+    text = plan_command._summary(plans) + "\n\n" + format_plan(plans[0][1])
     short = list(SHORT.values())
     expected = (["plan", "peak", "phase", "2nd highest", "its phase"], ["plan", *short],
                 ["phase", "peak", *short])

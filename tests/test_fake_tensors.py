@@ -203,3 +203,13 @@ def test_any_size_computes_nothing():
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert master.numel() >= 24576 * 24576 and is_fake(master)
     assert grown_kib < 1 << 20, f"the fake step used {grown_kib / 2**20:.1f} GiB"
+
+
+@pytest.mark.parametrize("call", ["fake_with_data", "computed_on_host"])
+def test_fake_helpers_outside_a_fake_mode_say_where_to_call_them(call):
+    from memkern import _fake
+
+    args = (torch.ones(3),) if call == "fake_with_data" else (torch.neg, torch.ones(3))
+    with pytest.raises(RuntimeError, match=f"memkern._fake.{call} .* none is active: call it "
+                                           "while planning"):
+        getattr(_fake, call)(*args)

@@ -299,3 +299,33 @@ def test_linear_on_a_small_view_keeps_the_rows_not_the_storage(rows):
     got = torch.autograd.grad(y, [hidden, lin.weight, lin.bias], g)
     want = torch.autograd.grad(ref(x), [hidden, ref.weight, ref.bias], g)
     assert all(rel_err(a, b) < 1e-14 for a, b in zip(got, want))
+
+@pytest.mark.parametrize("family", ["bert", "modernbert"])
+def test_masked_lm_loss_divides_by_num_items_in_batch_as_the_model_does(family):
+    """The Trainer passes ``num_items_in_batch`` (the window's labelled tokens) to models that
+    take loss kwargs: ModernBERT's loss (``self.loss_function``) divides its sum by it, BERT's
+    (``CrossEntropyLoss()``) averages over the call's labelled tokens whatever is passed. The
+    fused loss does what the model does, with a divisor unlike the mean."""
+    torch.manual_seed(0)
+    extra = dict(global_attn_every_n_layers=1, local_attention=4, pad_token_id=0, eos_token_id=1,
+                 bos_token_id=2, cls_token_id=2, sep_token_id=1) if family == "modernbert" else {}
+    cfg = transformers.AutoConfig.for_model(
+        family, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=2,
+        intermediate_size=MLP_WIDTH, vocab_size=VOCAB, max_position_embeddings=24, **extra)
+    ref = transformers.AutoModelForMaskedLM.from_config(cfg).double().eval()
+    model = mk.patch(copy.deepcopy(ref)).train()
+    assert "MemkernCausalLMHead" in _swapped_classes(model)
+    ref.train()
+    for m in (ref, model):  # dropout off, the rest in train mode
+        for sub in m.modules():
+            if isinstance(sub, nn.Dropout):
+                sub.p = 0.0
+    batch = _batch("mlm", torch.Generator().manual_seed(5))
+    items = torch.tensor(int((batch["labels"] != -100).sum()) * 3 + 1)
+    want = ref(**batch, num_items_in_batch=items).loss
+    got = model(**batch, num_items_in_batch=items).loss
+    # ModernBERT's loss casts the logits to float32 (ForMaskedLMLoss): 1e-6, against a divisor
+    # about 3x the mean's
+    assert rel_err(got, want) < 1e-6, (got, want)
+    mean = ref(**batch).loss
+    assert (family == "bert") == bool(rel_err(want, mean) < 1e-6)

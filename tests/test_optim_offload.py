@@ -258,14 +258,18 @@ def test_a_window_clipped_by_a_hair_redoes_its_early_steps(algorithm):
         assert_same_bits(results[1], results[2], "clipped vs unclipped")
 
 
-def test_an_lr_set_after_the_early_steps_is_the_one_the_step_uses():
+@pytest.mark.parametrize("lr_kind", ["float", "tensor changed in place"])
+def test_an_lr_set_after_the_early_steps_is_the_one_the_step_uses(lr_kind):
     """A learning rate set between the window's last backward (the early steps, with the old
     one) and ``step()`` (a schedule that sets each step's lr just before it): the step is taken
-    with the new one, bit for bit as the serial step. Found by test_optim_contract_fuzz."""
+    with the new one, bit for bit as the serial step. Found by test_optim_contract_fuzz; the lr
+    a one-element tensor written in place (the early step's lr must be compared by value)."""
     runs = []
     for overlapped in (True, False):
         model = make_model(8)
         opt = make_optimizer(model)
+        if lr_kind != "float":
+            opt.param_groups[0]["lr"] = torch.tensor(3e-3)
         if not overlapped:
             serial(opt)
         train(model, opt, torch.float32, windows=2, poisoned=None)
@@ -275,7 +279,10 @@ def test_an_lr_set_after_the_early_steps_is_the_one_the_step_uses():
         if overlapped:
             opt._overlap._wait_jobs()
             assert opt._overlap._speculated, "no bucket was stepped before step()"
-        opt.param_groups[0]["lr"] = 1e-2
+        if lr_kind == "float":
+            opt.param_groups[0]["lr"] = 1e-2
+        else:
+            opt.param_groups[0]["lr"].fill_(1e-2)
         assert opt.step()
         runs.append(snapshot(model, opt))
     assert_same_bits(runs[0], runs[1], "lr set after the early steps")

@@ -19,8 +19,13 @@
 namespace memkern::math {
 
 constexpr int64_t kQBlock = 256;
-constexpr float kSignedCodes = 127.0f;    // int8:  sign(c) * (|c| / 127)^2 * absmax
-constexpr float kUnsignedCodes = 255.0f;  // uint8: (c / 255)^4 * absmax
+constexpr float kSignedCodes = 127.0f;    // int8:  sign(c) * (|c| / 127)^kSignedPower * absmax
+constexpr float kUnsignedCodes = 255.0f;  // uint8: (c / 255)^kUnsignedPower * absmax
+// The maps below are written for these powers (a square, a square of a square); exported to
+// Python so that the reference and Triton maps are checked to use the same.
+constexpr int64_t kSignedPower = 2;
+constexpr int64_t kUnsignedPower = 4;
+static_assert(kSignedPower == 2 && kUnsignedPower == 4, "the maps below are written for 2 and 4");
 
 // abs_bits(x) orders like |x|, and inf and NaN above every finite value: the largest abs_bits
 // of a block is its absmax, or says that a value is not finite (>= kInfBits).
@@ -42,7 +47,8 @@ MEMKERN_HOST_DEVICE float dequantize(int8_t code, float factor) {
 
 // The per-block factor of an unsigned code's value (second moments): absmax (256 / 255)^4.
 MEMKERN_HOST_DEVICE float unsigned_value_factor(float absmax) {
-  return absmax * static_cast<float>(0x1p32 / (255.0 * 255.0 * 255.0 * 255.0));
+  constexpr double codes = kUnsignedCodes;
+  return absmax * static_cast<float>(0x1p32 / (codes * codes * codes * codes));
 }
 
 // (c / 255)^4 absmax as ((c / 256)^2)^2 (the square exact) times the block's factor; the

@@ -51,6 +51,8 @@ memkern-full-offload is measured against memkern-full when asked for (its host s
 machine's CPU cores, which the default run's CPU configurations share)."""
 BASELINE = "torch-amp"
 LR, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-3, 0.01, 1.0
+MIN_STEPS = 3
+"""Steps a run needs: one warm-up, one profiled for memory, at least one timed."""
 MEMORY_BUDGET = 0.5
 """torch-amp-compiled-budget's activation memory budget: the fraction of the activations the
 compiled graph may keep (the rest it recomputes in backward)."""

@@ -11,7 +11,7 @@ import torch
 
 from memkern import output
 from memkern.bench import host_device, timing
-from memkern.bench.configs import MAX_GRAD_NORM, build
+from memkern.bench.configs import MAX_GRAD_NORM, MIN_STEPS, build
 from memkern.bench.data import Batches
 from memkern.bench.model import GPTConfig
 from memkern.profile import memory_breakdown, saved_bytes
@@ -192,6 +192,12 @@ def run(names: Sequence[str], cfg: GPTConfig, corpus: torch.Tensor, *, steps: in
     if isinstance(names, str):
         raise TypeError(f"names must be a sequence of configuration names, got the string "
                         f"{names!r}: pass [{names!r}]")
+    if steps < MIN_STEPS:
+        raise ValueError(f"steps={steps} must be >= {MIN_STEPS}: the first step warms up, the "
+                         "second is measured for memory, and at least one is timed")
+    repeated = sorted({n for n in names if list(names).count(n) > 1})
+    if repeated:
+        raise ValueError(f"names repeats {', '.join(repeated)}: give each configuration once")
     untimed = untimed_steps(steps)
     trials: list[Trial] = []
     with output.progress(progress) as bars:

@@ -15,7 +15,8 @@ import triton.language as tl
 
 from memkern.kernels import _common
 from memkern.kernels._common import load_grads_and_master, load_splat
-from memkern.kernels.state8bit import QBLOCK, SIGNED_CODES, UNSIGNED_CODES, num_blocks
+from memkern.kernels.state8bit import (QBLOCK, SIGNED_CODES, SIGNED_POWER, UNSIGNED_CODES,
+                                       UNSIGNED_POWER, num_blocks)
 
 
 @triton.jit
@@ -55,6 +56,9 @@ def load_qblocks(master_ptr, grads_ptr, grad_multiplier_ptr, found_inf_ptr, n, n
 # the AdamW kernel compiled to 403 SASS instructions per element for sm_90, now 266;
 # benchmarks/step_kernel_sass.py). Values agree with the reference's to a few ulp, codes but
 # for a value within an ulp of a code boundary (the oracle tests' tolerance).
+if (SIGNED_POWER, UNSIGNED_POWER) != (2, 4):
+    raise ImportError(f"memkern.kernels.quantize8bit is written for the powers 2 and 4 of the "
+                      f"8-bit format, not {SIGNED_POWER} and {UNSIGNED_POWER}")
 _SIGNED_VALUE = tl.constexpr(2.0 ** 14 / SIGNED_CODES ** 2)  # (c |c| 2^-14) * absmax * this
 _UNSIGNED_VALUE = tl.constexpr(2.0 ** 32 / UNSIGNED_CODES ** 4)  # ((c / 256)^2)^2 * absmax * this
 _ROUND = tl.constexpr(1.5 * 2.0 ** 23)  # x + this - this: x rounded to an integer, ties to even

@@ -17,7 +17,9 @@ UNSIGNED_CODES, UNSIGNED_POWER = 255, 4
 
 
 check_same_in_cpp(__name__, {"STATE8BIT_QBLOCK": QBLOCK, "STATE8BIT_SIGNED_CODES": SIGNED_CODES,
-                             "STATE8BIT_UNSIGNED_CODES": UNSIGNED_CODES})
+                             "STATE8BIT_UNSIGNED_CODES": UNSIGNED_CODES,
+                             "STATE8BIT_SIGNED_POWER": SIGNED_POWER,
+                             "STATE8BIT_UNSIGNED_POWER": UNSIGNED_POWER})
 
 
 def num_blocks(n: int) -> int:

@@ -33,8 +33,10 @@ its module, and whatever wraps the layer sees its use as that layer's forward. U
 ``fully_shard`` the weight is all-gathered for that call, the loss gets the hook that gathers it
 again for backward, and the gradients are reduced when backward has passed the unit's first
 input, in any unit layout (the layer in the root's unit, in its own, or with the final norm as
-one unit as torchtitan does). Nothing assumes the layer's class: wrappers that subclass modules
-dynamically (FSDP2 does) keep working.
+one unit as torchtitan does). Once fused, nothing assumes the layer's class: wrappers that
+subclass modules dynamically (FSDP2 does) keep working. ``patch`` itself recognises the output
+layer by its exact class (``nn.Linear`` or memkern's), so it comes before ``fully_shard``: a
+model sharded first is reported with its loss left unfused.
 
 Semantics are those of transformers' ``ForCausalLMLoss``: labels shifted left by one (or
 ``shift_labels`` used as given), ``ignore_index`` (default -100), the mean over non-ignored

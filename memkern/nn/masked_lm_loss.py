@@ -21,8 +21,9 @@ touching transformers' code:
   ``nn.Linear``, as for causal LMs) with the kept rows and a loss request: the call computes
   the loss with :func:`memkern.nn.functional.linear_cross_entropy` from the rows, its weight
   and bias and the labelled rows' labels — the mean over labelled tokens, as
-  ``CrossEntropyLoss()`` — and the hook returns the output with that ``loss`` and
-  ``logits=None``.
+  ``CrossEntropyLoss()``, or the sum divided by ``num_items_in_batch`` when the Trainer passes
+  it to a model whose own loss would (``self.loss_function``) — and the hook returns the
+  output with that ``loss`` and ``logits=None``.
 
 Saved for backward by the head and loss: the labelled rows' encoder output, the transform's
 tensors for those rows, and per labelled row the loss's input gradient and log-sum-exp; never
@@ -48,6 +49,7 @@ IGNORE_INDEX = -100
 """The label of unmasked tokens (``CrossEntropyLoss``'s default ignore_index)."""
 
 _FUSED = "_memkern_mlm_fused"
+_SUMS_OVER_ITEMS = "_memkern_mlm_sums_over_items"
 
 
 @dataclasses.dataclass
@@ -55,6 +57,7 @@ class _MaskedCall(_FusedCall):
     labels: torch.Tensor | None = None
     rows: torch.Tensor | None = None  # indices of the labelled tokens
     target: torch.Tensor | None = None  # their labels
+    num_items_in_batch: torch.Tensor | int | None = None  # the loss's divisor, when given
 
 
 def _bind_labels(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict, Any]:
@@ -64,7 +67,10 @@ def _bind_labels(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
         return args, {**kwargs, "labels": None}, labels
     if not args:
         return args, kwargs, None
-    bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    except TypeError:  # arguments the forward does not take: the model's own call will say so
+        return args, kwargs, None
     labels = bound.arguments.get("labels")
     if labels is None:
         return args, kwargs, None
@@ -80,6 +86,8 @@ def _open_call(model: nn.Module, args: tuple, kwargs: dict):
     if labels is None:
         return None
     call = _MaskedCall(softcap=None, head=head, seat=model.__dict__[_FUSED], labels=labels)
+    if model.__dict__[_SUMS_OVER_ITEMS]:
+        call.num_items_in_batch = kwargs.get("num_items_in_batch")
     for m in (model, head, model.base_model):
         m.__dict__[_CALL] = call
     parent, attr = call.seat
@@ -147,7 +155,10 @@ def _close_call(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any
         losses = call.head(hidden)
     finally:
         call.head.__dict__.pop(_CALL, None)
-    loss = losses.sum() / call.target.numel()
+    divisor = call.target.numel() if call.num_items_in_batch is None else call.num_items_in_batch
+    if isinstance(divisor, torch.Tensor):
+        divisor = divisor.to(losses.device)
+    loss = losses.sum() / divisor
     if isinstance(output, tuple):
         return (loss, *(None if o is call.placeholder else o for o in output))
     fields = {k: v for k, v in output.items() if v is not call.placeholder}
@@ -160,6 +171,18 @@ def _why_not_fusable(model: nn.Module) -> str | None:
     if "labels" not in inspect.signature(model.forward).parameters:
         return "its forward takes no labels"
     return output_layer_problem(model)
+
+
+def _sums_over_items(model: nn.Module) -> bool:
+    """Whether ``model``'s own loss divides by the Trainer's ``num_items_in_batch`` when it is
+    passed: models whose forward calls ``self.loss_function`` (ModernBERT) do; those that take
+    ``CrossEntropyLoss()`` (BERT, RoBERTa, XLM-R, ELECTRA, DeBERTa-v2) average over the call's
+    labelled tokens whatever the Trainer passes."""
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
+    return "self.loss_function(" in source
 
 
 def _is_masked_lm(model: nn.Module) -> bool:
@@ -191,4 +214,5 @@ def fuse_masked_lm_loss(model: nn.Module) -> tuple[str, str, str] | str | None:
     model.base_model.register_forward_hook(_keep_labelled_rows)
     model.register_forward_hook(_close_call, with_kwargs=True, always_call=True)
     model.__dict__[_FUSED] = seat  # where the stand-in sits
+    model.__dict__[_SUMS_OVER_ITEMS] = _sums_over_items(model)
     return name, f"{old.__module__}.{old.__qualname__}", f"memkern.nn.causal_lm_loss.{type(head).__qualname__}"

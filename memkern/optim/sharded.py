@@ -70,6 +70,7 @@ checkpoints save) and :mod:`memkern.optim.checkpoint` (the sharded checkpoint fo
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import os
@@ -489,9 +490,11 @@ class ShardedOptimizer(FlatOptimizer):
         self.algorithm.update(seg, self.param_groups[seg.group], grad_multiplier, found_inf)
 
     def _segment_hyperparameters(self, i: int) -> dict[str, Any]:
-        """What segment ``i``'s step reads of its param group: all but the parameters."""
+        """What segment ``i``'s step reads of its param group, all but the parameters, as
+        values: a tensor (an lr changed in place) as its numbers, the rest copied."""
         group = self.param_groups[self._segments[i].group]
-        return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        return {k: v.tolist() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                for k, v in group.items() if k not in ("params", "param_names")}
 
     def _settle_host_steps(self) -> None:
         """Before the state is read or replaced: undoes offload's early steps of an open

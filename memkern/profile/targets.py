@@ -58,6 +58,8 @@ _CPU_GEMMS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}
 """The CPU GEMMs whose 16-bit scratch is measured, with the positions of their two operands."""
 CPU_GEMM_MEASURED_MACS = 1 << 28
 """The largest CPU GEMM (multiply-adds) whose scratch the planner measures by running it."""
+# The dispatcher sees torch.distributed's public collectives under these c10d op names (torch
+# exposes no public handle on them); they exist in every torch build the planner runs on.
 _GLOO_SCRATCH = {torch.ops.c10d._reduce_scatter_base_.default: 1,
                  torch.ops.c10d._allgather_base_.default: 0}
 """The collectives a sharded step runs (``reduce_scatter_tensor``, ``all_gather_into_tensor``)
