@@ -329,3 +329,72 @@ def test_masked_lm_loss_divides_by_num_items_in_batch_as_the_model_does(family):
     assert rel_err(got, want) < 1e-6, (got, want)
     mean = ref(**batch).loss
     assert (family == "bert") == bool(rel_err(want, mean) < 1e-6)
+
+
+def test_patched_blocks_under_a_dynamic_subclass_as_fully_shard_makes():
+    """``fully_shard`` turns a module's class into ``FSDP<cls>(FSDPModule, cls)``: the patched
+    forwards that call the class they patched find it with the wrapper in front (it is not
+    ``type(m).__mro__[1]`` there). Every module of a patched BERT so wrapped: the same loss and
+    gradients as the unpatched model (float64)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    torch.manual_seed(0)
+    ref = _encoder("bert", "cls").double().train()
+    model = mk.patch(copy.deepcopy(ref))
+    for m in model.modules():
+        cls = type(m)
+        m.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    batch = _batch("cls", torch.Generator().manual_seed(6))
+    loss, want = _loss(model, batch), _loss(ref, batch)
+    loss.backward()
+    want.backward()
+    assert rel_err(loss, want) < 1e-12
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-10, name
+    assert any("memkern subclass of transformers" in new for _, _, new in
+               mk.nn.patch_report(model).swapped)
+
+
+class _TwoLayerBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.proj = nn.Linear(13, 29), nn.GELU(), nn.Linear(29, 13)
+
+
+class _ResidualMLP(_TwoLayerBlock):
+    def forward(self, x):
+        h = self.fc(x)
+        h = self.act(h)
+        h = self.proj(h)
+        return h + x
+
+
+class _NestedMLP(_TwoLayerBlock):
+    def forward(self, x):
+        return self.proj(self.act(self.fc(x)))
+
+
+class _TrainModeScaledMLP(_TwoLayerBlock):
+    def forward(self, x):
+        h = self.fc(x)
+        h = self.act(h)
+        if self.training:
+            h = h * 2.0
+        return self.proj(h)
+
+
+@pytest.mark.parametrize("block,fused", [(_ResidualMLP, False), (_NestedMLP, True),
+                                         (_TrainModeScaledMLP, False)])
+def test_two_layer_block_is_fused_only_if_it_computes_nothing_else(block, fused):
+    """A module holding fc, an activation and proj whose forward adds a residual, or scales in
+    train mode, is left alone with the reason (the fused MLP would drop that); a plain chain,
+    nested calls included (their source order is proj, act, fc), is fused. Outputs in train
+    mode equal the unpatched module's either way (float64)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(block()).double().train()
+    model = mk.patch(copy.deepcopy(ref))
+    x = torch.randn(5, 13, dtype=torch.float64)
+    assert torch.allclose(model(x), ref(x), rtol=1e-12, atol=1e-12)
+    report = mk.nn.patch_report(model)
+    assert (type(model[0]) is not block) == fused
+    assert fused or any("computes more than its layers" in why for _, why in report.skipped)

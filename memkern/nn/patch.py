@@ -37,13 +37,16 @@ and what was recognised but left alone, and why.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import inspect
+import textwrap
 
 import torch
 from torch import nn
 
+from memkern import _fake
 from memkern.nn import dropout as _dropout_mod
 from memkern.nn import hf_attention as _hf_attention
 from memkern.nn import linear as _linear_mod
@@ -156,8 +159,11 @@ def _decode(name: str) -> tuple[str, str, str]:
 def _patched_class(base: type, kind: str) -> type:
     if (base, kind) not in _classes:
         name = _encode(base, kind)
+        # _memkern_base: the class patched, for forwards that call its own (a wrapper that
+        # subclasses modules dynamically, FSDP2's FSDP<cls>, puts its class in front: the
+        # patched class's base is not type(m).__mro__[1] there)
         cls = type(name, (base,), {"forward": _FORWARDS[kind], _MARK: True, "__module__": __name__,
-                                   "__qualname__": name})
+                                   "__qualname__": name, "_memkern_base": base})
         _classes[base, kind] = cls
         globals()[name] = cls
     return _classes[base, kind]
@@ -209,14 +215,14 @@ def _linear_like(m: nn.Module) -> tuple[bool, bool] | None:
     if isinstance(m, nn.Linear) and type(m) in (nn.Linear, _linear_mod.Linear):
         return True, False
     if type(m) is _linear_mod.Conv1D or (type(m).__name__ == "Conv1D" and _from_transformers(m)) or (
-            _is_patched(m) and type(m).__mro__[1].__name__ == "Conv1D"):
+            _is_patched(m) and getattr(m, "_memkern_base", type(m)).__name__ == "Conv1D"):
         return True, True
     return None
 
 
 def _describe(cls: type) -> str:
     if cls.__name__.startswith(_PREFIX):
-        base = cls.__mro__[1]
+        base = cls._memkern_base
         return f"memkern subclass of {base.__module__}.{base.__qualname__}"
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -243,6 +249,89 @@ def _forward_calls(m: nn.Module, names: list[str]) -> bool:
     return True
 
 
+def _chain(node: ast.expr, current: str) -> list[str] | None:
+    """The ``self.<name>`` calls of ``self.c(self.b(self.a(current)))``, innermost first; None
+    for any other expression."""
+    if isinstance(node, ast.Name):
+        return [] if node.id == current else None
+    if (isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords
+            and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self"):
+        inner = _chain(node.args[0], current)
+        return None if inner is None else [*inner, node.func.attr]
+    return None
+
+
+def _runs_only(m: nn.Module, names: list[str]) -> bool:
+    """Whether ``m``'s forward is nothing but ``names``' layers applied one after the other to
+    its input (``x = self.fc(x); x = self.act(x); ...; return x``, or nested calls): no other
+    operation that a fused block would drop."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(m).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    fn = tree.body[0]
+    if not isinstance(fn, ast.FunctionDef) or len(fn.args.args) != 2:
+        return False
+    body = fn.body[1:] if (fn.body and isinstance(fn.body[0], ast.Expr)
+                           and isinstance(fn.body[0].value, ast.Constant)) else fn.body
+    current, calls = fn.args.args[1].arg, []
+    for i, stmt in enumerate(body):
+        last = i == len(body) - 1
+        if isinstance(stmt, ast.Return) and last and stmt.value is not None:
+            target, value = None, stmt.value
+        elif (isinstance(stmt, (ast.Assign, ast.AnnAssign)) and not last and stmt.value is not None
+              and len(getattr(stmt, "targets", [getattr(stmt, "target", None)])) == 1):
+            target = stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target
+            if not isinstance(target, ast.Name):
+                return False
+            value = stmt.value
+        else:
+            return False
+        applied = _chain(value, current)
+        if applied is None:
+            return False
+        calls += applied
+        if target is not None:
+            current = target.id
+    return calls == names
+
+
+_PROBE_ROWS = 3
+
+
+def _same_on_a_probe(m: nn.Module, cfg: dict) -> bool:
+    """Whether ``m``'s own forward and the fused MLP agree on a random input (``_PROBE_ROWS``
+    rows, the block in its mode, its dropout off): for a block whose forward is not a plain chain of its layers
+    (diffusers' ``TimestepEmbedding`` skips absent ones under ``if``), that it adds nothing
+    the fused block would drop. Fake or meta weights hold no values: taken as they are."""
+    fc = m.get_submodule(cfg["fc"])
+    w = fc.weight
+    if _fake.is_fake(w) or w.is_meta:
+        return True
+    features = _features(fc, cfg["transposed"])[0]
+    g = torch.Generator(device=w.device).manual_seed(0)
+    x = torch.randn(_PROBE_ROWS, features, generator=g, device=w.device, dtype=w.dtype)
+    drop = m.get_submodule(cfg["dropout"]) if cfg["dropout"] else None
+    training = drop is not None and drop.training
+    if drop is not None:
+        drop.eval()  # the block in its own mode, its dropout off
+    try:
+        with torch.no_grad():
+            own = type(m).forward(m, x)
+            m._memkern_mlp = cfg
+            fused = _gpt2_mlp_forward(m, x)
+    except Exception:  # noqa: BLE001 - a forward that fails on the probe is not this MLP
+        return False
+    finally:
+        m.__dict__.pop("_memkern_mlp", None)
+        if drop is not None:
+            drop.train(training)
+    tol = 1e-3 if w.dtype in (torch.float16, torch.bfloat16) else 1e-5
+    return isinstance(own, torch.Tensor) and own.shape == fused.shape and bool(
+        torch.allclose(own.float(), fused.float(), rtol=tol, atol=tol * float(own.abs().max())))
+
+
 def _features(m: nn.Module, transposed: bool) -> tuple[int, int]:
     """(in, out) features of a linear-like layer."""
     rows, cols = m.weight.shape
@@ -265,8 +354,9 @@ def _only_children(m: nn.Module) -> dict[str, nn.Module] | None:
 
 
 def _mlp_layout(m: nn.Module):
-    """(fc, activation, proj, dropout or None) attribute names of a block that is exactly two
-    linear layers with an activation between them (and a dropout after), run in that order."""
+    """(fc, activation, proj, dropout or None, whether its forward is a plain chain of them:
+    :func:`_runs_only`) for a block that is exactly two linear layers with an activation
+    between them (and a dropout after), run in that order."""
     kids = _only_children(m)
     if kids is None:
         return None
@@ -275,9 +365,13 @@ def _mlp_layout(m: nn.Module):
     drop = [n for n, c in kids.items() if _is_dropout(c)]
     if len(lin) != 2 or len(act) != 1 or len(drop) > 1 or len(kids) != 3 + len(drop):
         return None
-    for fc, proj in (lin, lin[::-1]):
-        if _forward_calls(m, [fc, act[0], proj, *drop]):
-            return fc, act[0], proj, drop[0] if drop else None
+    orders = [(fc, act[0], proj, drop[0] if drop else None) for fc, proj in (lin, lin[::-1])]
+    for order in orders:  # a plain chain: its calls say the order, nested ones included
+        if _runs_only(m, [n for n in order if n is not None]):
+            return (*order, True)
+    for order in orders:  # else the order of the calls in the source, checked on a probe
+        if _forward_calls(m, [n for n in order if n is not None]):
+            return (*order, False)
     return None
 
 
@@ -292,11 +386,12 @@ def _mlp_config(m: nn.Module, recompute: str):
             return None
         n_fc, n_act, n_proj = names[:3]
         n_drop = names[3] if len(mods) == 4 else None
+        chain = True
     else:
         layout = _mlp_layout(m)
         if layout is None:
             return None
-        n_fc, n_act, n_proj, n_drop = layout
+        n_fc, n_act, n_proj, n_drop, chain = layout
     fc, act, proj = getattr(m, n_fc), getattr(m, n_act), getattr(m, n_proj)
     lf, lp = _linear_like(fc), _linear_like(proj)
     kind = _activation_kind(act)
@@ -306,8 +401,12 @@ def _mlp_config(m: nn.Module, recompute: str):
         return "mixed Linear and Conv1D layers"
     if _features(fc, lf[1])[1] != _features(proj, lp[1])[0]:
         return None
-    return {"fc": n_fc, "act": n_act, "proj": n_proj, "dropout": n_drop, "activation": kind,
-            "recompute": recompute, "transposed": lf[1]}
+    cfg = {"fc": n_fc, "act": n_act, "proj": n_proj, "dropout": n_drop, "activation": kind,
+           "recompute": recompute, "transposed": lf[1]}
+    if not chain and not _same_on_a_probe(m, cfg):
+        return ("its forward computes more than its layers fc -> activation -> proj (its output "
+                "differs from theirs on a probe input), which the fused MLP would drop")
+    return cfg
 
 
 def _feed_forward_config(m: nn.Module, recompute: str):
