@@ -88,3 +88,16 @@ def test_compiled_modules_save_no_more_than_eager(name):
     want = torch.autograd.grad(module(x).square().sum(), [x, *module.parameters()])
     for a, b in zip(grads, want):
         assert rel_err(a, b) < 1e-5
+
+
+def test_compiled_dropout_saves_only_its_seed():
+    """Compiled, the dropout op's C++ autograd is traced: backward keeps the int64 seed (8
+    bytes), never a mask, as in eager mode."""
+    from memkern.profile import saved_bytes
+
+    torch._dynamo.reset()
+    module = mk.nn.Dropout(0.3)
+    x = torch.randn(3, 37, 64, requires_grad=True)
+    compiled = torch.compile(module)
+    compiled(x)
+    assert saved_bytes(module, x) == saved_bytes(compiled, x) == 8
