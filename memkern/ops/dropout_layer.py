@@ -3,7 +3,7 @@
 mask with :mod:`memkern.ops.dropout`, at the host cost of ``nn.Dropout``'s call.
 
 Arguments: ``x`` (float tensor), ``seed`` (int64, one element, on ``x``'s device; None draws
-one from torch's generator of that device, in ``[0, memkern._C.DROPOUT_SEED_HIGH)``), ``p``
+one from torch's generator of that device, in ``[0, 2**62)``), ``p``
 (drop probability in [0, 1]).
 
 Only the compiled extension registers its kernels (``Autograd`` and, below autograd,
