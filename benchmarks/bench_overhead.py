@@ -12,7 +12,8 @@ autograd, the dispatcher, and on a GPU the kernel launches. Three parts, one pro
 * **launches**: per layer call, the kernel launches of the GPU path, counted from the code
   path so that it runs on the CPU too: a child process runs each layer with the Triton backend
   (``MEMKERN_BACKEND=triton``, ``TRITON_INTERPRET=1`` without a GPU) and counts every Triton
-  launch plus every ATen op that runs a kernel (views, ``empty*`` and metadata ops run none);
+  launch plus every ATen op that runs a kernel (views, ``empty*`` and metadata ops run none)
+  and every memkern kernel op a layer's C++ autograd calls through the dispatcher;
   torch's layer is counted the same way (one per ATen op — on CUDA a few ATen ops launch more
   than one kernel, e.g. LayerNorm's backward, so torch's count is a lower bound).
 * **steps**: one train step (forward, backward, clip, optimizer, zero grads) of a 2-layer
@@ -154,11 +155,13 @@ _NO_KERNEL = {"promote_types", "empty", "empty_like", "empty_strided", "new_empt
 
 
 def _count_launches(fn: Callable) -> dict[str, int]:
-    """Kernel launches of one call of ``fn``: Triton launches + ATen ops that run a kernel."""
+    """Kernel launches of one call of ``fn``: Triton launches + ATen ops that run a kernel +
+    memkern kernel ops reached through the dispatcher (a layer's C++ autograd calls them so,
+    where the forced Triton backend does not reach: each is one kernel on the GPU)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     import triton.runtime.jit as jit
 
-    counts = {"aten": 0, "triton": 0, "host_syncs": 0}
+    counts = {"aten": 0, "triton": 0, "memkern": 0, "host_syncs": 0}
     inside_triton = [False]  # the interpreter's own host copies are not launches
 
     class Count(TorchDispatchMode):
@@ -170,6 +173,8 @@ def _count_launches(fn: Callable) -> dict[str, int]:
                 counts["host_syncs"] += 1
             elif func.namespace == "aten" and not func.is_view and name not in _NO_KERNEL:
                 counts["aten"] += 1
+            elif func.namespace == "memkern" and not name.endswith("_layer"):
+                counts["memkern"] += 1
             return func(*args, **(kwargs or {}))
 
     classes = [jit.JITFunction]
@@ -199,7 +204,7 @@ def _count_launches(fn: Callable) -> dict[str, int]:
     finally:
         for cls, original in originals.items():
             cls.run = original
-    counts["launches"] = counts["aten"] + counts["triton"]
+    counts["launches"] = counts["aten"] + counts["triton"] + counts["memkern"]
     return counts
 
 

@@ -36,10 +36,9 @@ void add_constants(py::module_& m) {
       {"rms_norm", autograd::kRmsNorm}};
   // memkern/nn/functional/_saved.py
   m.attr("NORM_RECIPE_ATTR") = kNormRecipeAttr;
-  // memkern/ops/activation.py, memkern/nn/functional/mlp.py, memkern/nn/functional/dropout.py
+  // memkern/ops/activation.py, memkern/nn/functional/mlp.py
   m.attr("ACTIVATIONS") = as_tuple(kActivationKinds);
   m.attr("RECOMPUTE") = as_tuple(kRecomputeNames);
-  m.attr("DROPOUT_SEED_HIGH") = kDropoutSeedHigh;
   // memkern/kernels/state8bit.py
   m.attr("STATE8BIT_QBLOCK") = math::kQBlock;
   m.attr("STATE8BIT_SIGNED_CODES") = static_cast<int64_t>(math::kSignedCodes);

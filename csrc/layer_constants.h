@@ -43,8 +43,8 @@ inline Recompute parse_recompute(const char* layer, c10::string_view recompute) 
   return static_cast<Recompute>(i);
 }
 
-// A dropout seed is drawn uniformly from [0, kDropoutSeedHigh) (by csrc/autograd/dropout.cpp
-// and by the Python path's draw_seed, so both give the same masks).
+// A dropout seed is drawn uniformly from [0, kDropoutSeedHigh) by csrc/autograd/dropout.cpp,
+// from torch's generator of the input's device.
 inline constexpr int64_t kDropoutSeedHigh = int64_t{1} << 62;
 
 }  // namespace memkern

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
@@ -93,13 +94,13 @@ bool one_dtype(const at::Tensor& x, const at::Tensor& weight, const OptTensor& b
 }
 
 // What a GEMM layer's C++ autograd requires of a call (the rest goes to its Python Function):
-// x with at least `min_dim` dimensions, one dtype for x and every (weight, bias) pair, no
+// x with at least 2 dimensions, one dtype for x and every (weight, bias) pair, no
 // autocast on x's device, and x's last dimension equal to the first weight's in_features
 // (`in_dim`: its dimension holding them).
 bool gemm_layer_call(const at::Tensor& x,
                      std::initializer_list<std::pair<const at::Tensor*, const OptTensor*>> params,
-                     int64_t in_dim, int64_t min_dim = 2) {
-  if (x.dim() < min_dim || params.begin()->first->dim() != 2 ||
+                     int64_t in_dim) {
+  if (x.dim() < 2 || params.begin()->first->dim() != 2 ||
       x.size(-1) != params.begin()->first->size(in_dim)) {
     return false;
   }
@@ -122,9 +123,9 @@ struct GemmInput {
 std::optional<GemmInput> gemm_input(
     py::handle x_obj,
     std::initializer_list<std::pair<const at::Tensor*, const OptTensor*>> params,
-    int64_t in_dim, int64_t min_dim = 2) {
+    int64_t in_dim) {
   const at::Tensor* x = as_tensor(x_obj);
-  if (x == nullptr || !gemm_layer_call(*x, params, in_dim, min_dim)) {
+  if (x == nullptr || !gemm_layer_call(*x, params, in_dim)) {
     return std::nullopt;
   }
   std::optional<NormRecipe> recipe = input_recipe(x_obj, *x);
@@ -136,25 +137,30 @@ std::optional<GemmInput> gemm_input(
 
 // Whether a Linear call of one dtype without autocast is torch's own linear: when memkern
 // does nothing differently (no recipe to save instead of x, not transposed, no weight.grad to
-// add into). The Python path's rule too (memkern/nn/functional/linear.py checks at import that
-// it is this one).
+// add into).
 bool linear_is_torch_linear(bool has_recipe, bool transposed, bool weight_has_grad) {
   return !has_recipe && !transposed && !weight_has_grad;
 }
 
-// memkern.nn.functional.linear: memkern::linear_layer with x's norm recipe (input_recipe), or
-// torch's own linear (linear_is_torch_linear); None for a call the Python path handles (mixed
-// dtypes, autocast, mismatched shapes, a recipe of the Python path).
+// memkern.nn.functional.linear in eager mode: memkern::linear_layer with x's norm recipe
+// (input_recipe; a recipe of the Python path's norm is not read: x is saved), or torch's own
+// linear (linear_is_torch_linear). None for a call memkern.nn.functional.linear refuses with
+// its error: x not a tensor, mismatched shapes, mixed dtypes without autocast.
 OptTensor linear_layer(py::handle x_obj, const at::Tensor& weight, const OptTensor& bias,
                        bool transposed) {
-  const auto in = gemm_input(x_obj, {{&weight, &bias}}, transposed ? 0 : 1, /*min_dim=*/1);
-  if (!in) {
+  const at::Tensor* x = as_tensor(x_obj);
+  if (x == nullptr || x->dim() < 1 || weight.dim() != 2 ||
+      x->size(-1) != weight.size(transposed ? 0 : 1)) {
     return std::nullopt;
   }
-  const NormRecipe& recipe = in->recipe;
-  if (linear_is_torch_linear(recipe.kind != autograd::kNoNorm, transposed,
-                             weight.grad().defined())) {
-    return at::linear(in->x, weight, bias);
+  const bool autocast = autocast_on(x->device().type());
+  if (!autocast && !one_dtype(*x, weight, bias)) {
+    return std::nullopt;
+  }
+  const NormRecipe recipe = input_recipe(x_obj, *x).value_or(NormRecipe{});
+  if (!autocast && linear_is_torch_linear(recipe.kind != autograd::kNoNorm, transposed,
+                                          weight.grad().defined())) {
+    return at::linear(*x, weight, bias);
   }
   static const auto op =
       c10::Dispatcher::singleton()
@@ -162,7 +168,7 @@ OptTensor linear_layer(py::handle x_obj, const at::Tensor& weight, const OptTens
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
                             const OptTensor&, const OptTensor&, const OptTensor&, int64_t,
                             int64_t, double)>();
-  return op.call(in->x, weight, bias, transposed, recipe.x, recipe.weight, recipe.bias,
+  return op.call(*x, weight, bias, transposed, recipe.x, recipe.weight, recipe.bias,
                  recipe.kind, recipe.dims, recipe.eps);
 }
 
@@ -247,7 +253,7 @@ bool native_layer_norm_ok(const at::Tensor& x, const OptTensor& weight, const Op
 // memkern::norm_layer; the output carries the norm's recipe (a WeakNormRecipe in its
 // _memkern_recipe attribute) when it requires grad, so its consumers save the norm's input
 // instead. None for a call the Python path handles: normalized_shape not a tuple, shapes that
-// do not match (the Python path raises), autocast.
+// do not match (the Python path raises).
 py::object norm(py::handle x_obj, py::handle normalized_shape, const OptTensor& weight,
                 const OptTensor& bias, double eps, bool rms) {
   const at::Tensor* x = as_tensor(x_obj);
@@ -268,12 +274,18 @@ py::object norm(py::handle x_obj, py::handle normalized_shape, const OptTensor& 
     return py::none();
   }
   if (x->sizes().slice(x->dim() - dims) != at::IntArrayRef(shape) || !shape_is(weight, shape) ||
-      !shape_is(bias, shape) || autocast_on(x->device().type())) {
+      !shape_is(bias, shape)) {
     return py::none();
   }
   const bool native = !rms && native_layer_norm_ok(*x, weight, bias);
-  at::Tensor y = native ? std::get<0>(at::native_layer_norm(*x, shape, weight, bias, eps))
-                        : norm_layer(*x, weight, bias, dims, eps, rms);
+  at::Tensor y;
+  if (native) {
+    // in x's dtype under autocast too (autocast would run it on, and save, a float32 copy)
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    y = std::get<0>(at::native_layer_norm(*x, shape, weight, bias, eps));
+  } else {
+    y = norm_layer(*x, weight, bias, dims, eps, rms);
+  }
   py::object out = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(y)));
   if (THPVariable_Unpack(out.ptr()).requires_grad() && at::GradMode::is_enabled()) {
     const int64_t kind = native ? autograd::kNativeLayerNorm
@@ -370,7 +382,7 @@ void add_layer_entries(py::module_& m) {
   m.def("linear_layer", &linear_layer, py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("transposed"),
         "memkern.nn.functional.linear's eager call: memkern::linear_layer with x's norm recipe (or "
-        "torch's linear), or None when the Python path must take the call.");
+        "torch's linear), or None for a call that function refuses with its error.");
   m.def("mlp_layer", &mlp_layer, py::arg("x"), py::arg("fc1_weight"), py::arg("fc1_bias"),
         py::arg("fc2_weight"), py::arg("fc2_bias"), py::arg("activation"), py::arg("recompute"),
         py::arg("transposed"),
@@ -396,9 +408,6 @@ void add_layer_entries(py::module_& m) {
         py::arg("softcap"), py::arg("chunk_size"), py::arg("vocab_block"),
         "memkern.nn.functional.linear_cross_entropy's eager call on the C++ path "
         "(memkern::linear_cross_entropy_layer), or None when the Python path must take it.");
-  m.def("linear_is_torch_linear", &linear_is_torch_linear, py::arg("has_recipe"),
-        py::arg("transposed"), py::arg("weight_has_grad"),
-        "Whether a Linear call of one dtype without autocast is torch's own linear.");
   m.def("native_layer_norm_saves_statistics", &native_layer_norm_saves_statistics,
         py::arg("dtype"), py::arg("on_cuda"),
         "Whether torch's native_layer_norm saves what memkern's norm op does for this dtype.");

@@ -103,16 +103,18 @@ def test_a_constant_or_rule_that_differs_from_the_extension_fails_the_import(mon
         pytest.skip("the compiled extension is not built")
     from memkern import _C
 
-    _extension.check_same_in_cpp("m", {"DROPOUT_SEED_HIGH": 1 << 62})
-    with pytest.raises(ImportError, match=r"memkern._C.DROPOUT_SEED_HIGH is 4611686018427387904 "
-                                          r"but m uses 4611686018427387903"):
-        _extension.check_same_in_cpp("m", {"DROPOUT_SEED_HIGH": (1 << 62) - 1})
-    cases = [(False, False, False), (True, False, False)]
-    _extension.check_same_rule_in_cpp("m", lambda r, t, g: not (r or t or g),
-                                      "linear_is_torch_linear", cases)
-    with pytest.raises(ImportError, match=r"linear_is_torch_linear\(True, False, False\) is "
-                                          r"False but m decides True"):
-        _extension.check_same_rule_in_cpp("m", lambda r, t, g: not (t or g),
-                                          "linear_is_torch_linear", cases)
+    align = _C.LCE_ROW_ALIGN
+    _extension.check_same_in_cpp("m", {"LCE_ROW_ALIGN": align})
+    with pytest.raises(ImportError, match=rf"memkern._C.LCE_ROW_ALIGN is {align} "
+                                          rf"but m uses {align + 1}"):
+        _extension.check_same_in_cpp("m", {"LCE_ROW_ALIGN": align + 1})
+    half = (torch.bfloat16, torch.float16)
+    cases = [(torch.bfloat16, True), (torch.bfloat16, False)]
+    _extension.check_same_rule_in_cpp("m", lambda d, cuda: cuda and d in half,
+                                      "native_layer_norm_saves_statistics", cases)
+    with pytest.raises(ImportError, match=r"native_layer_norm_saves_statistics\(torch.bfloat16, "
+                                          r"False\) is False but m decides True"):
+        _extension.check_same_rule_in_cpp("m", lambda d, cuda: d in half,
+                                          "native_layer_norm_saves_statistics", cases)
     assert _C.native_layer_norm_saves_statistics(torch.bfloat16, True)
     assert not _C.native_layer_norm_saves_statistics(torch.bfloat16, False)

@@ -88,3 +88,42 @@ def test_compiled_modules_save_no_more_than_eager(name):
     want = torch.autograd.grad(module(x).square().sum(), [x, *module.parameters()])
     for a, b in zip(grads, want):
         assert rel_err(a, b) < 1e-5
+
+
+def test_compiled_dropout_saves_only_its_seed():
+    """Compiled, the dropout op's C++ autograd is traced: backward keeps the int64 seed (8
+    bytes), never a mask, as in eager mode."""
+    from memkern.profile import saved_bytes
+
+    torch._dynamo.reset()
+    module = mk.nn.Dropout(0.3)
+    x = torch.randn(3, 37, 64, requires_grad=True)
+    compiled = torch.compile(module)
+    compiled(x)
+    assert saved_bytes(module, x) == saved_bytes(compiled, x) == 8
+
+
+def test_compiled_linear_under_autocast_matches_eager():
+    """Under autocast the traced Linear computes in autocast's dtype (the op's fake says so).
+    Eager it saves the input as cast; compiled, the partitioner keeps the weight's cast copy
+    as well (as it did when this path was a Python autograd.Function: 18432 bytes here)."""
+    from memkern.ops.linear_layer import _fake as linear_layer_fake
+    from memkern.profile import saved_bytes
+
+    torch._dynamo.reset()
+    module = mk.nn.Linear(64, 33)
+    x = torch.randn(3, 37, 64, requires_grad=True)
+    compiled = torch.compile(module, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, eager = compiled(x), module(x)
+        assert out.dtype == eager.dtype == torch.bfloat16
+        # the fake implementation itself (the traced C++ node gave the compiled graph's dtype)
+        assert linear_layer_fake(x, module.weight, None, False).dtype == torch.bfloat16
+        assert saved_bytes(module, x) == 2 * x.numel()
+        assert saved_bytes(compiled, x) == 2 * (x.numel() + module.weight.numel())
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x, *module.parameters()], g)
+    want = torch.autograd.grad(eager, [x, *module.parameters()], g)
+    assert torch.equal(out, eager)
+    for a, b in zip(grads, want):
+        assert a.dtype == b.dtype == torch.float32 and rel_err(a, b) < 1e-5

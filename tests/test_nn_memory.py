@@ -77,7 +77,16 @@ def test_norm_saves_input_and_row_statistics_only(norm, layer_autograd):
     # the input, and per-row statistics: [rows] (memkern op) or [..., 1] (torch's layer norm)
     assert all(e.shape == tuple(x.shape) or math.prod(e.shape) in (rows, 0)
                for e in rec.entries.values())
-    # ... nor does the Linear consuming the normalised output: it rebuilds it in backward
+    del y
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_linear_after_a_norm_saves_no_normalised_output(norm):
+    """Nor does the Linear consuming the normalised output: it rebuilds it in backward."""
+    d = 257
+    x = torch.randn(5, 31, d, requires_grad=True)
+    m = mk.nn.LayerNorm(d) if norm == "layer" else mk.nn.RMSNorm(d)
+    stats = (2 if norm == "layer" else 1) * 5 * 31 * 4
     lin = mk.nn.Linear(d, 7)
     chain = saved_bytes(lambda: lin(m(x)))
     assert chain == x.numel() * 4 + stats
@@ -92,7 +101,6 @@ def test_norm_saves_input_and_row_statistics_only(norm, layer_autograd):
     a = torch.autograd.grad(lin(m(x)), [x, *m.parameters(), *lin.parameters()], g)
     b = torch.autograd.grad(lin_t(ref_norm(x)), [x, *ref_norm.parameters(), *lin_t.parameters()], g)
     assert all(rel_err(u, v) < 1e-5 for u, v in zip(a, b))
-    del y
 
 
 def test_recompute_falls_back_when_the_norm_input_changed():

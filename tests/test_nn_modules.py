@@ -57,16 +57,19 @@ def _input(shape, dtype, scale=1.0):
 # Linear
 
 
-def test_linear_with_a_grad_runs_the_cpp_autograd(layer_autograd):
-    """The routing itself: with ``.grad`` present (the training case) the C++ node runs when
-    the extension is built; under autocast the Python Function does."""
+def test_linear_runs_the_cpp_autograd():
+    """Every call that memkern computes otherwise than torch's linear runs the C++ node: with
+    ``.grad`` present (the training case), transposed, under autocast (in its dtype), 1-D;
+    with none of these it is torch's own linear."""
     m = mk.nn.Linear(13, 7)
-    m.weight.grad = torch.zeros_like(m.weight)
-    name = m(torch.randn(3, 13)).grad_fn.name()
-    assert name == ("memkern::LinearBackward" if layer_autograd == "cpp"
-                    else "LinearFunctionBackward"), name
+    assert m(torch.randn(3, 13)).grad_fn.name() == "AddmmBackward0"
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert m(torch.randn(3, 13)).grad_fn.name() == "LinearFunctionBackward"
+        y = m(torch.randn(3, 13))
+    assert y.grad_fn.name() == "memkern::LinearBackward" and y.dtype == torch.bfloat16
+    assert mk.nn.Conv1D(7, 13)(torch.randn(3, 13)).grad_fn.name() == "memkern::LinearBackward"
+    m.weight.grad = torch.zeros_like(m.weight)
+    for x in (torch.randn(3, 13), torch.randn(13)):
+        assert m(x).grad_fn.name() == "memkern::LinearBackward"
 
 
 _DOUBLE_BACKWARD_LAYERS = {
@@ -89,8 +92,9 @@ def test_cpp_autograd_refuses_double_backward(layer, layer_autograd):
         m.weight.grad = torch.zeros_like(m.weight)
     dtype = torch.bfloat16 if layer.endswith("bf16") else torch.float32
     x = torch.randn(3, 13, dtype=dtype, requires_grad=True)
-    y = m(x).float().square().sum()
-    if layer_autograd == "cpp":
+    out = m(x)
+    y = out.float().square().sum()
+    if runs_cpp_autograd(out.grad_fn):
         with pytest.raises(RuntimeError, match="double backward"):
             torch.autograd.grad(y, x, create_graph=True)
     else:
@@ -102,7 +106,7 @@ def test_cpp_autograd_refuses_double_backward(layer, layer_autograd):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_matches_torch(shape, dtype, bias, layer_autograd):
+def test_linear_matches_torch(shape, dtype, bias):
     ref = nn.Linear(shape[-1], 11, bias=bias).to(dtype)
     m = mk.nn.Linear(shape[-1], 11, bias=bias).to(dtype)
     m.load_state_dict(ref.state_dict())
@@ -111,14 +115,14 @@ def test_linear_matches_torch(shape, dtype, bias, layer_autograd):
     assert_same(m, ref, _input(shape, dtype), tol=TOL[dtype])
 
 
-def test_linear_unbatched_input_and_state_dict_keys(layer_autograd):
+def test_linear_unbatched_input_and_state_dict_keys():
     ref, m = nn.Linear(9, 5), mk.nn.Linear(9, 5)
     assert list(m.state_dict()) == list(ref.state_dict())
     m.load_state_dict(ref.state_dict())
     assert_same(m, ref, _input((9,), torch.float32), tol=1e-6)
 
 
-def test_conv1d_matches_transposed_linear(layer_autograd):
+def test_conv1d_matches_transposed_linear():
     m = mk.nn.Conv1D(11, 13)
     with torch.no_grad():
         m.bias.normal_()
@@ -190,7 +194,7 @@ def test_weight_grad_accumulates_into_grad_buffer(make, layer_autograd):
     assert all(float(p.grad.abs().max()) == 0 for p in m.parameters())
 
 
-def test_linear_without_existing_grad_behaves_as_torch(layer_autograd):
+def test_linear_without_existing_grad_behaves_as_torch():
     """No .grad yet: the gradient is computed and handed to autograd as nn.Linear's is."""
     m, ref = mk.nn.Linear(13, 7), nn.Linear(13, 7)
     m.load_state_dict(ref.state_dict())
@@ -203,7 +207,7 @@ def test_linear_without_existing_grad_behaves_as_torch(layer_autograd):
     assert rel_err(m.weight.grad, ref.weight.grad) < 1e-6
 
 
-def test_linear_leaves_grad_alone_for_autograd_grad_and_inputs_subset(layer_autograd):
+def test_linear_leaves_grad_alone_for_autograd_grad_and_inputs_subset():
     m = mk.nn.Linear(13, 7)
     m.weight.grad = torch.randn(7, 13)
     before = m.weight.grad.clone()
@@ -217,7 +221,7 @@ def test_linear_leaves_grad_alone_for_autograd_grad_and_inputs_subset(layer_auto
     assert rel_err(x.grad, g @ m.weight.detach()) < 1e-6
 
 
-def test_linear_tensor_hooks_see_the_real_gradient(layer_autograd):
+def test_linear_tensor_hooks_see_the_real_gradient():
     m = mk.nn.Linear(13, 7)
     m.weight.grad = torch.zeros(7, 13)
     seen = []
@@ -229,7 +233,7 @@ def test_linear_tensor_hooks_see_the_real_gradient(layer_autograd):
 
 
 @pytest.mark.parametrize("hook", ["node_post", "node_pre", "post_accumulate", "none"])
-def test_accumulate_grad_node_runs_while_watched(hook, layer_autograd):
+def test_accumulate_grad_node_runs_while_watched(hook):
     """Gradient added into an existing .grad in place: whatever watches the weight's
     AccumulateGrad node (a hook on it — DDP's reducer adds one — or a post-accumulate hook)
     still sees it run once per backward, a node hook with a gradient tensor (a zero: the
@@ -253,7 +257,7 @@ def test_accumulate_grad_node_runs_while_watched(hook, layer_autograd):
     assert rel_err(m.weight.grad, before + g.t() @ x) < 1e-6
 
 
-def test_linear_under_autocast_matches_torch(layer_autograd):
+def test_linear_under_autocast_matches_torch():
     ref, m = nn.Linear(13, 11), mk.nn.Linear(13, 11)
     m.load_state_dict(ref.state_dict())
     x = torch.randn(7, 13, requires_grad=True)
@@ -370,7 +374,7 @@ def test_norms_match_float64_oracle(norm, dtype, layer_autograd):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
-def test_dropout_masks_forward_equal_backward(p, dtype, layer_autograd):
+def test_dropout_masks_forward_equal_backward(p, dtype):
     x = (torch.randn(3, 1025) + 5).to(dtype).requires_grad_()  # no zeros in x
     d = mk.nn.Dropout(p)
     y = d(x)
@@ -388,7 +392,7 @@ def test_dropout_masks_forward_equal_backward(p, dtype, layer_autograd):
     assert not torch.equal(y2 != 0, kept), "each call draws a new mask"
 
 
-def test_dropout_reproducible_from_manual_seed_and_eval_identity(layer_autograd):
+def test_dropout_reproducible_from_manual_seed_and_eval_identity():
     d = mk.nn.Dropout(0.3)
     x = torch.randn(7, 13)
     torch.manual_seed(3)
@@ -401,18 +405,18 @@ def test_dropout_reproducible_from_manual_seed_and_eval_identity(layer_autograd)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
-def test_dropout_mask_is_the_reference_mask_of_the_drawn_seed(p, layer_autograd):
-    """Under one RNG state the module draws the seed ``draw_seed`` draws, and its mask is the
-    reference's Philox mask of that seed (an oracle apart from the C++ and Triton kernels);
-    so both implementations give the same runs, and checkpoint replays them."""
-    from memkern.nn.functional.dropout import draw_seed
+def test_dropout_mask_is_the_reference_mask_of_the_drawn_seed(p):
+    """Under one RNG state the module draws one int64 seed in ``[0, 2**62)`` from the input's
+    device generator (the documented draw, csrc/layer_constants.h), and its mask is the
+    reference's Philox mask of that seed (an oracle apart from the C++ and Triton kernels); so
+    checkpoint replays its runs."""
     from memkern.ops.dropout import reference
     x = torch.randn(3, 333) + 5
     torch.manual_seed(11)
-    expected = reference(x, draw_seed(x.device), p)
+    expected = reference(x, torch.randint(0, 1 << 62, (), dtype=torch.int64), p)
     torch.manual_seed(11)
     y = mk.nn.Dropout(p)(x.requires_grad_())
-    assert runs_cpp_autograd(y.grad_fn) == (layer_autograd == "cpp")
+    assert y.grad_fn.name() == "memkern::DropoutBackward"
     assert torch.equal(y, expected)
     (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
     assert torch.equal(gx != 0, expected != 0)
@@ -565,10 +569,10 @@ def test_nan_and_inf_propagate_like_torch(name, where, layer_autograd):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 @pytest.mark.skipif(not mk.backend.runs_on("triton", torch.device("cpu")), reason="no triton interpreter")
-@pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm", "Dropout", "MLP", "SwiGLU", "LinearCrossEntropy"])
+@pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm", "MLP", "SwiGLU", "LinearCrossEntropy"])
 def test_module_on_triton_backend_matches_reference(name):
     make = {"LayerNorm": lambda: mk.nn.LayerNorm(37), "RMSNorm": lambda: mk.nn.RMSNorm(37),
-            "Dropout": lambda: mk.nn.Dropout(0.4), "MLP": lambda: mk.nn.MLP(37, 53, activation="gelu"),
+            "MLP": lambda: mk.nn.MLP(37, 53, activation="gelu"),
             "SwiGLU": lambda: mk.nn.SwiGLU(37, 53), "LinearCrossEntropy": lambda: mk.nn.LinearCrossEntropy(37, 301)}
     m = make[name]()
     x = torch.randn(3, 7, 37, requires_grad=True)
@@ -664,6 +668,18 @@ def _layer_case(name: str, d: int, dtype: torch.dtype):
 
 _LAYERS = ["linear", "conv1d", "mlp-none", "mlp-activation-gelu", "mlp-full", "mlp-full-relu",
            "mlp-activation-silu-transposed", "swiglu-none", "swiglu-activation", "swiglu-full"]
+_CPP_ONLY = ("linear", "conv1d")
+"""The layers of :func:`_layer_case` whose one autograd is C++ (no Python Function)."""
+
+
+def _with_autograds(layers):
+    """Parametrizes ``layer`` over ``layers`` and the ``layer_autograd`` fixture over the
+    implementations each of them has."""
+    return pytest.mark.parametrize(
+        ("layer", "layer_autograd"),
+        [(layer, impl) for layer in layers for impl in ("cpp", "python")
+         if impl == "cpp" or layer.split("-")[0] not in _CPP_ONLY],
+        indirect=["layer_autograd"])
 _NORMS = ["layer_norm", "rms_norm", "layer_norm_2d", "rms_norm_2d"]
 
 
@@ -678,7 +694,7 @@ def _leaves(tensors, dtype=None):
     return [t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
 
 
-@pytest.mark.parametrize("layer", _LAYERS)
+@_with_autograds(_LAYERS)
 @pytest.mark.parametrize("norm", _NORMS)
 def test_layer_after_a_norm_saves_its_recipe_and_matches_float64(norm, layer, layer_autograd):
     """norm -> layer in float64 on odd sizes against F.layer_norm/F.rms_norm + F.linear: the
@@ -725,7 +741,7 @@ def _norm_then_layer_grads(norm, layer, dtype, seed):
 
 @pytest.mark.skipif(not mk.compiled.has_cpu, reason="the compiled extension is not built")
 @pytest.mark.parametrize("dtype", DTYPES[:2])
-@pytest.mark.parametrize("layer", _LAYERS)
+@pytest.mark.parametrize("layer", [layer for layer in _LAYERS if layer not in _CPP_ONLY])
 @pytest.mark.parametrize("norm", ["layer_norm", "rms_norm_2d"])
 def test_cpp_and_python_autograd_are_bit_identical_after_a_norm(norm, layer, dtype, monkeypatch):
     """The C++ node rebuilds the norm's output with the op the norm ran (torch's
@@ -740,7 +756,7 @@ def test_cpp_and_python_autograd_are_bit_identical_after_a_norm(norm, layer, dty
 
 
 @pytest.mark.skipif(not mk.compiled.has_cpu, reason="the compiled extension is not built")
-@pytest.mark.parametrize("layer", ["linear", "mlp-activation", "swiglu-full"])
+@pytest.mark.parametrize("layer", ["mlp-activation", "swiglu-full"])
 @pytest.mark.parametrize("norm", ["layer_norm", "rms_norm_2d"])
 def test_recipe_crosses_between_the_cpp_and_python_paths(norm, layer, monkeypatch):
     """A norm on the C++ path leaves a C++ recipe; a layer that runs its Python Function
@@ -777,10 +793,36 @@ def test_recipe_crosses_between_the_cpp_and_python_paths(norm, layer, monkeypatc
         assert torch.equal(a, b), f"result {i}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES[:2])
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm_2d"])
+def test_linear_after_a_norm_under_autocast(norm, dtype):
+    """Norm and Linear both under autocast (bfloat16): on a bfloat16 input the Linear saves
+    the norm's input (the norm's output is of the compute dtype and rebuilt in backward); on a
+    float32 one, the bfloat16 copy it computes with. Gradients against float64 torch."""
+    x = torch.randn(4, 3, 13).to(dtype).requires_grad_()
+    norm_fn, norm_oracle, norm_params = _norm_case(norm, 13, dtype)
+    fn, oracle, params, _ = _layer_case("linear", 13, dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = norm_fn(x, *norm_params)
+        out, saved = _saved_storages(fn, y, *params)
+    assert out.grad_fn.name() == "memkern::LinearBackward" and out.dtype == torch.bfloat16
+    assert y.untyped_storage().data_ptr() not in saved
+    assert (x.untyped_storage().data_ptr() in saved) == (dtype == torch.bfloat16)
+    g = torch.randn(out.shape)
+    out.backward(g.to(out.dtype))
+    rx, rn, rp = _leaves([x], torch.float64), _leaves(norm_params, torch.float64), \
+        _leaves(params, torch.float64)
+    expected = oracle(norm_oracle(rx[0], *rn), *rp)
+    expected.backward(g.double())
+    assert rel_err(out, expected) < TOL[torch.bfloat16]
+    for a, r in zip([x, *norm_params, *params], [*rx, *rn, *rp]):
+        assert a.grad.dtype == dtype and rel_err(a.grad, r.grad) < TOL[torch.bfloat16]
+
+
 _STALE_LAYERS = ["linear", "mlp-activation", "mlp-full-transposed", "swiglu-full"]
 
 
-@pytest.mark.parametrize("layer", _STALE_LAYERS)
+@_with_autograds(_STALE_LAYERS)
 @pytest.mark.parametrize("changed", ["norm_input", "norm_output"])
 def test_stale_recipe_makes_the_layer_save_its_input(changed, layer, layer_autograd):
     """The norm's input (or its output) modified in place between the norm and the layer: the
@@ -805,7 +847,7 @@ def test_stale_recipe_makes_the_layer_save_its_input(changed, layer, layer_autog
         assert rel_err(a, b) < 1e-10
 
 
-@pytest.mark.parametrize("layer", _STALE_LAYERS)
+@_with_autograds(_STALE_LAYERS)
 def test_norm_input_modified_after_the_layer_ran_raises_as_torch(layer, layer_autograd):
     """The norm's input modified in place between forward and backward: rebuilding the
     output from it would be wrong, and the layer's backward raises autograd's error (as it

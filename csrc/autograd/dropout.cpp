@@ -1,10 +1,9 @@
-// memkern::dropout_layer: mk.nn.Dropout's autograd in C++ (a torch::autograd::Node, node.h), so
-// a layer call costs what nn.Dropout's does on the host: no Python autograd.Function per call.
+// memkern::dropout_layer: mk.nn.Dropout's one autograd, in C++ (a torch::autograd::Node, node.h),
+// for eager calls and torch.compile (which traces it), at the host cost of nn.Dropout's call.
 //
-// Forward draws an int64 seed from torch's generator of x's device (when none is given: the
-// same draw as memkern.nn.functional.dropout.draw_seed, so both paths give the same masks) and
-// runs memkern::dropout; saves the seed only (8 bytes); backward runs memkern::dropout on the
-// gradient with that seed, regenerating the forward's mask. memkern::dropout is called through
+// Forward draws an int64 seed in [0, kDropoutSeedHigh) from torch's generator of x's device
+// (when none is given) and runs memkern::dropout; saves the seed only (8 bytes); backward runs
+// memkern::dropout on the gradient with that seed, regenerating the forward's mask. memkern::dropout is called through
 // the dispatcher: the C++ CPU kernel, or the CUDA one (csrc/cuda/dropout.cu), which reads the
 // seed on the device — at::randint draws it there, so a call makes no host-device copy.
 #include <ATen/ATen.h>

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 
 #include <optional>
 #include <vector>
@@ -17,6 +18,30 @@ inline std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
   std::vector<int64_t> out(sizes.begin(), sizes.end());
   out.back() = last;
   return out;
+}
+
+// The dtype a GEMM layer computes in: autocast's when it is on for x's device (x floating),
+// else x's own (which the parameters then share: memkern.nn.functional checks that first).
+inline at::ScalarType compute_dtype(const at::Tensor& x) {
+  const c10::DeviceType device = x.device().type();
+  if (x.is_floating_point() && at::autocast::is_autocast_available(device) &&
+      at::autocast::is_autocast_enabled(device)) {
+    return at::autocast::get_autocast_dtype(device);
+  }
+  return x.scalar_type();
+}
+
+// `t` in `dtype`: `t` itself when it has it (no aten::to call, which would return its input).
+inline at::Tensor cast(const at::Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == dtype ? t : t.to(dtype);
+}
+
+// The same for an optional tensor; absent stays absent.
+inline std::optional<at::Tensor> cast(const std::optional<at::Tensor>& t, at::ScalarType dtype) {
+  if (!t.has_value() || !t->defined()) {
+    return std::nullopt;
+  }
+  return cast(*t, dtype);
 }
 
 // a @ W^T + b (a @ W + b when transposed); b may be absent.

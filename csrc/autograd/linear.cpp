@@ -2,13 +2,15 @@
 // node.h), so a layer call costs what nn.Linear's does on the host: no Python
 // autograd.Function per call.
 //
-// What it computes and saves is memkern.nn.functional.linear's LinearFunction for one dtype and
-// no autocast (the Python module routes only those calls here): out = x @ W^T + b (x @ W + b
-// with transposed = true, GPT-2's Conv1D); saves x (when W needs a gradient) — or, when x is a
-// memkern norm's output, the norm's recipe (saved_input.h) — and W. In backward the weight
+// out = x @ W^T + b (x @ W + b with transposed = true, GPT-2's Conv1D), computed in autocast's
+// dtype when autocast is on for x's device (x, W and b cast to it first, as torch's linear
+// is), else in x's. Saves x as cast (when W needs a gradient) — or, when x is a memkern norm's
+// output of that dtype, the norm's recipe (saved_input.h) — and W itself: under autocast its
+// low-precision copy is made again in backward rather than kept. In backward the weight
 // gradient is added straight into W.grad when that gives exactly what autograd would
-// (weight_grad.h). Device-generic: only ATen ops and memkern ops through the dispatcher,
-// registered for the Autograd dispatch key.
+// (weight_grad.h); the engine casts each gradient to its input's dtype. Device-generic: only
+// ATen ops through the dispatcher, registered for the Autograd dispatch key; torch.compile
+// traces it.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -25,6 +27,7 @@ using memkern::autograd::NormRecipe;
 using torch::autograd::variable_list;
 namespace mka = memkern::autograd;
 
+// The output from x, W, b already in the compute dtype.
 at::Tensor forward_only(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias, bool transposed) {
   const at::Tensor out = mka::layer_mm(mka::rows(x), weight, bias, transposed);
@@ -35,6 +38,7 @@ at::Tensor forward_only(const at::Tensor& x, const at::Tensor& weight,
 struct LinearBackward : public torch::autograd::Node {
   mka::SavedInput input;  // x, when the weight needs a gradient
   torch::autograd::SavedVariable weight;
+  at::ScalarType dtype = at::kFloat;  // the compute dtype
   bool transposed = false;
   bool has_bias = false;
 
@@ -45,8 +49,9 @@ struct LinearBackward : public torch::autograd::Node {
     if (!grad_out.defined()) {
       return out;
     }
-    const at::Tensor w = weight.unpack();
-    const at::Tensor g = mka::rows(grad_out);
+    const at::Tensor stored = weight.unpack();
+    const at::Tensor w = mka::cast(stored, dtype);
+    const at::Tensor g = mka::rows(mka::cast(grad_out, dtype));
     if (task_should_compute_output(0)) {
       const int64_t in_features = transposed ? w.size(0) : w.size(1);
       out[0] = mka::input_grad(g, w, transposed)
@@ -54,7 +59,7 @@ struct LinearBackward : public torch::autograd::Node {
     }
     if (task_should_compute_output(1)) {
       const auto [a, b] = mka::weight_grad_operands(g, mka::rows(input.load()), transposed);
-      out[1] = mka::weight_grad(w, a, b);
+      out[1] = mka::weight_grad(stored, a, b);
     }
     if (has_bias && task_should_compute_output(2)) {
       out[2] = g.sum(0);
@@ -76,17 +81,23 @@ at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& norm_weight,
                            const std::optional<at::Tensor>& norm_bias, int64_t norm_kind,
                            int64_t norm_dims, double norm_eps) {
-  at::Tensor out;
+  const at::ScalarType dtype = mka::compute_dtype(x);
+  at::Tensor xc, out;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    out = forward_only(x, weight, bias, transposed);
+    xc = mka::cast(x, dtype);
+    out = forward_only(xc, mka::cast(weight, dtype), mka::cast(bias, dtype), transposed);
   }
   const at::Tensor b = bias.value_or(at::Tensor());
   if (torch::autograd::compute_requires_grad(x, weight, b)) {
     auto node = mka::make_node<LinearBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(x, weight, b));
-    node->input.save(weight.requires_grad() ? x : at::Tensor(),
-                     NormRecipe{norm_x, norm_weight, norm_bias, norm_kind, norm_dims, norm_eps});
+    // a cast x is not the norm's output: the recipe cannot rebuild it
+    node->input.save(weight.requires_grad() ? xc : at::Tensor(),
+                     xc.is_same(x) ? NormRecipe{norm_x, norm_weight, norm_bias, norm_kind,
+                                                norm_dims, norm_eps}
+                                   : NormRecipe{});
+    node->dtype = dtype;
     node->weight = torch::autograd::SavedVariable(weight, /*is_output=*/false);
     node->transposed = transposed;
     node->has_bias = b.defined();
@@ -99,7 +110,9 @@ at::Tensor linear_no_autograd(const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias, bool transposed,
                               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                               const std::optional<at::Tensor>&, int64_t, int64_t, double) {
-  return forward_only(x, weight, bias, transposed);
+  const at::ScalarType dtype = mka::compute_dtype(x);
+  return forward_only(mka::cast(x, dtype), mka::cast(weight, dtype), mka::cast(bias, dtype),
+                      transposed);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include "saved_input.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
 #include <tuple>
@@ -32,6 +33,8 @@ bool uses_recipe(const at::Tensor& input, const NormRecipe& recipe) {
 at::Tensor rebuild_norm_output(const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& bias, int64_t kind, int64_t dims, double eps) {
   at::NoGradGuard no_grad;
+  // the op as the norm ran it: in x's dtype, whatever autocast the backward runs under
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const at::IntArrayRef normalized = x.sizes().slice(x.dim() - dims);
   if (kind == kNativeLayerNorm) {
     return std::get<0>(at::native_layer_norm(x, normalized, weight, bias, eps));

@@ -99,7 +99,7 @@ at::Tensor weight_grad(const at::Tensor& weight, const at::Tensor& a, const at::
   if (!accumulation_watched(weight)) {
     return {};  // the engine skips the node: no `grad += 0` pass over the gradient
   }
-  return cached_zero(grad).expand(grad.sizes());
+  return cached_zero(weight).expand(grad.sizes());  // in the weight's dtype: no cast
 }
 
 }  // namespace memkern::autograd

@@ -3,12 +3,12 @@
 mask with :mod:`memkern.ops.dropout`, at the host cost of ``nn.Dropout``'s call.
 
 Arguments: ``x`` (float tensor), ``seed`` (int64, one element, on ``x``'s device; None draws
-one from torch's generator of that device, as :func:`memkern.nn.functional.dropout.draw_seed`
-does), ``p`` (drop probability in [0, 1]).
+one from torch's generator of that device, in ``[0, 2**62)``), ``p``
+(drop probability in [0, 1]).
 
 Only the compiled extension registers its kernels (``Autograd`` and, below autograd,
-``CompositeExplicitAutograd``); without it :mod:`memkern.nn.functional.dropout` runs the same
-algorithm as a Python ``autograd.Function``.
+``CompositeExplicitAutograd``); ``torch.compile`` traces the C++ autograd into
+``aten::randint`` and ``memkern::dropout``.
 """
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
-"""The autograd layer of :mod:`memkern.nn`: one ``torch.autograd.Function`` per concept, each
-deciding exactly what is saved for backward and what is recomputed (see each file's docstring).
+"""The functional layer of :mod:`memkern.nn`: per layer, the call of its layer op, or a Python
+``torch.autograd.Function`` where that layer still has one, each deciding exactly what is saved
+for backward and what is recomputed (see each file's docstring). Linear and dropout have no
+Python autograd: every call runs the layer op's C++ node (:mod:`memkern.ops.linear_layer`,
+:mod:`memkern.ops.dropout_layer`), and without the compiled extension they are torch's own
+``F.linear`` / ``F.dropout`` (the only Python path a layer without a Python Function has).
 
 =====================  ===========================================================
 file                   what it saves for backward

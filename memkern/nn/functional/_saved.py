@@ -15,9 +15,10 @@ A recipe says which norm (``kind``, one of :mod:`memkern.ops._norm_recipe`'s kin
 many trailing dimensions, with which eps, and ``rebuild(x, weight, bias)`` runs it. A norm on
 the C++ path (the extension built, the default backend) leaves a ``memkern._C.NormRecipe``,
 which the layers' C++ entry points (csrc/python_entries.cpp) read and pass to their ops as the
-``norm_*`` arguments (csrc/autograd/saved_input.h); a norm on the Python path leaves a
-:class:`_Recipe`, which sends its consumers to their Python Functions. Both have the methods
-:class:`Saver` uses.
+``norm_*`` arguments (csrc/autograd/saved_input.h); a norm on the Python path (a forced
+backend, no extension) leaves a :class:`_Recipe`, which sends an MLP or SwiGLU to its Python
+Function and which the Linear's C++ node does not read (it then saves its input). Both have
+the methods :class:`Saver` uses.
 
 Under ``torch.compile`` tensors carry no Python attributes, and the compiler merges a
 backward's recomputation with the forward op it repeats (then keeps that op's output). There
