@@ -179,8 +179,9 @@ def test_documented_launch_commands_run_as_written(command, tmp_path):
     argv = LAUNCHERS[launcher] + shlex.split(command[len(launcher):])
     output = run_launcher(argv, what=command, TMPDIR=str(tmp_path))  # checkpoints there
     zero = re.search(r"--zero-stage (\d)", command)
-    assert re.search(rf"trained 4 steps, .* 2 process\(es\), ZeRO-{zero.group(1) if zero else 1}",
-                     output), output[-3000:]
+    sharding = "FSDP2" if "--fsdp2" in command else f"ZeRO-{zero.group(1) if zero else 1}"
+    assert re.search(rf"trained 4 steps, .* 2 process\(es\), {sharding}", output), \
+        output[-3000:]
 
 
 def test_fsdp_settings_are_refused_in_one_line(tmp_path):

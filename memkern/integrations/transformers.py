@@ -161,9 +161,10 @@ class MemkernTrainer(Trainer):
 
     # ---------------------------------------------------------------------------- optimizer
     @property
-    def memkern_optimizer(self) -> ShardedOptimizer | None:
-        """The ``ShardedOptimizer`` (``self.optimizer`` is accelerate's wrapper of it during
-        training); None before it is built."""
+    def memkern_optimizer(self) -> ShardedOptimizer | FusedAdamW | FusedSGD | None:
+        """The ``ShardedOptimizer`` (with ``fsdp2=True``: the ``FusedAdamW`` or ``FusedSGD``;
+        ``self.optimizer`` is accelerate's wrapper of it during training); None before it is
+        built."""
         opt = self.optimizer
         return getattr(opt, "optimizer", opt)
 
