@@ -548,6 +548,9 @@ class FlatOptimizer(torch.optim.Optimizer):
         state = self.state[p].get(key)
         return None if state is None else [(dtensor_params.local_flat(state, key), 0)]
 
+    # A DTensor's state is written through a view that to_local(), an autograd Function, made:
+    # autograd forbids copying into it in place while grad mode is on.
+    @torch.no_grad()
     def _load_param_states(self, saved_state: dict[Any, dict[str, Any]],
                            id_map: dict[Any, torch.Tensor], name: str) -> None:
         """Copies per-parameter saved state into the flat state (wherever
