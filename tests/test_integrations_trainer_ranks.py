@@ -193,6 +193,7 @@ def test_fsdp_settings_are_refused_in_one_line(tmp_path):
     ({"zero_stage": 2}, r"offload= and zero_stage= are ShardedOptimizer's"),
     ({"offload": "cpu"}, r"offload= and zero_stage= are ShardedOptimizer's"),
     ({"fp16": True}, r"fp16 needs loss scaling"),
+    ({"optimizer": True}, r"optimizers=\(opt, \.\.\.\) is not supported; MemkernTrainer builds"),
     ({}, r"FSDP2 needs a process group: launch with torchrun"),
 ])
 def test_fsdp2_refuses_what_it_cannot_run_in_one_line(tmp_path, settings, message):
@@ -201,6 +202,9 @@ def test_fsdp2_refuses_what_it_cannot_run_in_one_line(tmp_path, settings, messag
     from memkern.integrations.transformers import MemkernTrainer
 
     fp16 = settings.pop("fp16", False)
+    model = tiny_gpt2()
+    if settings.pop("optimizer", False):
+        settings["optimizers"] = (torch.optim.SGD(model.parameters(), lr=0.1), None)
     with pytest.raises(ValueError, match=message):  # in one process: no process group
-        MemkernTrainer(model=tiny_gpt2(), train_dataset=Sequences(8, 0), fsdp2=True,
+        MemkernTrainer(model=model, train_dataset=Sequences(8, 0), fsdp2=True,
                        args=arguments(tmp_path, fp16=fp16), **settings)

@@ -146,6 +146,11 @@ class MemkernTrainer(Trainer):
         if self.args.fp16:
             raise ValueError(f"{name}: fp16 needs loss scaling, which this composition does not "
                              "run; use bf16=True or float32")
+        if self.optimizer is not None:
+            # fully_shard replaces the parameters: one built before would step the old ones.
+            raise ValueError(f"{name}: optimizers=(opt, ...) is not supported; MemkernTrainer "
+                             "builds FusedAdamW or FusedSGD on the sharded parameters from "
+                             "TrainingArguments.optim ('adamw_torch' or 'sgd')")
         if not torch.distributed.is_initialized():
             raise ValueError(f"{name}: FSDP2 needs a process group: launch with torchrun or "
                              "accelerate launch (one process: torchrun --nproc-per-node 1)")
@@ -208,12 +213,6 @@ class MemkernTrainer(Trainer):
     def _check_given_optimizer(self, opt: Any, max_grad_norm: float | None) -> None:
         name = "memkern MemkernTrainer"
         opt = getattr(opt, "optimizer", opt)
-        if self.memkern_fsdp2:
-            if not isinstance(opt, (FusedAdamW, FusedSGD)):
-                raise TypeError(f"{name}: with fsdp2=True, optimizers=(opt, ...) must hold a "
-                                "memkern.optim.FusedAdamW or FusedSGD over the sharded "
-                                f"parameters, got {type(opt).__name__}")
-            return
         if not isinstance(opt, ShardedOptimizer):
             raise TypeError(f"{name}: optimizers=(opt, ...) must hold a "
                             f"memkern.optim.ShardedOptimizer, got {type(opt).__name__}")
