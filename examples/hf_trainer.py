@@ -5,6 +5,8 @@
     python examples/hf_trainer.py --resume            # continue from the last checkpoint
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py --zero-stage 2
                                                       # 2 processes, ZeRO-2 (docs/distributed.md)
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py --fsdp2
+                                                      # 2 processes, FSDP2 + FusedAdamW
 
 The model is built from a config (nothing is downloaded) and learns arithmetic token
 sequences. Checkpoints go to ``--out``, by default a folder in the system's temporary
@@ -51,6 +53,8 @@ def main() -> None:
     parser.add_argument("--zero-stage", type=int, default=1, choices=(1, 2),
                         help="across processes: the optimizer state (1) and the gradients too "
                         "(2) split over the ranks")
+    parser.add_argument("--fsdp2", action="store_true", help="under torchrun: shard the "
+                        "parameters with FSDP2, stepped by memkern's FusedAdamW")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -62,18 +66,18 @@ def main() -> None:
         max_grad_norm=1.0, lr_scheduler_type="cosine", warmup_steps=3, bf16=args.bf16,
         logging_steps=min(10, args.steps), save_steps=max(1, args.steps // 2), report_to=[],
         use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
+    sharding = dict(fsdp2=True) if args.fsdp2 else dict(zero_stage=args.zero_stage)
     trainer = MemkernTrainer(model=model, args=training, train_dataset=Sequences(512),
-                             zero_stage=args.zero_stage)
+                             **sharding)
     result = trainer.train(resume_from_checkpoint=True if args.resume else None)
-    opt = trainer.memkern_optimizer
     if not trainer.is_world_process_zero():
         return
-    logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    last = f"last logged loss {logged[-1]:.3f}" if logged else "no loss logged yet"
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    last = (f"last logged loss {logs[-1]['loss']:.3f}, grad norm {logs[-1]['grad_norm']:.3f}"
+            if logs else "no loss logged yet")
     print(f"trained {trainer.state.global_step} steps, {last} (mean over the run "
-          f"{result.training_loss:.3f}), last grad norm {opt.grad_norm:.3f}, skipped steps "
-          f"{opt.skipped_steps}; checkpoints in {args.out}; {training.world_size} process(es), "
-          f"ZeRO-{args.zero_stage}")
+          f"{result.training_loss:.3f}); checkpoints in {args.out}; {training.world_size} "
+          f"process(es), {'FSDP2' if args.fsdp2 else f'ZeRO-{args.zero_stage}'}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ One launch trains 6 steps at W=2 (ZeRO-1, torchrun) and saves a checkpoint at st
 resumes it at W=2 (ZeRO-2, accelerate launch), a third in one process: every logged loss equals
 plain Trainer's. The torchrun and accelerate commands of docs/distributed.md run as written.
 Each launch runs under a timeout that reports every rank's output (tests/multiprocess.py).
+
+``MemkernTrainer(fsdp2=True)`` (FSDP2 + memkern's FusedAdamW on the patched model): 2 ranks under
+torchrun save at step 3; resumed at 1 rank (torchrun): every logged loss equals plain
+Trainer's.
 """
 import importlib.util
 import json
@@ -70,7 +74,24 @@ def runs(tmp_path_factory):
                  what="accelerate launch, 2 ranks, ZeRO-2, resumed")
     _in_process("--resume", checkpoint, "--out", str(tmp / "one"),
                 "--result", str(tmp / "one.json"), *common)
-    return {name: _result(tmp / f"{name}.json") for name in ("plain", "zero1", "zero2", "one")}
+    return {"seed": seed, **{name: _result(tmp / f"{name}.json")
+                             for name in ("plain", "zero1", "zero2", "one")}}
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(runs, tmp_path_factory):
+    """Plain Trainer's run of ``runs`` (its seed), then MemkernTrainer(fsdp2=True)."""
+    tmp = tmp_path_factory.mktemp("trainer_fsdp2")
+    common = ["--fsdp2", "--steps", str(STEPS), "--seed", str(runs["seed"])]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--tee", "3"]
+    run_launcher([*torchrun, "--nproc-per-node", "2", SCRIPT, "--save-steps", str(SAVED_AT),
+                  "--out", str(tmp / "two"), "--result", str(tmp / "two.json"), *common],
+                 what="torchrun, 2 ranks, fsdp2")
+    checkpoint = str(tmp / "two" / f"checkpoint-{SAVED_AT}")
+    run_launcher([*torchrun, "--nproc-per-node", "1", SCRIPT, "--resume", checkpoint,
+                  "--out", str(tmp / "one"), "--result", str(tmp / "one.json"), *common],
+                 what="torchrun, 1 rank, fsdp2, resumed")
+    return {name: _result(tmp / f"{name}.json") for name in ("two", "one")}
 
 
 def _assert_losses_equal(got: dict, expected: dict, steps) -> None:
@@ -106,6 +127,30 @@ def test_resumed_from_the_two_rank_checkpoint(runs, name, world, stage):
     assert [(r["world"], r["zero_stage"]) for r in resumed["ranks"]] == [(world, stage)] * world
 
 
+@pytest.mark.slow
+def test_fsdp2_two_ranks_log_plain_trainers_losses_with_half_the_state_each(runs, fsdp2_runs):
+    two, one = fsdp2_runs["two"], fsdp2_runs["one"]
+    _assert_losses_equal(two["losses"], runs["plain"]["losses"], range(1, STEPS + 1))
+    # FSDP2 units on the patched model, memkern's optimizer; each rank holds the moments of
+    # its shards: half of one rank's (dim 0 of an odd size splits unevenly).
+    whole = one["ranks"][0]["state_elements"]
+    assert whole == 2 * two["parameters"]
+    for rank in two["ranks"]:
+        assert (rank["wrapper"], rank["optimizer"], rank["world"]) == \
+            ("FSDPLlamaForCausalLM", "FusedAdamW", 2)
+    assert sum(rank["state_elements"] for rank in two["ranks"]) == whole
+
+
+@pytest.mark.slow
+def test_fsdp2_resumed_at_one_rank_from_the_two_rank_checkpoint(runs, fsdp2_runs):
+    """Saved at step 3 by the 2-rank run (full model and optimizer state), resumed at 1 rank
+    (torchrun): steps 4-6 log plain Trainer's losses."""
+    resumed = fsdp2_runs["one"]
+    _assert_losses_equal(resumed["losses"], runs["plain"]["losses"],
+                         range(SAVED_AT + 1, STEPS + 1))
+    assert [r["world"] for r in resumed["ranks"]] == [1]
+
+
 LAUNCHERS = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--tee", "3"],
              "accelerate launch": [sys.executable, "-m", "accelerate.commands.launch",
                                    "--tee", "3"]}
@@ -126,8 +171,9 @@ def test_documented_launch_commands_run_as_written(command, tmp_path):
     argv = LAUNCHERS[launcher] + shlex.split(command[len(launcher):])
     output = run_launcher(argv, what=command, TMPDIR=str(tmp_path))  # checkpoints there
     zero = re.search(r"--zero-stage (\d)", command)
-    assert re.search(rf"trained 4 steps, .* 2 process\(es\), ZeRO-{zero.group(1) if zero else 1}",
-                     output), output[-3000:]
+    sharding = "FSDP2" if "--fsdp2" in command else f"ZeRO-{zero.group(1) if zero else 1}"
+    assert re.search(rf"trained 4 steps, .* 2 process\(es\), {sharding}", output), \
+        output[-3000:]
 
 
 def test_fsdp_settings_are_refused_in_one_line(tmp_path):
@@ -137,7 +183,28 @@ def test_fsdp_settings_are_refused_in_one_line(tmp_path):
 
     from memkern.integrations.transformers import MemkernTrainer
 
-    with pytest.raises(ValueError, match=r"MemkernTrainer shards its optimizer .* for FSDP2 "
-                                         r"train in a loop of your own"):
+    with pytest.raises(ValueError, match=r"drop the fsdp/deepspeed settings and pass "
+                                         r"MemkernTrainer\(\.\.\., fsdp2=True\)"):
         MemkernTrainer(model=tiny_gpt2(), train_dataset=Sequences(8, 0),
                        args=arguments(tmp_path, fsdp=True, fsdp_config={"version": 2}))
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"zero_stage": 2}, r"offload= and zero_stage= are ShardedOptimizer's"),
+    ({"offload": "cpu"}, r"offload= and zero_stage= are ShardedOptimizer's"),
+    ({"fp16": True}, r"fp16 needs loss scaling"),
+    ({"optimizer": True}, r"optimizers=\(opt, \.\.\.\) is not supported; MemkernTrainer builds"),
+    ({}, r"FSDP2 needs a process group: launch with torchrun"),
+])
+def test_fsdp2_refuses_what_it_cannot_run_in_one_line(tmp_path, settings, message):
+    from test_integrations_transformers import Sequences, arguments, tiny_gpt2
+
+    from memkern.integrations.transformers import MemkernTrainer
+
+    fp16 = settings.pop("fp16", False)
+    model = tiny_gpt2()
+    if settings.pop("optimizer", False):
+        settings["optimizers"] = (torch.optim.SGD(model.parameters(), lr=0.1), None)
+    with pytest.raises(ValueError, match=message):  # in one process: no process group
+        MemkernTrainer(model=model, train_dataset=Sequences(8, 0), fsdp2=True,
+                       args=arguments(tmp_path, fp16=fp16), **settings)

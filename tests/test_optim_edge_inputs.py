@@ -99,6 +99,23 @@ def test_requires_grad_switched_off_is_refused_by_the_fused_optimizers():
     assert torch.equal(a, before)
 
 
+@pytest.mark.parametrize("algorithm", [mk.optim.FusedAdamW, mk.optim.FusedSGD])
+def test_parameters_swapped_into_the_param_groups_are_refused(algorithm):
+    """accelerate's FSDP2 preparation replaces the param groups' tensors with the sharded ones
+    after the optimizer is built; stepping the built ones instead would train nothing."""
+    model = torch.nn.Linear(6, 3)
+    opt = algorithm(model.parameters(), lr=1e-2)
+    swapped = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    opt.param_groups[0]["params"] = swapped
+    for p in [*model.parameters(), *swapped]:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"step: param_groups hold a Parameter of shape "
+                                           r"\(3, 6\) the optimizer was not built with.*no step"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
 @pytest.mark.parametrize("options", OFFLOAD)
 def test_zero_element_parameters_train_beside_the_others(options):
     shapes = [(7,), (0,), (3, 0), (5, 2)]

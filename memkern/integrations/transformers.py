@@ -34,21 +34,48 @@ whole model and the optimizer shards its state ZeRO-style (``zero_stage=1``: mas
 moments split 1/N per rank; ``2``: gradients too). The model is not wrapped in
 ``DistributedDataParallel``: the optimizer reduces the gradients itself, once per window.
 ``TrainingArguments.per_device_train_batch_size`` is per rank, as with ``Trainer``.
+
+``MemkernTrainer(..., fsdp2=True)`` shards the parameters instead (accelerate enables its own
+FSDP on GPUs only; this works on the CPU too): the patched model is ``fully_shard``-ed in
+torchtitan's layout (each decoder layer, then the model:
+:func:`memkern.integrations.fsdp2.fully_shard_blocks`) and stepped by memkern's
+:class:`~memkern.optim.FusedAdamW` / :class:`~memkern.optim.FusedSGD` on each rank's shards.
+``Trainer`` then does what it does for a torch optimizer: the backward of each micro-batch
+(FSDP2 reduce-scatters the gradients, averaged over the ranks as DDP's are), clipping with the
+global norm (``torch.nn.utils.clip_grad_norm_`` on the DTensor gradients), the step, the LR
+schedule. Checkpoints hold the full (gathered) model and optimizer state, written by rank 0,
+and resume at any world size. Launch under ``torchrun`` or ``accelerate launch`` (one process:
+``--nproc-per-node 1``): FSDP2 needs a process group.
 """
 from __future__ import annotations
 
 import os
 from typing import Any
 
+import safetensors.torch
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+from transformers.utils import SAFE_WEIGHTS_NAME
 
+from memkern.integrations.fsdp2 import fully_shard_blocks
 from memkern.nn.patch import patch as patch_model
+from memkern.optim.fused_adamw import FusedAdamW
+from memkern.optim.fused_sgd import FusedSGD
 from memkern.optim.sharded import ShardedOptimizer
 
 # TrainingArguments.optim -> ShardedOptimizer's algorithm
 ALGORITHMS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "sgd": "sgd"}
+
+_FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+"""FSDP2 checkpoints: the gathered tensors, on the CPU (rank 0 holds them, the others none)."""
 
 
 def _argument(args: Any, name: str) -> Any:
@@ -68,12 +95,17 @@ class MemkernTrainer(Trainer):
         offload: None, or ``"cpu"``: the optimizer's masters and state in host memory
             (``ShardedOptimizer(offload="cpu")``).
         zero_stage: across processes, 1 (masters and optimizer state split across ranks) or 2
-            (gradients too): ``ShardedOptimizer(zero_stage=)``.
+            (gradients too): ``ShardedOptimizer(zero_stage=)``; None: 1.
+        fsdp2: True: shard the parameters with FSDP2 and step them with ``FusedAdamW`` /
+            ``FusedSGD`` instead of ``ShardedOptimizer`` (module docstring); needs an
+            initialized process group (``torchrun``, ``accelerate launch``); float32 or
+            ``bf16``, without ``offload`` or ``zero_stage``.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, args: Any = None, *trainer_args: Any,
                  patch: bool | dict[str, Any] = True, offload: str | None = None,
-                 zero_stage: int = 1, **trainer_kwargs: Any) -> None:
+                 zero_stage: int | None = None, fsdp2: bool = False,
+                 **trainer_kwargs: Any) -> None:
         name = "memkern MemkernTrainer"
         if model is None:
             raise ValueError(f"{name}: pass model=; model_init is not supported (the model is "
@@ -97,20 +129,54 @@ class MemkernTrainer(Trainer):
         if patch:
             patch_model(model, **(patch if isinstance(patch, dict) else {}))
         self._memkern_offload = offload
-        self._memkern_zero_stage = zero_stage
+        self._memkern_zero_stage = 1 if zero_stage is None else zero_stage
+        self.memkern_fsdp2 = fsdp2
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
-        self.add_callback(_SkippedStepsHoldTheScheduler(self))
+        if fsdp2:
+            self._fully_shard(offload, zero_stage)
+        else:
+            self.add_callback(_SkippedStepsHoldTheScheduler(self))
+
+    def _fully_shard(self, offload: str | None, zero_stage: int | None) -> None:
+        name = "memkern MemkernTrainer(fsdp2=True)"
+        if offload is not None or zero_stage is not None:
+            raise ValueError(f"{name}: offload= and zero_stage= are ShardedOptimizer's; FSDP2 "
+                             "already shards the parameters, gradients and optimizer state: "
+                             "drop them")
+        if self.args.fp16:
+            raise ValueError(f"{name}: fp16 needs loss scaling, which this composition does not "
+                             "run; use bf16=True or float32")
+        if self.optimizer is not None:
+            # fully_shard replaces the parameters: one built before would step the old ones.
+            raise ValueError(f"{name}: optimizers=(opt, ...) is not supported; MemkernTrainer "
+                             "builds FusedAdamW or FusedSGD on the sharded parameters from "
+                             "TrainingArguments.optim ('adamw_torch' or 'sgd')")
+        if not torch.distributed.is_initialized():
+            raise ValueError(f"{name}: FSDP2 needs a process group: launch with torchrun or "
+                             "accelerate launch (one process: torchrun --nproc-per-node 1)")
+        # Each rank keeps its own slice of the weights it was given: start every rank from
+        # rank 0's, as DistributedDataParallel and ShardedOptimizer do.
+        with torch.no_grad():
+            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                torch.distributed.broadcast(tensor, src=0)
+        # Trainer has placed the model on args.device; FSDP2 keeps the shards there.
+        mesh = torch.distributed.device_mesh.init_device_mesh(
+            self.args.device.type, (torch.distributed.get_world_size(),))
+        fully_shard_blocks(self.model, mesh)
 
     # ---------------------------------------------------------------------------- optimizer
     @property
-    def memkern_optimizer(self) -> ShardedOptimizer | None:
-        """The ``ShardedOptimizer`` (``self.optimizer`` is accelerate's wrapper of it during
-        training); None before it is built."""
+    def memkern_optimizer(self) -> ShardedOptimizer | FusedAdamW | FusedSGD | None:
+        """The ``ShardedOptimizer`` (with ``fsdp2=True``: the ``FusedAdamW`` or ``FusedSGD``;
+        ``self.optimizer`` is accelerate's wrapper of it during training); None before it is
+        built."""
         opt = self.optimizer
         return getattr(opt, "optimizer", opt)
 
-    def create_optimizer(self, model: torch.nn.Module | None = None) -> ShardedOptimizer:
-        """Builds the ``ShardedOptimizer`` from ``self.args``, or checks the one passed as
+    def create_optimizer(self, model: torch.nn.Module | None = None
+                         ) -> ShardedOptimizer | FusedAdamW | FusedSGD:
+        """Builds the ``ShardedOptimizer`` (with ``fsdp2=True``: the ``FusedAdamW`` or
+        ``FusedSGD``) from ``self.args``, or checks the one passed as
         ``optimizers=(opt, scheduler)`` against them."""
         args = self.args
         max_grad_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 \
@@ -131,8 +197,14 @@ class MemkernTrainer(Trainer):
         groups = [{"params": [p for n, p in trainable if n in decay],
                    "weight_decay": args.weight_decay},
                   {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        if self.memkern_fsdp2:
+            # Trainer's clipping and its LR scheduler drive this torch optimizer as any other.
+            self.optimizer = (FusedAdamW(groups, lr=args.learning_rate, **hyper)
+                              if algorithm == "adamw" else FusedSGD(groups, lr=args.learning_rate))
+            return self.optimizer
         self.optimizer = ShardedOptimizer(
-            [g for g in groups if g["params"]], algorithm, lr=args.learning_rate,
+            groups, algorithm, lr=args.learning_rate,
             accumulation_steps=args.gradient_accumulation_steps, max_grad_norm=max_grad_norm,
             loss_scale="dynamic" if args.fp16 else None, offload=self._memkern_offload,
             zero_stage=self._memkern_zero_stage, **hyper)
@@ -156,12 +228,48 @@ class MemkernTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # Trainer asks the saving rank alone for the optimizer's state dict; across ranks
-        # ShardedOptimizer.state_dict() is collective (it gathers the shards): every rank
-        # assembles it, the saving rank writes it.
-        state = self.memkern_optimizer.state_dict()
+        # ShardedOptimizer.state_dict() is collective (it gathers the shards), and so is
+        # gathering FSDP2's: every rank assembles it, the saving rank writes it.
+        if self.memkern_fsdp2:
+            state = get_optimizer_state_dict(self.model, self.memkern_optimizer,
+                                             options=_FULL_STATE)
+        else:
+            state = self.memkern_optimizer.state_dict()
         if self.args.should_save:
             torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self.memkern_fsdp2 or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        # Every rank reads the full state and keeps its shards of it: any world size.
+        state = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu",
+                           weights_only=True)
+        set_optimizer_state_dict(self.model, self.memkern_optimizer, state, options=_FULL_STATE)
+        self.lr_scheduler.load_state_dict(
+            torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if self.memkern_fsdp2 and state_dict is None:
+            # Gathering the full weights is collective: every rank, before Trainer lets the
+            # saving rank alone write them.
+            state_dict = get_model_state_dict(self.model, options=_FULL_STATE)
+        super()._save(output_dir, state_dict)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str,
+                              model: torch.nn.Module | None = None) -> None:
+        if not self.memkern_fsdp2:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"memkern MemkernTrainer(fsdp2=True): no {SAFE_WEIGHTS_NAME} "
+                                    f"in {resume_from_checkpoint}; resume from a checkpoint that "
+                                    "MemkernTrainer(fsdp2=True) saved")
+        # Tied weights are saved once: their other names are missing, as for Trainer's load.
+        loaded = set_model_state_dict(self.model, safetensors.torch.load_file(path),
+                                      options=StateDictOptions(full_state_dict=True,
+                                                               strict=False))
+        self._issue_warnings_after_load(loaded)
 
     # ------------------------------------------------------------------- backward and step
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
@@ -173,16 +281,17 @@ class MemkernTrainer(Trainer):
         super().create_accelerator_and_postprocess()
         # Trainer.training_step ends in self.accelerator.backward(loss): routing that one call
         # through ShardedOptimizer.backward keeps all of Trainer's loss handling.
-        self.accelerator.backward = self._memkern_backward
+        if not self.memkern_fsdp2:
+            self.accelerator.backward = self._memkern_backward
         if self.is_fsdp_enabled or self.is_deepspeed_enabled or self.args.fsdp:
             # (On the CPU accelerate drops the fsdp settings and wraps the model in DDP.)
             raise ValueError(
                 "memkern MemkernTrainer: FSDP and DeepSpeed shard the model for an optimizer of "
-                "their own; MemkernTrainer shards its optimizer (zero_stage=1 or 2) over a whole "
-                "model per rank. Drop the fsdp/deepspeed settings, or for FSDP2 train in a loop "
-                "of your own with memkern.optim.FusedAdamW (docs/distributed.md)")
-        # The optimizer reduces the gradients across ranks, once per window: accelerate's
-        # DistributedDataParallel would reduce them a second time, every micro-batch.
+                "their own; drop the fsdp/deepspeed settings and pass MemkernTrainer(..., "
+                "fsdp2=True) for FSDP2 with memkern's optimizer (docs/distributed.md)")
+        # The optimizer reduces the gradients across ranks, once per window (with fsdp2,
+        # FSDP2 reduce-scatters them): accelerate's DistributedDataParallel would reduce them a
+        # second time, every micro-batch.
         # prepare_model's evaluation_mode applies autocast and compile as configured, without
         # the DDP wrapper. No device placement either: Trainer placed the model before the
         # optimizer moved its weights into flat storage, and accelerate's ``.to("cpu:0")``
@@ -207,10 +316,14 @@ class MemkernTrainer(Trainer):
         # its micro-batches); the optimizer divides by the micro-batch count once more.
         opt.backward(loss * opt.accumulation_steps)
 
-    def _clip_grad_norm(self, model: torch.nn.Module) -> None:
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+        if self.memkern_fsdp2:
+            return super()._clip_grad_norm(model)
         return None  # the optimizer clips inside its fused step
 
-    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> None:
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        if self.memkern_fsdp2:
+            return super()._get_grad_norm(model, grad_norm)
         return None  # known after the step: log() reads it from the optimizer
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

@@ -243,6 +243,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             check_params(p for g in groups for p in g["params"])
             self.grad_buffer = None
         super().__init__(groups, defaults)
+        self._built_param_ids = frozenset(id(p) for g in self.param_groups for p in g["params"])
         if self.grad_buffer is not None:
             self.grad_buffer.flat_params()
             # Where each parameter's weights live in the flat layout: checked at every step.
@@ -307,6 +308,20 @@ class FlatOptimizer(torch.optim.Optimizer):
                     "(model.to(), .cuda(), .half(), p.data = ...): the optimizer updates the "
                     "flat buffer the model no longer reads, so no step was taken. Move or cast "
                     "the model before building the optimizer")
+
+    def _check_groups_as_built(self, where: str) -> None:
+        """A RuntimeError when the param groups hold a tensor the optimizer was not built with:
+        the step updates the parameters of its flat layout, not the tensors swapped in."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._built_param_ids:
+                    raise RuntimeError(
+                        f"{where}: param_groups hold a {type(p).__name__} of shape "
+                        f"{tuple(p.shape)} the optimizer was not built with (swapped in after "
+                        "construction, as accelerate's FSDP2 preparation swaps in the "
+                        "fully_shard-ed parameters): the step would update the parameters it "
+                        "was built with, so no step was taken. Build the optimizer on the "
+                        "parameters it is to step (after fully_shard)")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_segments", None) is not None:
@@ -401,6 +416,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         if self._mesh is None:
+            self._check_groups_as_built(f"memkern.{type(self).__name__}.step")
             self._check_params_as_built(f"memkern.{type(self).__name__}.step")
             self.grad_buffer.claim_grads()
             self._apply_update(grad_multiplier, found_inf)
@@ -548,6 +564,9 @@ class FlatOptimizer(torch.optim.Optimizer):
         state = self.state[p].get(key)
         return None if state is None else [(dtensor_params.local_flat(state, key), 0)]
 
+    # A DTensor's state is written through a view that to_local(), an autograd Function, made:
+    # autograd forbids copying into it in place while grad mode is on.
+    @torch.no_grad()
     def _load_param_states(self, saved_state: dict[Any, dict[str, Any]],
                            id_map: dict[Any, torch.Tensor], name: str) -> None:
         """Copies per-parameter saved state into the flat state (wherever

@@ -3,8 +3,9 @@
 :func:`plan_training_step` builds a training set-up and runs whole training steps — forward,
 backward, optimizer step — under a fake tensor mode (:mod:`memkern._fake`), so nothing is
 computed and no memory is used, at any size. A dispatch mode sees every op; the storages the
-ops create, and when they are freed (a weak reference on each storage), make a timeline of
-allocations. The timeline is replayed through the target device's allocator
+ops create, and when they are freed (a weak reference on each storage) or resized in place
+(``UntypedStorage.resize_``, as FSDP2 frees and re-gathers its unsharded parameters), make a
+timeline of allocations. The timeline is replayed through the target device's allocator
 (:mod:`memkern.profile.caching_allocator`; on a GPU the CUDA caching allocator, whose block
 sizes are what ``torch.cuda.max_memory_allocated()`` adds up), and the peak is taken apart:
 
@@ -39,7 +40,7 @@ import gc
 import re
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -218,9 +219,20 @@ class _Timeline(TorchDispatchMode):
             storage = _fake.local_tensor(t).untyped_storage()
         except (RuntimeError, NotImplementedError):
             return
+        self._track_storage(storage, storage.nbytes(), op, where)
+
+    def resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """A storage resized in place (``UntypedStorage.resize_``, no op of its own: FSDP2
+        frees its unsharded parameters with ``resize_(0)`` after each use and resizes them back
+        for the next all-gather): the old block given back, a block of the new size taken."""
+        if id(storage) in self._live:
+            self._track_storage(storage, nbytes, "UntypedStorage.resize_",
+                                self._modules[-1] if self._modules else "(top)")
+
+    def _track_storage(self, storage: torch.UntypedStorage, nbytes: int, op: str,
+                       where: str) -> None:
         key = id(storage)
         sid = self._live.get(key)
-        nbytes = storage.nbytes()
         if sid is not None:
             if self.nbytes[sid] == nbytes:
                 return
@@ -323,6 +335,24 @@ class _Timeline(TorchDispatchMode):
         for nbytes in self.target.workspaces(func, args, kwargs):
             self.workspace(nbytes, op + " workspace", where)
         return out
+
+
+@contextlib.contextmanager
+def _storage_resizes_seen(tl: _Timeline) -> Iterator[None]:
+    """``torch.UntypedStorage.resize_`` reported to ``tl`` while planning: a storage method,
+    which no dispatch mode sees."""
+    resize = torch.UntypedStorage.resize_
+
+    def resize_and_report(storage: torch.UntypedStorage, size: int) -> Any:
+        out = resize(storage, size)
+        tl.resized(storage, storage.nbytes())
+        return out
+
+    torch.UntypedStorage.resize_ = resize_and_report
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = resize
 
 
 # -------------------------------------------------------------------------------- replay
@@ -483,6 +513,7 @@ def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Targ
             stack.enter_context(backend.planning_for(tgt.device_type))
             stack.enter_context(_autocast_on_host(tgt.device_type))
             stack.enter_context(tl)
+            stack.enter_context(_storage_resizes_seen(tl))
             setup = build()
             if not isinstance(setup, TrainingSetup):
                 raise TypeError("plan_training_step: build() must return a TrainingSetup, got "

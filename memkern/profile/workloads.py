@@ -235,18 +235,14 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
 
 
 def _fully_shard(model: torch.nn.Module) -> None:
-    """FSDP2 over the default process group: ``fully_shard`` on each block of the model's
-    largest ``ModuleList`` (a causal LM's decoder layers), then on the model."""
+    """FSDP2 over the default process group, in the layout ``MemkernTrainer(fsdp2=True)``
+    trains (:func:`memkern.integrations.fsdp2.fully_shard_blocks`)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from memkern import _fake
+    from memkern.integrations.fsdp2 import fully_shard_blocks
 
-    blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len,
-                 default=[])
     device = next(model.parameters()).device.type
     with _fake.without_dispatch_modes():  # the mesh's rank table is real even when planning
         mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
-    for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard_blocks(model, mesh)

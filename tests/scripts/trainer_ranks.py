@@ -14,6 +14,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from test_integrations_transformers import Sequences, arguments, tiny_llama  # noqa: E402
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=("memkern", "plain"), default="memkern")
     parser.add_argument("--zero-stage", type=int, default=1)
+    parser.add_argument("--fsdp2", action="store_true", help="MemkernTrainer(fsdp2=True)")
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--seed", type=int, required=True)
@@ -59,16 +61,22 @@ def main(argv: list[str] | None = None) -> None:
     common = dict(model=model, args=training, train_dataset=Sequences(SEQUENCES, args.seed),
                   callbacks=[losses])
     if args.trainer == "memkern":
-        trainer = MemkernTrainer(**common, zero_stage=args.zero_stage)
+        trainer = MemkernTrainer(**common, fsdp2=True) if args.fsdp2 else \
+            MemkernTrainer(**common, zero_stage=args.zero_stage)
     else:
         trainer = Trainer(**common)
     trainer.train(resume_from_checkpoint=args.resume)
 
     opt = getattr(trainer, "memkern_optimizer", None)
-    held = None if opt is None else sum(t.numel() for seg in opt._segments
-                                        for t in seg.state.values())
+    if args.fsdp2:  # the moments' local shards
+        held = sum(t.to_local().numel() for state in opt.state.values()
+                   for t in state.values() if isinstance(t, DTensor))
+    else:
+        held = None if opt is None else sum(t.numel() for seg in opt._segments
+                                            for t in seg.state.values())
     mine = {"wrapper": type(trainer.model_wrapped).__name__, "state_elements": held,
-            "world": world, "zero_stage": None if opt is None else opt.zero_stage}
+            "world": world, "zero_stage": getattr(opt, "zero_stage", None),
+            "optimizer": type(opt).__name__}
     ranks = [None] * world
     if dist.is_initialized():
         dist.all_gather_object(ranks, mine)
