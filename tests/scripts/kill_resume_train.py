@@ -109,8 +109,9 @@ class Killer:
         checkpoint._finish_publish = finish_publish
         checkpoint.os.rename = renamed
 
-    def watch(self, model: torch.nn.Module) -> None:
-        model.fc1.weight.register_post_accumulate_grad_hook(lambda p: self.at("backward"))
+    def watch(self, parameter: torch.nn.Parameter) -> None:
+        """Arms ``backward`` on ``parameter``'s gradient (once it is accumulated)."""
+        parameter.register_post_accumulate_grad_hook(lambda p: self.at("backward"))
 
 
 def batch(seed: int, window: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +150,7 @@ def run(mode: str, where: str, args: argparse.Namespace, rank: int, killer: Kill
         state = opt.state_dict()["state"]
         start = int(state[0]["step"]) + opt.skipped_steps  # windows done (all closed)
         model.load_state_dict(torch.load(os.path.join(where, f"model-{start}.pt")))
-    killer.watch(model)
+    killer.watch(model.fc1.weight)
     log(args.dir, rank, f"{mode} {os.path.basename(where)} start {start}")
     for window in range(start, args.windows):
         killer.window = window
@@ -183,6 +184,24 @@ def run(mode: str, where: str, args: argparse.Namespace, rank: int, killer: Kill
     dist.barrier()
 
 
+def start_rank(directory: str) -> int:
+    """Joins the gloo process group of this torchrun incarnation and writes this rank's pid to
+    ``directory/pids/<rank>``; returns the rank."""
+    # The agent's store, under a prefix of this incarnation's own: gloo's addresses from an
+    # incarnation that was killed must not be read by the next one.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.PrefixStore(
+        f"incarnation-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
+                      timeout=timedelta(seconds=60)))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    os.makedirs(os.path.join(directory, "pids"), exist_ok=True)
+    with open(os.path.join(directory, "pids", str(rank)), "w") as fh:
+        fh.write(str(os.getpid()))
+    return rank
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
@@ -196,18 +215,7 @@ def main() -> None:
                         help="seconds of sleep per window (more moments for random kills)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    # The agent's store, under a prefix of this incarnation's own: gloo's addresses from an
-    # incarnation that was killed must not be read by the next one.
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.PrefixStore(
-        f"incarnation-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
-        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
-                      timeout=timedelta(seconds=60)))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    os.makedirs(os.path.join(args.dir, "pids"), exist_ok=True)
-    with open(os.path.join(args.dir, "pids", str(rank)), "w") as fh:
-        fh.write(str(os.getpid()))
+    rank = start_rank(args.dir)
     killer = Killer(args.dir, rank)
     killer.install()
     try:
