@@ -131,6 +131,19 @@ def save_model(model: Net, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def save_final(model: torch.nn.Module, opt: mk.optim.ShardedOptimizer, final: str,
+               rank: int) -> None:
+    """Writes the run's result to ``final`` (rank 0): the parameters and the full optimizer
+    state (collective: every rank calls this)."""
+    state = opt.state_dict()
+    if rank == 0:
+        torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                    "state": state, "loss_scale": opt.loss_scale,
+                    "skipped": opt.skipped_steps}, final + ".tmp")
+        os.replace(final + ".tmp", final)
+    dist.barrier()
+
+
 def run(mode: str, where: str, args: argparse.Namespace, rank: int, killer: Killer) -> None:
     """Trains ``mode`` in ``where``, resuming from its checkpoint; writes ``final.pt``."""
     os.makedirs(where, exist_ok=True)
@@ -175,13 +188,7 @@ def run(mode: str, where: str, args: argparse.Namespace, rank: int, killer: Kill
                 for name in os.listdir(where):
                     if name.startswith("model-") and name != f"model-{done}.pt":
                         os.remove(os.path.join(where, name))
-    state = opt.state_dict()
-    if rank == 0:
-        torch.save({"params": [p.detach().clone() for p in model.parameters()],
-                    "state": state, "loss_scale": opt.loss_scale,
-                    "skipped": opt.skipped_steps}, final + ".tmp")
-        os.replace(final + ".tmp", final)
-    dist.barrier()
+    save_final(model, opt, final, rank)
 
 
 def start_rank(directory: str) -> int:

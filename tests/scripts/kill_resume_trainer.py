@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 from clean_exit import exit_without_finalizing  # noqa: E402  (tests/)
-from kill_resume_train import Killer, log, start_rank  # noqa: E402
+from kill_resume_train import Killer, log, save_final, start_rank  # noqa: E402
 from test_integrations_transformers import Sequences, arguments, tiny_llama  # noqa: E402
 
 from memkern.integrations.transformers import (MemkernTrainer,  # noqa: E402
@@ -94,13 +94,7 @@ def run(phase: str, args: argparse.Namespace, rank: int, killer: Killer) -> None
 
     trainer._save_optimizer_and_scheduler = saved
     trainer.train(resume_from_checkpoint=last_complete_checkpoint(where))
-    state = opt.state_dict()
-    if rank == 0:
-        torch.save({"params": [p.detach().clone() for p in model.parameters()],
-                    "state": state, "loss_scale": opt.loss_scale,
-                    "skipped": opt.skipped_steps}, final + ".tmp")
-        os.replace(final + ".tmp", final)
-    dist.barrier()
+    save_final(model, opt, final, rank)
 
 
 def main() -> None:
