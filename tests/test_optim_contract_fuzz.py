@@ -158,8 +158,8 @@ class Contract:
         for local, rank_cs in zip(self.local, cs):
             for b, c in zip(local, rank_cs):
                 b.copy_(self.round(b + self.round(c.double() * self.scale)))
-        for i, b in enumerate(self.buffer):
-            b.copy_(sum(local[i] for local in self.local))
+        for i, b in enumerate(self.buffer):  # the ranks' sum, in the dtype (can overflow)
+            b.copy_(self.round(sum(local[i] for local in self.local)))
         self.micro += 1
         self.mode = mode
         self.items += (num_items or 0) * self.world

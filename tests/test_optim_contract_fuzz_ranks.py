@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, given, seed as hypothesis_seed, settings, st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from multiprocess import fresh_seed, launch, serve  # noqa: E402
-from test_optim_contract_fuzz import backwards, configs, operations, run  # noqa: E402
+from test_optim_contract_fuzz import (Config, backwards, configs, operations,  # noqa: E402
+                                      run)
 
 WORLD = 2
 EXAMPLES, LONG_EXAMPLES = 30, 1000
@@ -43,6 +44,15 @@ def zeroed_after_steps(ops: list[tuple]) -> list[tuple]:
     reduction leaves each rank's own slice of the buffer reduced and the rest its local sum; a
     window started on that without ``zero_grad()`` is warned of and not modelled.)"""
     return [done for op in ops for done in ([op, ("zero_grad",)] if op[0] == "step" else [op])]
+
+
+KEPT = [
+    # Found by the long run: float16 gradients of 3 · 2**14 on each rank overflow when the
+    # ranks' sum is taken in float16, as the reduction does (the model summed in float64).
+    (Config("fp16", "sgd", "8bit", 1, "dynamic", 14, 3, 2, None, False, 1),
+     [("backward", 0, None, 0, 0.0, None, 0), ("step", True)], 0),
+]
+"""Failures found by the fuzzing, fixed and kept: run first in every launch."""
 
 
 def run_or_exit(cfg, ops, seed, rank: int) -> None:
@@ -74,6 +84,10 @@ def scenario_fuzz(rank, world, seed, out):
             run_or_exit(cfg, ops, example_seed, rank)
             examples += 1
 
+        for example in KEPT:
+            dist.broadcast_object_list([example], src=0)
+            run_or_exit(*example, rank)
+            examples += 1
         drive()
         dist.broadcast_object_list([None], src=0)
     else:
@@ -95,7 +109,7 @@ def test_the_contract_holds_on_two_ranks(tmp_path, monkeypatch):
     result = launch(os.path.abspath(__file__), WORLD, ["fuzz"], str(tmp_path), fresh_seed(),
                     timeout=7200 if long else 300)
     print(f"{result['fuzz']} examples per rank")
-    assert result["fuzz"] == [examples] * WORLD
+    assert result["fuzz"] == [len(KEPT) + examples] * WORLD
 
 
 if __name__ == "__main__":
