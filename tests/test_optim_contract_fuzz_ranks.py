@@ -30,7 +30,7 @@ from test_optim_contract_fuzz import (Config, backwards, configs, operations,  #
                                       run)
 
 WORLD = 2
-EXAMPLES, LONG_EXAMPLES = 30, 1000
+EXAMPLES, LONG_EXAMPLES = 30, 400
 EXAMPLES_VARIABLE = "MEMKERN_FUZZ_RANKS_EXAMPLES"
 
 # test_optim_contract_fuzz's calls, a backward with the rank its inf/NaN goes to.
