@@ -156,6 +156,10 @@ def test_trainer_follows_plain_trainer_in_less_memory(model_name, optim, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not mk.compiled.has_cpu, reason=(
+    "the peak bound is the compiled kernels': on the reference backend (no extension) "
+    "MemkernTrainer's bf16 peak was 5.3 MB against plain Trainer's 3.6 MB, the reference ops' "
+    "temporaries (MEMKERN_DISABLE_EXT=1 sweep)"))
 def test_bf16_trainer_follows_plain_bf16_trainer(tmp_path):
     """bf16: memkern keeps bf16 weights and gradients with float32 masters; plain Trainer
     autocasts over float32 weights. Fewer, shorter steps: bf16 matmuls are slow on a CPU."""
