@@ -12,6 +12,9 @@ checkpoint's writes or renames, a collective). Each run must end with parameters
 optimizer state equal to the reference's bit for bit, every restart resuming at a checkpoint
 with at most ``--every`` windows lost. Prints one line per run and the totals; exits 1 on any
 failure.
+
+``--trainer`` runs ``tests/scripts/kill_resume_trainer.py`` instead: ``MemkernTrainer`` (fp16,
+ZeRO-2) saving a Hugging Face checkpoint every ``--every`` steps (``--windows``: its steps).
 """
 from __future__ import annotations
 
@@ -76,15 +79,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-limit", type=float, default=float("inf"),
                         help="seconds: start no run after this long")
+    parser.add_argument("--trainer", action="store_true",
+                        help="kill MemkernTrainer's run instead of the optimizer's")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    modes = ["trainer"] if args.trainer else MODES
     out = args.out or tempfile.mkdtemp(prefix="memkern-kill-resume-")
     start = time.monotonic()
 
     reference = os.path.join(out, "reference")
     command = torchrun_command(reference, 0, args.windows, args.every, phases="reference",
-                               slow=0.0)
+                               slow=0.0, trainer=args.trainer)
     subprocess.run(command, cwd=REPO, env=torchrun_env([]), check=True, capture_output=True)
 
     runs, failed, kills_sent, restarts = 0, 0, 0, 0
@@ -92,11 +98,11 @@ def main() -> None:
         if time.monotonic() - start > args.time_limit:
             break
         directory = os.path.join(out, f"run-{n:03d}")
-        for mode in MODES:
+        for mode in modes:
             shutil.copytree(os.path.join(reference, mode, "reference"),
                             os.path.join(directory, mode, "reference"))
         command = torchrun_command(directory, args.kills + 2, args.windows, args.every,
-                                   phases="resumed", slow=args.slow)
+                                   phases="resumed", slow=args.slow, trainer=args.trainer)
         with open(os.path.join(out, f"run-{n:03d}.log"), "w") as log:
             proc = subprocess.Popen(command, cwd=REPO, env=torchrun_env([]), stdout=log,
                                     stderr=subprocess.STDOUT)
@@ -106,7 +112,7 @@ def main() -> None:
         kills_sent += sent
         try:
             assert code == 0, f"torchrun exit {code}"
-            seen = check_run(directory, MODES, args.every)
+            seen = check_run(directory, modes, args.every)
             restarts += seen
             print(f"run {n}: ok, {sent} kills, {seen} restarts", flush=True)
         except (AssertionError, OSError) as e:

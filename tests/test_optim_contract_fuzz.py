@@ -107,12 +107,14 @@ operations = st.one_of(
 )
 
 
-def coefficients(seed: int, inject: float | None, which: int, where: float) -> list[torch.Tensor]:
-    """Per parameter, float32 multiples of 1/8 in [-6, 6] (exact in every dtype, and so are
-    sums of five of them times a power of two), ``inject`` at one element of parameter
-    ``which``."""
+def coefficients(seed: int, inject: float | None, which: int, where: float,
+                 world: int = 1) -> list[torch.Tensor]:
+    """Per parameter, float32 multiples of 1/8 in [-6/world, 6/world] (exact in every dtype,
+    and so are sums of five of them per rank over ``world`` ranks, times a power of two),
+    ``inject`` at one element of parameter ``which``."""
     g = torch.Generator().manual_seed(seed)
-    cs = [torch.randint(-48, 49, shape, generator=g).float() / 8 for shape in SHAPES]
+    bound = 48 // world
+    cs = [torch.randint(-bound, bound + 1, shape, generator=g).float() / 8 for shape in SHAPES]
     if inject is not None:
         flat = cs[which].view(-1)
         flat[min(int(where * flat.numel()), flat.numel() - 1)] = inject
@@ -123,13 +125,17 @@ def coefficients(seed: int, inject: float | None, which: int, where: float) -> l
 class Contract:
     """The contract in float64: the state a correct optimizer must be in after each call."""
 
-    def __init__(self, cfg: Config, weights: list[torch.Tensor]) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Config, weights: list[torch.Tensor], world: int = 1) -> None:
+        self.cfg, self.world = cfg, world
         self.master = [w.double() for w in weights]
         self.state = [{} for _ in weights]
         self.steps = [0 for _ in GROUPS]
         self.lr = list(LR)
+        # per rank, the gradients its micro-batches summed (in their dtype); all ranks' sum
+        self.local = [[torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+                      for _ in range(world)]
         self.buffer = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+        self.local_known = True  # False: a window loaded across ranks (its sum is what counts)
         self.micro, self.mode, self.items = 0, None, 0
         self.scale = 2.0 ** cfg.init_scale_log2 if cfg.loss_scale != "none" else 1.0
         self.tracker, self.hysteresis_left = 0, cfg.hysteresis
@@ -142,26 +148,36 @@ class Contract:
         once, is what accumulating in that dtype does)."""
         return t.to(self.cfg.torch_dtype).double()
 
-    def backward(self, cs: list[torch.Tensor], num_items: int | None) -> None:
+    def backward(self, cs: list[list[torch.Tensor]], num_items: int | None) -> None:
+        """One micro-batch on every rank (``cs``: per rank, its coefficients), each with
+        ``num_items``."""
         mode = "mean" if num_items is None else "items"
         if self.mode not in (None, mode):
             raise ValueError("mixed")
         # the loss is Σ p·c in float32, scaled in float32; its gradient is cast to the dtype
-        for b, c in zip(self.buffer, cs):
-            b.copy_(self.round(b + self.round(c.double() * self.scale)))
+        for local, rank_cs in zip(self.local, cs):
+            for b, c in zip(local, rank_cs):
+                b.copy_(self.round(b + self.round(c.double() * self.scale)))
+        for i, b in enumerate(self.buffer):  # the ranks' sum, in the dtype (can overflow)
+            b.copy_(self.round(sum(local[i] for local in self.local)))
         self.micro += 1
         self.mode = mode
-        self.items += num_items or 0
+        self.items += (num_items or 0) * self.world
 
     def zero_grad(self) -> None:
         if self.micro == 0:
-            for b in self.buffer:
+            for b in [*self.buffer, *(b for local in self.local for b in local)]:
                 b.zero_()
+            self.local_known = True
 
     def loaded(self) -> None:
         """A state dict was loaded: the window it saved (its gradient), or no window and
-        gradients zeroed (like torch's, a state dict holds no gradient between windows)."""
+        gradients zeroed (like torch's, a state dict holds no gradient between windows). Across
+        ranks a loaded window's gradient is its sum over the ranks, split as the optimizer
+        chooses."""
         self.zero_grad()
+        if self.world > 1 and self.micro:
+            self.local_known = False
 
     def step(self, force: bool) -> bool | None:
         """None: no window closed; else whether the parameters changed."""
@@ -173,7 +189,7 @@ class Contract:
             return None
         finite = all(torch.isfinite(b).all() for b in self.buffer)
         if finite:
-            normaliser = self.items if self.mode == "items" else self.micro
+            normaliser = self.items if self.mode == "items" else self.micro * self.world
             unscale = 1.0 / (self.scale * normaliser)
             norm = math.sqrt(sum(float(b.square().sum()) for b in self.buffer)) * unscale
             self.grad_norm = norm
@@ -281,12 +297,16 @@ def masters(params, state) -> list[torch.Tensor]:
             for i, p in enumerate(params)]
 
 
-def check_against(contract: Contract, params, opt, cfg: Config) -> None:
+def check_against(contract: Contract, params, opt, cfg: Config, rank: int = 0) -> None:
     assert opt.micro_batches == contract.micro
     assert opt.skipped_steps == contract.skipped
     assert opt.loss_scale == contract.scale
-    for p, b in zip(params, contract.buffer):
-        if p.grad is not None:  # None with zero_stage=2: the gradients went to their shards
+    # Across ranks the buffer holds this rank's sum until the window's last backward reduces
+    # it; None with zero_stage=2: the gradients went to their shards.
+    local = contract.world == 1 or (0 < contract.micro < cfg.accumulation_steps
+                                    and contract.local_known)
+    for p, b in zip(params, contract.local[rank]):
+        if p.grad is not None and local:
             torch.testing.assert_close(p.grad.double(), b, rtol=0, atol=0, equal_nan=True)
     if not opt._state_ready or contract.micro:
         return  # (a state dict read in an open window would settle offload's early steps)
@@ -316,20 +336,25 @@ def state_copy(sd):
     return copy.deepcopy(sd)
 
 
-def run(cfg: Config, ops: list[tuple], seed: int) -> None:
+def run(cfg: Config, ops: list[tuple], seed: int, rank: int = 0, world: int = 1) -> None:
+    """Runs ``ops`` against the model; across ``world`` ranks, every rank runs this with the
+    same arguments (a backward's coefficients differ by rank; ``backward`` ops may name the
+    rank that gets the injected value, else rank 0)."""
     torch.manual_seed(seed)
     weights = [torch.randn(s).to(cfg.torch_dtype) for s in SHAPES]
     params, opt = build(cfg, weights)
-    contract = Contract(cfg, weights)
+    contract = Contract(cfg, weights, world)
     saved = None
     before = raw_state(params, opt)
     for op in ops:
         kind = op[0]
         if kind == "backward":
-            _, cseed, inject, which, where, num_items = op
-            cs = coefficients(cseed, inject, which, where)
+            _, cseed, inject, which, where, num_items, *on = op
+            every = [coefficients(cseed + 7919 * r, inject if r == (on[0] if on else 0) else None,
+                                  which, where, world) for r in range(world)]
+            cs = every[rank]
             try:
-                contract.backward(cs, num_items)
+                contract.backward(every, num_items)
             except ValueError:
                 with pytest.raises(ValueError, match="num_items on every micro-batch"):
                     opt.backward(sum((p.float() * c).sum() for p, c in zip(params, cs)),
@@ -396,7 +421,7 @@ def run(cfg: Config, ops: list[tuple], seed: int) -> None:
             # what a skipped window must leave as it is (not after a call inside a window,
             # where offload's early steps may have written the host state: they are undone)
             before = raw_state(params, opt)
-        check_against(contract, params, opt, cfg)
+        check_against(contract, params, opt, cfg, rank)
 
 
 def assert_state_dicts_equal(a, b, where="state_dict") -> None:

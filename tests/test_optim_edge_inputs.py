@@ -191,6 +191,59 @@ def test_parameters_replaced_after_the_optimizer_was_built_are_refused():
     assert opt.micro_batches == 0
 
 
+REPLACEMENTS = {
+    "module.weight = Parameter": (lambda m: setattr(m[2], "weight", torch.nn.Parameter(
+        torch.randn(2, 4))), r"\(Linear\.weight = \.\.\.\)"),
+    "model[2] = Linear": (lambda m: m.__setitem__(2, torch.nn.Linear(4, 2)),
+                          r"\(Sequential\.2 = Linear\(\.\.\.\)\)"),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sharded", "fused"])
+@pytest.mark.parametrize("how", sorted(REPLACEMENTS))
+def test_one_parameter_replaced_in_its_module_is_refused(how, fused):
+    """The other parameters still get their gradients (nothing looks amiss in backward); the
+    step names the replaced parameter and the assignment, and changes no weight."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    opt = (mk.optim.FusedAdamW if fused else sharded)(model.parameters())
+    built = list(model.parameters())
+    replace, assignment = REPLACEMENTS[how]
+    replace(model)
+    loss = model(torch.randn(3, 5)).square().sum()
+    opt.zero_grad()
+    loss.backward() if fused else opt.backward(loss)
+    before = [p.detach().clone() for p in [*built, *model.parameters()]]
+    name = "FusedAdamW" if fused else "ShardedOptimizer"
+    with pytest.raises(RuntimeError, match=(
+            rf"^memkern\.{name}\.step: a parameter of shape \((2, 4|2,)\) \(torch\.float32, "
+            rf"number \d in the flat layout\) was replaced in its module {assignment} after the "
+            r"optimizer was built: .* no step was taken\. Change the model before building "
+            r"the optimizer$")):
+        opt.step()
+    after = [p.detach() for p in [*built, *model.parameters()]]
+    assert all(torch.equal(p, q) for p, q in zip(before, after))
+
+
+def test_assignments_that_keep_the_parameters_step():
+    """The same parameter or module assigned again, a module wrapped with its parameters, a
+    module swapped out and put back (memkern.patch's fused head + loss does so in every
+    forward), and another model built after the optimizer: nothing is replaced, the step is
+    taken."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    opt = sharded(model.parameters())
+    model[0].weight = model[0].weight
+    model[2] = model[2]
+    model[0] = torch.nn.Sequential(model[0])
+    head, model[2] = model[2], torch.nn.Identity()
+    model[2] = head
+    other = torch.nn.Linear(4, 2)
+    other.weight = torch.nn.Parameter(torch.randn(2, 4))
+    before = model[2].weight.detach().clone()
+    opt.backward(model(torch.randn(3, 5)).square().sum())
+    assert opt.step()
+    assert not torch.equal(model[2].weight, before)
+
+
 @pytest.mark.parametrize("how", ["to(float64)", "p.data ="])
 def test_parameter_storage_replaced_after_the_optimizer_was_built_is_refused(how):
     model = torch.nn.Linear(5, 2)

@@ -27,7 +27,12 @@ What changes against ``Trainer``:
   float16 with float32 master weights in the optimizer, instead of autocast over float32
   weights; ``fp16`` adds dynamic loss scaling (a skipped step does not advance the scheduler);
 * checkpoints hold the optimizer's full state (float32 masters, moments, loss scale), and
-  ``train(resume_from_checkpoint=...)`` restores it, at any world size.
+  ``train(resume_from_checkpoint=...)`` restores it, at any world size;
+* a checkpoint is marked complete (``memkern-complete``) once every rank has written its
+  files, and ``save_total_limit`` removes older ones only after that: a process killed while
+  saving leaves the previous complete checkpoint, which ``train(resume_from_checkpoint=True)``
+  resumes from (:func:`last_complete_checkpoint`; ``Trainer`` would pick the newest folder,
+  written or not).
 
 Across processes (``torchrun --nproc-per-node N`` or ``accelerate launch``), each rank holds the
 whole model and the optimizer shards its state ZeRO-style (``zero_stage=1``: masters and
@@ -50,6 +55,7 @@ and resume at any world size. Launch under ``torchrun`` or ``accelerate launch``
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import safetensors.torch
@@ -64,6 +70,7 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.utils import SAFE_WEIGHTS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from memkern.integrations.fsdp2 import fully_shard_blocks
 from memkern.nn.patch import patch as patch_model
@@ -73,6 +80,22 @@ from memkern.optim.sharded import ShardedOptimizer
 
 # TrainingArguments.optim -> ShardedOptimizer's algorithm
 ALGORITHMS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "sgd": "sgd"}
+COMPLETE = "memkern-complete"
+"""The file that marks a checkpoint folder whose files every rank has written."""
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The ``checkpoint-<step>`` folder of ``output_dir`` with the highest step that
+    :class:`MemkernTrainer` marked complete; None if there is none (or no such folder): what
+    ``train(resume_from_checkpoint=...)`` is given by a script that resumes if it can."""
+    pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+    try:
+        names = os.listdir(output_dir)
+    except FileNotFoundError:
+        return None
+    steps = [(int(m.group(1)), name) for name in names if (m := pattern.match(name))
+             and os.path.exists(os.path.join(output_dir, name, COMPLETE))]
+    return os.path.join(os.fspath(output_dir), max(steps)[1]) if steps else None
 
 _FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """FSDP2 checkpoints: the gathered tensors, on the CPU (rank 0 holds them, the others none)."""
@@ -270,6 +293,37 @@ class MemkernTrainer(Trainer):
                                       options=StateDictOptions(full_state_dict=True,
                                                                strict=False))
         self._issue_warnings_after_load(loaded)
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        # Trainer writes checkpoint-<step> in place, file by file on each rank, and then
+        # rotates older checkpoints out: killed meanwhile, it leaves a partial newest folder
+        # and maybe no complete one. The marker is written once every rank's files are, and
+        # the rotation waits for it.
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            run_dir = self._get_output_dir(trial=trial)
+            folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            _write_durably(os.path.join(folder, COMPLETE), f"{self.state.global_step}\n")
+            rotate_checkpoints(run_dir, save_total_limit=limit, use_mtime=True,
+                               best_model_checkpoint=self.state.best_model_checkpoint)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
+              **kwargs: Any) -> Any:
+        """``Trainer.train``; ``resume_from_checkpoint=True`` resumes from the newest checkpoint
+        marked complete (:func:`last_complete_checkpoint`), not from the newest folder."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(
+                    f"memkern MemkernTrainer: resume_from_checkpoint=True, but "
+                    f"{self.args.output_dir} holds no complete checkpoint; pass None to start "
+                    "afresh (last_complete_checkpoint(output_dir) is None then)")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # ------------------------------------------------------------------- backward and step
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
@@ -333,6 +387,15 @@ class MemkernTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
 
+def _write_durably(path: str, text: str) -> None:
+    """Writes ``path`` whole or not at all (a temporary file, fsynced, renamed over it)."""
+    with open(path + ".tmp", "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(path + ".tmp", path)
+
+
 def _point_grads_at_buffer(opt: ShardedOptimizer) -> None:
     """Zeroes the flat gradient buffer and makes every ``p.grad`` its view again.
 
@@ -352,6 +415,11 @@ class _SkippedStepsHoldTheScheduler(TrainerCallback):
     def __init__(self, trainer: MemkernTrainer) -> None:
         self.trainer = trainer
         self.skipped = 0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # A resumed run's optimizer has loaded the skips counted before its checkpoint.
+        opt = self.trainer.memkern_optimizer
+        self.skipped = opt.skipped_steps if opt.scaler.dynamic else 0
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = self.trainer.memkern_optimizer

@@ -109,8 +109,9 @@ class Killer:
         checkpoint._finish_publish = finish_publish
         checkpoint.os.rename = renamed
 
-    def watch(self, model: torch.nn.Module) -> None:
-        model.fc1.weight.register_post_accumulate_grad_hook(lambda p: self.at("backward"))
+    def watch(self, parameter: torch.nn.Parameter) -> None:
+        """Arms ``backward`` on ``parameter``'s gradient (once it is accumulated)."""
+        parameter.register_post_accumulate_grad_hook(lambda p: self.at("backward"))
 
 
 def batch(seed: int, window: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +129,19 @@ def log(directory: str, rank: int, line: str) -> None:
 def save_model(model: Net, path: str) -> None:
     torch.save(model.state_dict(), path + ".tmp")
     os.replace(path + ".tmp", path)
+
+
+def save_final(model: torch.nn.Module, opt: mk.optim.ShardedOptimizer, final: str,
+               rank: int) -> None:
+    """Writes the run's result to ``final`` (rank 0): the parameters and the full optimizer
+    state (collective: every rank calls this)."""
+    state = opt.state_dict()
+    if rank == 0:
+        torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                    "state": state, "loss_scale": opt.loss_scale,
+                    "skipped": opt.skipped_steps}, final + ".tmp")
+        os.replace(final + ".tmp", final)
+    dist.barrier()
 
 
 def run(mode: str, where: str, args: argparse.Namespace, rank: int, killer: Killer) -> None:
@@ -149,7 +163,7 @@ def run(mode: str, where: str, args: argparse.Namespace, rank: int, killer: Kill
         state = opt.state_dict()["state"]
         start = int(state[0]["step"]) + opt.skipped_steps  # windows done (all closed)
         model.load_state_dict(torch.load(os.path.join(where, f"model-{start}.pt")))
-    killer.watch(model)
+    killer.watch(model.fc1.weight)
     log(args.dir, rank, f"{mode} {os.path.basename(where)} start {start}")
     for window in range(start, args.windows):
         killer.window = window
@@ -174,13 +188,25 @@ def run(mode: str, where: str, args: argparse.Namespace, rank: int, killer: Kill
                 for name in os.listdir(where):
                     if name.startswith("model-") and name != f"model-{done}.pt":
                         os.remove(os.path.join(where, name))
-    state = opt.state_dict()
-    if rank == 0:
-        torch.save({"params": [p.detach().clone() for p in model.parameters()],
-                    "state": state, "loss_scale": opt.loss_scale,
-                    "skipped": opt.skipped_steps}, final + ".tmp")
-        os.replace(final + ".tmp", final)
-    dist.barrier()
+    save_final(model, opt, final, rank)
+
+
+def start_rank(directory: str) -> int:
+    """Joins the gloo process group of this torchrun incarnation and writes this rank's pid to
+    ``directory/pids/<rank>``; returns the rank."""
+    # The agent's store, under a prefix of this incarnation's own: gloo's addresses from an
+    # incarnation that was killed must not be read by the next one.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.PrefixStore(
+        f"incarnation-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
+                      timeout=timedelta(seconds=60)))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    os.makedirs(os.path.join(directory, "pids"), exist_ok=True)
+    with open(os.path.join(directory, "pids", str(rank)), "w") as fh:
+        fh.write(str(os.getpid()))
+    return rank
 
 
 def main() -> None:
@@ -196,18 +222,7 @@ def main() -> None:
                         help="seconds of sleep per window (more moments for random kills)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    # The agent's store, under a prefix of this incarnation's own: gloo's addresses from an
-    # incarnation that was killed must not be read by the next one.
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.PrefixStore(
-        f"incarnation-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
-        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
-                      timeout=timedelta(seconds=60)))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    os.makedirs(os.path.join(args.dir, "pids"), exist_ok=True)
-    with open(os.path.join(args.dir, "pids", str(rank)), "w") as fh:
-        fh.write(str(os.getpid()))
+    rank = start_rank(args.dir)
     killer = Killer(args.dir, rank)
     killer.install()
     try:
