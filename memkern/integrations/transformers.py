@@ -69,8 +69,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
-from transformers.utils import SAFE_WEIGHTS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.utils import SAFE_WEIGHTS_NAME
 
 from memkern.integrations.fsdp2 import fully_shard_blocks
 from memkern.nn.patch import patch as patch_model
