@@ -117,7 +117,7 @@ at::Tensor linear_no_autograd(const at::Tensor& x, const at::Tensor& weight,
 
 }  // namespace
 
-// The schema is defined in memkern/ops/linear.py.
+// The schema is defined in memkern/ops/linear_layer.py.
 TORCH_LIBRARY_IMPL(memkern, Autograd, m) { m.impl("linear_layer", linear_autograd); }
 // Below autograd (inference mode, or tensors that never need gradients).
 TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
