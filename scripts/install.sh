@@ -53,8 +53,8 @@ if [ "${MEMKERN_BUILD_EXT:-1}" = 0 ]; then
 elif [ -f build/ext/build.ninja ]; then
   echo "install.sh: building memkern (objects kept in build/ext: only what changed is recompiled)"
 else
-  echo "install.sh: building memkern's C++ extension: the first build compiles for 8-10" \
-    "minutes on 2 CPU cores (later builds recompile only what changed)"
+  echo "install.sh: building memkern's C++ extension: the first build compiles for about 5" \
+    "minutes on 2 idle CPU cores (later builds recompile only what changed)"
 fi
 # The build's progress: ninja's "[n/m]" for each compiled unit (its source file, or "linking"),
 # from pip's verbose output (which indents it); all of that output goes to build/install.log,
