@@ -9,6 +9,7 @@ FSDP2 frees with ``UntypedStorage.resize_(0)``): within 5%, and the held bytes e
 rank's shards, not the whole model).
 """
 import json
+import os
 import sys
 
 import pytest
@@ -87,8 +88,10 @@ def test_world_size_and_sharding_are_checked():
 def test_plan_command_bad_sharding_is_one_line(flags, needle):
     import subprocess
 
+    # (PYTHONWARNINGS: without the compiled extension memkern warns once at import)
     proc = subprocess.run([sys.executable, "-m", "memkern.cli", "plan", "--device", "cpu",
                            "--hf", "llama", "--world-size", "2", *flags],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 2
     assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

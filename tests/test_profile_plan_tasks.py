@@ -54,7 +54,12 @@ def test_masked_lm_plan_holds_no_logits():
                                             patch=patch, optimizer="adamw", task="masked-lm"),
                                 device="cpu") for patch in (None, {})]
     plain, patched = (p.phase_peaks["forward"].allocated - p.step_start for p in plans)
-    assert plain > logits and patched < logits / 4, (plain, patched, logits)
+    # without the compiled kernels the reference cross-entropy rows op holds three copies of
+    # each logits block (the block, log_softmax's, logsumexp's temporary), the kernels one
+    from memkern._extension import compiled
+
+    assert plain > logits and patched < logits / (4 if compiled.has_cpu else 2), (
+        plain, patched, logits)
 
 
 def _xlmr_step(cfg, device_type: str | None, dtype=torch.bfloat16):

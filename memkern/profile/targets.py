@@ -28,7 +28,8 @@ their outputs, but torch's 16-bit GEMMs on the CPU (oneDNN) do: packed copies of
 operands, freed when they return, whose size depends on the shapes and strides in ways the
 library does not document. The planner measures them: one real GEMM of each shape, stride
 and dtype on this CPU (up to ``CPU_GEMM_MEASURED_MACS``; larger ones, whose scratch is small
-beside their operands, are taken to have none).
+beside their operands, are taken to have none). So for ``logsumexp``, whose CPU kernel takes
+a temporary of its input's size (the reference cross-entropy runs it on each logits block).
 """
 from __future__ import annotations
 
@@ -58,6 +59,12 @@ _CPU_GEMMS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}
 """The CPU GEMMs whose 16-bit scratch is measured, with the positions of their two operands."""
 CPU_GEMM_MEASURED_MACS = 1 << 28
 """The largest CPU GEMM (multiply-adds) whose scratch the planner measures by running it."""
+_LOGSUMEXP = aten.logsumexp.default
+CPU_LOGSUMEXP_MEASURED = 1 << 24
+"""The largest ``logsumexp`` input (elements) whose CPU scratch the planner measures by running
+it: torch's CPU kernel takes ``exp(x - max)`` into a temporary of the input's size (the
+reference cross-entropy's log-sum-exp over a logits block); above, that size is taken."""
+
 # The dispatcher sees torch.distributed's public collectives under these c10d op names (torch
 # exposes no public handle on them); they exist in every torch build the planner runs on.
 _GLOO_SCRATCH = {torch.ops.c10d._reduce_scatter_base_.default: 1,
@@ -70,15 +77,15 @@ works in place, in its own buffers outside torch's allocator: a GPU target adds 
 
 
 @functools.cache
-def _cpu_gemm_scratch(func, layouts: tuple) -> int:
+def _cpu_scratch(func, layouts: tuple, others: tuple = ()) -> int:
     """Bytes a real ``func`` on this CPU allocates beyond its output, for tensor arguments of
-    these ``(shape, stride, dtype)`` layouts."""
+    these ``(shape, stride, dtype)`` layouts followed by the arguments ``others``."""
     from memkern.profile.allocations import allocation_stats
 
     with _fake.without_dispatch_modes():
         args = [torch.empty_strided(shape, stride, dtype=dtype).uniform_(-1, 1)
                 for shape, stride, dtype in layouts]
-        stats = allocation_stats(func, *args)
+        stats = allocation_stats(func, *args, *others)
         out = stats.result
         return max(0, stats.peak - out.untyped_storage().nbytes())
 
@@ -136,6 +143,13 @@ class Target:
 
     @staticmethod
     def _cpu_workspaces(func, args) -> list[int]:
+        if func is _LOGSUMEXP:
+            x = args[0]
+            if x.numel() > CPU_LOGSUMEXP_MEASURED:  # its exp(x - max) temporary, x's size
+                return [x.numel() * x.element_size()]
+            others = tuple(tuple(a) if isinstance(a, list) else a for a in args[1:])  # dims
+            scratch = _cpu_scratch(func, ((tuple(x.shape), tuple(x.stride()), x.dtype),), others)
+            return [scratch] if scratch else []
         if func in _GLOO_SCRATCH:
             buffer = args[_GLOO_SCRATCH[func]]
             return [buffer.numel() * buffer.element_size()]
@@ -149,7 +163,7 @@ class Target:
             return []
         layouts = tuple((tuple(t.shape), tuple(t.stride()), t.dtype)
                         for t in args[:operands[1] + 1])
-        scratch = _cpu_gemm_scratch(func, layouts)
+        scratch = _cpu_scratch(func, layouts)
         return [scratch] if scratch else []
 
 
