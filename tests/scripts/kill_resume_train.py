@@ -24,6 +24,7 @@ The hooks live here, not in memkern.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -209,6 +210,22 @@ def start_rank(directory: str) -> int:
     return rank
 
 
+@contextlib.contextmanager
+def killable_rank(directory: str):
+    """This rank, one thread, in the process group, with its :class:`Killer` armed: yields
+    ``(rank, killer)``; after the runs, the group destroyed and the process ended without
+    Python's finalisation (tests/clean_exit.py)."""
+    torch.set_num_threads(1)
+    rank = start_rank(directory)
+    killer = Killer(directory, rank)
+    killer.install()
+    try:
+        yield rank, killer
+    finally:
+        dist.destroy_process_group()
+    exit_without_finalizing()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
@@ -221,18 +238,11 @@ def main() -> None:
     parser.add_argument("--slow", type=float, default=0.0,
                         help="seconds of sleep per window (more moments for random kills)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    rank = start_rank(args.dir)
-    killer = Killer(args.dir, rank)
-    killer.install()
-    try:
+    with killable_rank(args.dir) as (rank, killer):
         for mode in args.modes.split(","):
             for phase in args.phases.split(","):
                 killer.mode = mode if phase == "resumed" else None
                 run(mode, os.path.join(args.dir, mode, phase), args, rank, killer)
-    finally:
-        dist.destroy_process_group()
-    exit_without_finalizing()
 
 
 if __name__ == "__main__":

@@ -26,14 +26,12 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 from transformers import TrainerCallback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-from clean_exit import exit_without_finalizing  # noqa: E402  (tests/)
-from kill_resume_train import Killer, log, save_final, start_rank  # noqa: E402
+from kill_resume_train import Killer, killable_rank, log, save_final  # noqa: E402
 from test_integrations_transformers import Sequences, arguments, tiny_llama  # noqa: E402
 
 from memkern.integrations.transformers import (MemkernTrainer,  # noqa: E402
@@ -106,16 +104,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slow", type=float, default=0.0, help="seconds of sleep per step")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    rank = start_rank(args.dir)
-    killer = Killer(args.dir, rank)
-    killer.install()
-    try:
+    with killable_rank(args.dir) as (rank, killer):
         for phase in args.phases.split(","):
             run(phase, args, rank, killer)
-    finally:
-        dist.destroy_process_group()
-    exit_without_finalizing()
 
 
 if __name__ == "__main__":
