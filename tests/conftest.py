@@ -52,6 +52,14 @@ def _fresh_seed():
     yield
 
 
+# A test of what memkern's own layer algorithm saves, recomputes or routes: without the
+# compiled extension (MEMKERN_DISABLE_EXT=1, a failed build) memkern.nn's layers are torch's own
+# (memkern.nn.functional), so there is nothing of memkern's to test.
+needs_layer_extension = pytest.mark.skipif(
+    not memkern.compiled.has_cpu,
+    reason="without the compiled extension memkern's layers are torch's own")
+
+
 def cpu_backends() -> list[str]:
     """Backends that can run ops on CPU tensors in this process."""
     cpu = torch.device("cpu")
