@@ -398,3 +398,25 @@ def test_two_layer_block_is_fused_only_if_it_computes_nothing_else(block, fused)
     report = mk.nn.patch_report(model)
     assert (type(model[0]) is not block) == fused
     assert fused or any("computes more than its layers" in why for _, why in report.skipped)
+
+
+@pytest.mark.parametrize("dense", ["intermediate", "output"])
+def test_split_mlp_runs_a_dense_layer_hooked_after_patch(dense):
+    """The fused split MLP reads the two dense layers' weights; one hooked after ``patch`` (a
+    LoRA adapter's place, FSDP2's unshard) must still run: the layer then computes unfused, as
+    the unpatched model with the same hook."""
+    torch.manual_seed(0)
+    ref = _encoder("bert", "cls").double().train()
+    model = mk.patch(copy.deepcopy(ref))
+    for m in (model, ref):
+        m.get_submodule(f"bert.encoder.layer.1.{dense}.dense").register_forward_hook(
+            lambda mod, args, out: out * 1.5)
+    batch = _batch("cls", torch.Generator().manual_seed(1))
+    loss, ref_loss = _loss(model, batch), _loss(ref, batch)
+    assert rel_err(loss.detach(), ref_loss.detach()) < 1e-12
+    loss.backward()
+    ref_loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if q.grad is not None:
+            assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14), n

@@ -14,7 +14,9 @@ What is swapped (each family can be turned off by its keyword):
   dropout) that its forward calls in that order (GPT-2's, ViT's, DeiT's MLP); diffusers'
   ``FeedForward`` with a GELU projection (DiT); the post-LN MLP that BERT-family layers split
   in two modules (:mod:`memkern.nn.split_mlp`); and Llama style ``down(silu(gate(x)) * up(x))``
-  (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``).
+  (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``). The fused block reads its linear layers'
+  weights; a layer replaced after ``patch`` (a LoRA adapter wrapping it) or given a hook makes
+  the block run its own forward, so the adapter or hook is never skipped.
 * ``attention``: a ``transformers`` model whose attention implementation is SDPA runs it with
   its ``[batch, heads, tokens, tokens]`` probabilities recomputed in backward wherever SDPA
   would keep them (its math kernel: on the CPU, attention dropout on), the dropout mask
@@ -92,9 +94,18 @@ def _hf_rms_norm_forward(self, hidden_states):
     return y.to(torch.promote_types(hidden_states.dtype, w.dtype))
 
 
+def _fused_over(*layers: nn.Module) -> bool:
+    """Whether the fused MLP may read ``layers``' weights instead of calling them: each is still
+    a plain linear layer (``nn.Linear``, ``Conv1D``, patched or not) with no hook
+    (:func:`memkern.nn.split_mlp.fused_over` says why)."""
+    return all(_linear_like(m) is not None and not _split_mlp.hooked(m) for m in layers)
+
+
 def _gpt2_mlp_forward(self, hidden_states):
     cfg = self._memkern_mlp
     fc, proj = self.get_submodule(cfg["fc"]), self.get_submodule(cfg["proj"])
+    if not _fused_over(fc, proj):
+        return self._memkern_base.forward(self, hidden_states)
     y = _mlp(hidden_states, fc.weight, fc.bias, proj.weight, proj.bias,
              activation=cfg["activation"], recompute=cfg["recompute"], transposed=cfg["transposed"])
     drop = cfg.get("dropout")
@@ -103,6 +114,8 @@ def _gpt2_mlp_forward(self, hidden_states):
 
 def _llama_mlp_forward(self, x):
     cfg = self._memkern_mlp
+    if not _fused_over(self.gate_proj, self.up_proj, self.down_proj):
+        return self._memkern_base.forward(self, x)
     return _swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
                    self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias,
                    recompute=cfg["recompute"])
@@ -111,6 +124,8 @@ def _llama_mlp_forward(self, x):
 class SequentialMLP(nn.Sequential):
     """A patched ``nn.Sequential(Linear, activation, Linear[, Dropout])``: indexing, names and
     ``state_dict`` are those of the Sequential; forward is one memkern MLP Function."""
+
+    _memkern_base = nn.Sequential  # its own forward: when a layer was replaced after patch
 
     forward = _gpt2_mlp_forward
 
