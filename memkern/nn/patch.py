@@ -6,7 +6,10 @@ What is swapped (each family can be turned off by its keyword):
   (``transformers.pytorch_utils.Conv1D``) -> a memkern ``Conv1D``.
 * ``norm``: ``nn.LayerNorm`` -> :class:`memkern.nn.LayerNorm`, ``nn.RMSNorm`` ->
   :class:`memkern.nn.RMSNorm`, Llama-style ``*RMSNorm`` of ``transformers`` (the
-  ``LlamaRMSNorm`` formula: float32 statistics, ``weight * normalised.to(input dtype)``).
+  ``LlamaRMSNorm`` formula: float32 statistics, ``weight * normalised.to(input dtype)``);
+  diffusers' adaLN-Zero (DiT's ``AdaLayerNormZero``, its ``BasicTransformerBlock``'s MLP
+  modulation and ``DiTTransformer2DModel``'s output layer) through memkern's modulated
+  LayerNorm (:mod:`memkern.nn.adaln`).
 * ``dropout``: ``nn.Dropout`` -> :class:`memkern.nn.Dropout`.
 * ``mlp``: MLP blocks run as one memkern MLP with ``recompute``, recognised by structure:
   ``fc -> activation -> proj (-> dropout)`` — ``nn.Sequential(Linear, GELU/ReLU/SiLU, Linear[,
@@ -49,6 +52,7 @@ import torch
 from torch import nn
 
 from memkern import _fake
+from memkern.nn import adaln as _adaln
 from memkern.nn import dropout as _dropout_mod
 from memkern.nn import hf_attention as _hf_attention
 from memkern.nn import linear as _linear_mod
@@ -138,6 +142,9 @@ _FORWARDS = {
     "split_mlp_layer": _split_mlp.layer_forward,
     "split_mlp_intermediate": _split_mlp.intermediate_forward,
     "split_mlp_output": _split_mlp.output_forward,
+    "ada_norm_zero": _adaln.norm_forward,
+    "ada_norm_zero_block": _adaln.block_forward,
+    "ada_norm_zero_model": _adaln.model_forward,
 }
 
 # transformers classes recognised by name: class name -> kind of patched forward
@@ -204,6 +211,23 @@ def _from_transformers(m: nn.Module) -> bool:
 
 def _hf_kind(m: nn.Module) -> str | None:
     return _HF_CLASSES.get(type(m).__name__) if _from_transformers(m) else None
+
+
+def _diffusers_class(m: nn.Module, name: str) -> bool:
+    return type(m).__name__ == name and type(m).__module__.startswith("diffusers.")
+
+
+def _ada_norm_zero_kind(m: nn.Module) -> tuple[str, str | None] | None:
+    """(the kind of patched forward, None or why it is left alone) for diffusers'
+    ``AdaLayerNormZero``, its adaLN-Zero ``BasicTransformerBlock`` and
+    ``DiTTransformer2DModel``; None for anything else."""
+    if _diffusers_class(m, "AdaLayerNormZero"):
+        return "ada_norm_zero", _adaln.norm_layout(m)
+    if _diffusers_class(m, "BasicTransformerBlock") and getattr(m, "norm_type", None) == "ada_norm_zero":
+        return "ada_norm_zero_block", _adaln.block_layout(m)
+    if _diffusers_class(m, "DiTTransformer2DModel"):
+        return "ada_norm_zero_model", _adaln.model_layout(m)
+    return None
 
 
 def _activation_kind(act: nn.Module) -> str | None:
@@ -529,6 +553,12 @@ def patch(model: nn.Module, *, linear: bool = True, norm: bool = True, mlp: bool
                 _swap(m, _patched_class(t, "rms_norm"), name, report)
             else:
                 report.skipped.append((name, f"{t.__name__} does not have the LlamaRMSNorm layout"))
+        elif norm and (ada := _ada_norm_zero_kind(m)) is not None:
+            kind, why = ada
+            if why is None:
+                _swap(m, _patched_class(t, kind), name, report)
+            else:
+                report.skipped.append((name, f"{t.__name__}: {why}"))
         elif dropout and t is nn.Dropout:
             _swap(m, _dropout_mod.Dropout, name, report)
         elif mlp and (cfg := _mlp_config(m, recompute) or _feed_forward_config(m, recompute)):
