@@ -21,6 +21,7 @@ from torch import nn
 import memkern as mk
 from memkern.profile import SavedTensorsRecorder, saved_bytes
 from compare import rel_err
+from conftest import needs_layer_extension
 
 transformers = pytest.importorskip("transformers")
 
@@ -123,6 +124,7 @@ def test_patched_model_has_the_unpatched_loss_and_gradients(name, recompute):
             assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14), n
 
 
+@needs_layer_extension
 def test_dit_saves_at_most_the_target_share():
     """The issue's measure on the benchmark's small DiT (width 256, 2 layers, 4 heads, 32 x 32
     latents in 2 x 2 patches: 256 tokens, batch 4, float32, train mode): saved for backward,
