@@ -22,6 +22,7 @@ from torch import nn
 import memkern as mk
 from memkern.profile import SavedTensorsRecorder, allocation_stats, saved_bytes
 from compare import rel_err
+from conftest import needs_layer_extension
 from memkern.bench.block import GPT2Block
 
 
@@ -80,6 +81,7 @@ def test_norm_saves_input_and_row_statistics_only(norm, layer_autograd):
     del y
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_linear_after_a_norm_saves_no_normalised_output(norm):
     """Nor does the Linear consuming the normalised output: it rebuilds it in backward."""
@@ -117,6 +119,7 @@ def test_recompute_falls_back_when_the_norm_input_changed():
         out.sum().backward()  # as torch: the norm saved the input that was then modified
 
 
+@needs_layer_extension
 def test_dropout_saves_no_mask():
     x = torch.randn(33, 129, requires_grad=True)
     with SavedTensorsRecorder() as rec:
@@ -130,6 +133,7 @@ def _load_torch_into_memkern(t: GPT2Block, m: GPT2Block) -> None:
     m.load_state_dict(sd)
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_gpt2_block_saved_bytes(dtype):
     x = torch.randn(2, 33, 256, dtype=dtype, requires_grad=True)

@@ -18,6 +18,7 @@ from torch import nn
 import memkern as mk
 from memkern.profile import saved_bytes
 from compare import rel_err
+from conftest import needs_layer_extension
 
 
 
@@ -159,7 +160,10 @@ def _loss_of(name, model, ids):
     return model(ids)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# The Llama's 15% is what memkern's Linears save after its RMSNorms (no normalised output);
+# torch's, without the extension, save it (87% at this size).
+@pytest.mark.parametrize("name", [pytest.param(name, marks=needs_layer_extension)
+                                  if name == "torch-llama" else name for name in MODELS])
 def test_patch_reduces_saved_bytes(name):
     model, loss_fn = MODELS[name](0.1)
     model.train()
