@@ -459,3 +459,15 @@ def test_split_mlp_runs_a_dense_layer_hooked_after_patch(dense):
         assert (p.grad is None) == (q.grad is None), n
         if q.grad is not None:
             assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14), n
+
+
+def test_dit_left_alone_under_another_diffusers_series(monkeypatch):
+    """The adaLN-Zero forwards follow one diffusers series line for line: under another
+    version the three modules are left alone with the reason, and the model is diffusers'."""
+    diffusers = pytest.importorskip("diffusers")
+    monkeypatch.setattr(diffusers, "__version__", "0.99.0")
+    model = mk.patch(_dit())
+    why = [w for _, w in mk.nn.patch_report(model).skipped if "diffusers 0.99.0" in w]
+    assert len(why) == 2 * 2 + 1, mk.nn.patch_report(model)  # per block: its norm, itself; the model
+    assert not {"AdaLayerNormZero", "BasicTransformerBlock",
+                "DiTTransformer2DModel"} & _swapped_classes(model)

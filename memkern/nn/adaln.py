@@ -26,6 +26,23 @@ from memkern.nn import norm as _norm_mod
 from memkern.nn.functional.modulated_norm import modulated_layer_norm
 
 
+DIFFUSERS_SERIES = "0.42"
+"""The diffusers release series whose forwards the ones below follow line for line (and the
+tests compare against): under another, a patched block could silently compute something else,
+so the modules are left alone with the reason."""
+
+
+def diffusers_version_known() -> str | None:
+    """None when the installed diffusers is of :data:`DIFFUSERS_SERIES`; else why not patched."""
+    import diffusers
+
+    version = diffusers.__version__
+    if version == DIFFUSERS_SERIES or version.startswith(DIFFUSERS_SERIES + "."):
+        return None
+    return (f"diffusers {version}: memkern's adaLN-Zero forwards follow diffusers "
+            f"{DIFFUSERS_SERIES}.x's")
+
+
 def _is_plain_layer_norm(m) -> bool:
     """A LayerNorm without affine parameters over one dimension (torch's or memkern's)."""
     return (type(m) in (nn.LayerNorm, _norm_mod.LayerNorm) and m.weight is None and m.bias is None

@@ -222,12 +222,14 @@ def _ada_norm_zero_kind(m: nn.Module) -> tuple[str, str | None] | None:
     ``AdaLayerNormZero``, its adaLN-Zero ``BasicTransformerBlock`` and
     ``DiTTransformer2DModel``; None for anything else."""
     if _diffusers_class(m, "AdaLayerNormZero"):
-        return "ada_norm_zero", _adaln.norm_layout(m)
-    if _diffusers_class(m, "BasicTransformerBlock") and getattr(m, "norm_type", None) == "ada_norm_zero":
-        return "ada_norm_zero_block", _adaln.block_layout(m)
-    if _diffusers_class(m, "DiTTransformer2DModel"):
-        return "ada_norm_zero_model", _adaln.model_layout(m)
-    return None
+        kind, layout = "ada_norm_zero", _adaln.norm_layout
+    elif _diffusers_class(m, "BasicTransformerBlock") and getattr(m, "norm_type", None) == "ada_norm_zero":
+        kind, layout = "ada_norm_zero_block", _adaln.block_layout
+    elif _diffusers_class(m, "DiTTransformer2DModel"):
+        kind, layout = "ada_norm_zero_model", _adaln.model_layout
+    else:
+        return None
+    return kind, _adaln.diffusers_version_known() or layout(m)
 
 
 def _activation_kind(act: nn.Module) -> str | None:
