@@ -486,6 +486,26 @@ def scenario_gradless(rank, world, seed, shared):
             params[run] = [p.detach().clone() for p in model.parameters()]
         result["as_without"] = all(torch.equal(p, q)
                                    for p, q in zip(params["dropped"], params["without"]))
+        # saved after the pass that reached no parameter, resumed by a fresh optimizer: its
+        # window's step is refused too, on every rank
+        model = make_model(seed)
+        opt = make_optimizer(model, "adamw", zero_stage=stage, process_group=group)
+        for micro in range(2):
+            x, y = batch(seed, 1, micro, rank, world)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.backward(loss.detach().requires_grad_() if micro == 1 and rank == world - 1
+                         else loss)
+        state = opt.state_dict()
+        model = make_model(seed)
+        opt = make_optimizer(model, "adamw", zero_stage=stage, process_group=group)
+        opt.load_state_dict(state)
+        try:
+            for micro in range(2, ACCUMULATION):
+                x, y = batch(seed, 1, micro, rank, world)
+                opt.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+        except RuntimeError as e:
+            result["resumed_error"] = str(e)
         results[stage] = result
         dist.destroy_process_group(group)
     return results
@@ -729,6 +749,7 @@ def test_a_rank_whose_loss_reaches_no_parameter_fails_every_rank(runs):
         for rank, result in enumerate(results):
             assert result["unchanged"] and result["after"] is None and result["as_without"], \
                 (stage, rank, result)
+            assert "reached no parameter" in result.get("resumed_error", ""), (stage, rank)
 
 
 @pytest.mark.parametrize("offload", [None, "cpu"])

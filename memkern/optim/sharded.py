@@ -398,7 +398,7 @@ class ShardedOptimizer(FlatOptimizer):
         window = self._window
         norm, num_items, gradless = scaled_grad_norm(self.grad_buffer, self._shards,
                                                      window.num_items, window.gradless)
-        if self.world_size > 1:
+        if self.world_size > 1 or window.holds_gradless_pass:  # (one process: after a resume)
             window.check_every_pass_had_gradients(gradless)
         nonfinite = ~torch.isfinite(norm)
         found_inf = nonfinite.float()

@@ -169,6 +169,12 @@ class AccumulationWindow:
         self.gradless.add_(1)
         self._gradless_on_host = True
 
+    @property
+    def holds_gradless_pass(self) -> bool:
+        """Whether this rank counted (or a checkpoint restored) a pass that reached no
+        parameter in the open window."""
+        return self._gradless_on_host
+
     def add_micro_batch(self, mode: str, world_size: int) -> None:
         """Counts a micro-batch whose backward went through: ``world_size`` gradients (one
         per rank) are now summed into the window."""
@@ -230,4 +236,7 @@ class AccumulationWindow:
         self.gradients = window.get("gradients", window["micro_batches"])
         self.mode = window["mode"]
         self.num_items.fill_(window["num_items"] if rank == 0 else 0)
+        if rank == 0 and window.get("gradless"):  # (absent from older checkpoints)
+            self.gradless.fill_(window["gradless"])
+            self._gradless_on_host = True
         self.dirty = True
