@@ -10,6 +10,7 @@ import torch._inductor.config as inductor_config
 
 import memkern as mk
 from compare import rel_err
+from conftest import needs_layer_extension
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +68,7 @@ CHAINS = {
 }
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("name", list(CHAINS))
 def test_compiled_modules_save_no_more_than_eager(name):
     from memkern.profile import saved_bytes
@@ -77,7 +79,11 @@ def test_compiled_modules_save_no_more_than_eager(name):
     eager = saved_bytes(module, x)
     compiled = torch.compile(module)
     compiled(x)
-    assert saved_bytes(compiled, x) <= eager, "torch.compile lost a memkern memory saving"
+    compiled_saved = saved_bytes(compiled, x)
+    assert compiled_saved <= eager, "torch.compile lost a memkern memory saving"
+    if name in ("LayerNorm>Linear", "RMSNorm>Linear"):
+        # the norm's region is recomputed in backward, statistics and all: only x is kept
+        assert compiled_saved == 4 * x.numel()
     # the independent bound of what eager saves: the input (fp32), per-row statistics and,
     # for the MLPs with recompute="activation", one pre-activation (or gate and up) per row
     rows, hidden = 3 * 37, 160
@@ -127,3 +133,28 @@ def test_compiled_linear_under_autocast_matches_eager():
     assert torch.equal(out, eager)
     for a, b in zip(grads, want):
         assert a.dtype == b.dtype == torch.float32 and rel_err(a, b) < 1e-5
+
+
+@needs_layer_extension
+def test_compiled_norm_then_linear_under_autocast_keeps_what_it_did():
+    """LayerNorm>Linear under autocast (bfloat16) on a float32 input, compiled: the traced norm
+    computes in float32, as in eager mode, and the graph keeps x (float32) and the bfloat16
+    copies of the norm's output and of the weight that the Linear computes with (46848 bytes
+    here, as when the norm was a Python Function in its region); the results are eager's."""
+    from memkern.profile import saved_bytes
+
+    torch._dynamo.reset()
+    module = CHAINS["LayerNorm>Linear"]()
+    x = torch.randn(3, 37, 64, requires_grad=True)
+    compiled = torch.compile(module, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, eager = compiled(x), module(x)
+        norm_out = torch.compile(module[0], fullgraph=True)(x)
+        assert out.dtype == eager.dtype == torch.bfloat16 and norm_out.dtype == torch.float32
+        assert saved_bytes(compiled, x) == 4 * x.numel() + 2 * (x.numel() + module[1].weight.numel())
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x, *module.parameters()], g)
+    want = torch.autograd.grad(eager, [x, *module.parameters()], g)
+    assert rel_err(out.float(), eager.float()) < 1e-2
+    for a, b in zip(grads, want):
+        assert a.dtype == b.dtype == torch.float32 and rel_err(a, b) < 1e-2

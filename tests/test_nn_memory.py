@@ -22,6 +22,7 @@ from torch import nn
 import memkern as mk
 from memkern.profile import SavedTensorsRecorder, allocation_stats, saved_bytes
 from compare import rel_err
+from conftest import needs_layer_extension
 from memkern.bench.block import GPT2Block
 
 
@@ -64,8 +65,9 @@ def test_swiglu_saves_less_than_torch():
     assert act <= 0.60 * base and full <= 0.15 * base, (act / base, full / base)
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("norm", ["layer", "rms"])
-def test_norm_saves_input_and_row_statistics_only(norm, layer_autograd):
+def test_norm_saves_input_and_row_statistics_only(norm):
     d = 257
     x = torch.randn(5, 31, d, requires_grad=True)
     m = mk.nn.LayerNorm(d) if norm == "layer" else mk.nn.RMSNorm(d)
@@ -80,6 +82,7 @@ def test_norm_saves_input_and_row_statistics_only(norm, layer_autograd):
     del y
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_linear_after_a_norm_saves_no_normalised_output(norm):
     """Nor does the Linear consuming the normalised output: it rebuilds it in backward."""
