@@ -10,7 +10,7 @@
 // registered for the device serves them (C++ on the CPU and on CUDA: csrc/cpu/norm.cpp,
 // csrc/cuda/norm.cu). Under autocast the norm computes in x's dtype and its output has that
 // dtype: memkern's ops have no autocast kernel, and native_layer_norm runs with autocast
-// excluded (autocast would run it on, and save, a float32 copy of a 16-bit x).
+// excluded (CUDA autocast would run it on, and save, a float32 copy of a 16-bit x).
 #include "norm.h"
 
 #include <ATen/ATen.h>

@@ -19,7 +19,7 @@ bool norm_is_native_layer_norm(const at::Tensor& x, const std::optional<at::Tens
                                const std::optional<at::Tensor>& bias, bool rms);
 
 // torch's native_layer_norm of x over its last n_norm dimensions, in x's dtype under autocast
-// too (autocast would run it on, and save, a float32 copy of x).
+// too (CUDA autocast would run it on, and save, a float32 copy of a 16-bit x).
 at::Tensor native_layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                              const std::optional<at::Tensor>& bias, int64_t n_norm, double eps);
 

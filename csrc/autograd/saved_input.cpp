@@ -1,6 +1,7 @@
 // See saved_input.h.
 #include "saved_input.h"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
 #include "norm.h"

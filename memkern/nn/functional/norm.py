@@ -13,8 +13,8 @@ LayerNorm is torch's own ``native_layer_norm`` (and its autograd) wherever that 
 thing — float32/float64 inputs, and 16-bit inputs on CUDA, with parameters of the input's
 dtype; the ``memkern::norm_*`` kernel ops serve 16-bit inputs on the CPU (where torch's
 statistics would be 16-bit) and RMSNorm. The op decides (csrc/autograd/norm.h). Under autocast
-the norm computes in the input's dtype and returns that dtype (torch's LayerNorm would compute
-in, and save, a float32 copy of a 16-bit input).
+the norm computes in the input's dtype and returns that dtype (CUDA autocast would run torch's
+layer norm on, and save, a float32 copy of a 16-bit input).
 
 Host time per call: in eager mode the whole call — checks, the choice above, the recipe — is
 one C++ entry (:data:`memkern.ops.norm_layer.norm_entry`); the Python code below raises the
