@@ -3,7 +3,11 @@
 
 #include <pybind11/stl.h>
 
+#include <map>
+#include <string>
+
 #include "autograd/linear_cross_entropy.h"
+#include "autograd/saved_input.h"
 #include "layer_constants.h"
 #include "math/state8bit.h"
 #include "python_entries.h"
@@ -25,6 +29,12 @@ py::tuple as_tuple(const std::array<const char*, N>& names) {
 }  // namespace
 
 void add_constants(py::module_& m) {
+  // memkern/ops/_norm_recipe.py
+  m.attr("NORM_KINDS") = std::map<std::string, int64_t>{
+      {"native_layer_norm", autograd::kNativeLayerNorm},
+      {"layer_norm", autograd::kLayerNorm},
+      {"rms_norm", autograd::kRmsNorm},
+      {"modulated_layer_norm", autograd::kModulatedLayerNorm}};
   // memkern/nn/functional/_saved.py
   m.attr("NORM_RECIPE_ATTR") = kNormRecipeAttr;
   // memkern/ops/activation.py, memkern/nn/functional/mlp.py

@@ -219,6 +219,21 @@ bool shape_is(const OptTensor& t, at::IntArrayRef shape) {
   return !t.has_value() || !t->defined() || t->sizes() == shape;
 }
 
+// `y` as a Python tensor carrying the recipe of the norm that made it from x, weight and bias
+// (a WeakNormRecipe in its _memkern_recipe attribute) when it requires grad, so that its
+// consumers save the norm's tensors instead of it.
+py::object with_recipe(at::Tensor y, const at::Tensor& x, const OptTensor& weight,
+                       const OptTensor& bias, int64_t kind, int64_t dims, double eps) {
+  py::object out = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(y)));
+  if (THPVariable_Unpack(out.ptr()).requires_grad() && at::GradMode::is_enabled()) {
+    const py::object recipe = py::cast(WeakNormRecipe(x, weight, bias, kind, dims, eps));
+    if (PyObject_SetAttr(out.ptr(), recipe_attr(), recipe.ptr()) < 0) {
+      throw py::error_already_set();
+    }
+  }
+  return out;
+}
+
 // memkern.nn.functional.layer_norm / rms_norm in eager mode: memkern::norm_layer — called as
 // torch's native_layer_norm directly where the op would run that (norm_is_native_layer_norm;
 // one dispatch less) — its output carrying the norm's recipe (a WeakNormRecipe in its
@@ -251,16 +266,28 @@ py::object norm(py::handle x_obj, py::handle normalized_shape, const OptTensor& 
   const bool native = autograd::norm_is_native_layer_norm(*x, weight, bias, rms);
   at::Tensor y = native ? autograd::native_layer_norm(*x, weight, bias, dims, eps)
                         : norm_layer(*x, weight, bias, dims, eps, rms);
-  py::object out = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(y)));
-  if (THPVariable_Unpack(out.ptr()).requires_grad() && at::GradMode::is_enabled()) {
-    const int64_t kind = native ? autograd::kNativeLayerNorm
-                                : rms ? autograd::kRmsNorm : autograd::kLayerNorm;
-    const py::object recipe = py::cast(WeakNormRecipe(*x, weight, bias, kind, dims, eps));
-    if (PyObject_SetAttr(out.ptr(), recipe_attr(), recipe.ptr()) < 0) {
-      throw py::error_already_set();
-    }
+  const int64_t kind = native ? autograd::kNativeLayerNorm
+                              : rms ? autograd::kRmsNorm : autograd::kLayerNorm;
+  return with_recipe(std::move(y), *x, weight, bias, kind, dims, eps);
+}
+
+// memkern.nn.functional.modulated_layer_norm in eager mode: memkern::modulated_norm_layer, its
+// output carrying its recipe (kModulatedLayerNorm: x, scale, shift) like a norm's. None for a
+// call the Python path takes: autocast on x's device (the op has none: torch's composition
+// runs), mixed dtypes or shapes that do not fit (the Python path raises).
+py::object modulated_norm(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
+                          double eps) {
+  if (x.dim() < 2 || scale.dim() != 2 || scale.sizes() != shift.sizes() ||
+      scale.size(0) != x.size(0) || scale.size(1) != x.size(-1) || !one_dtype(x, scale, shift) ||
+      autocast_on(x.device().type())) {
+    return py::none();
   }
-  return out;
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memkern::modulated_norm_layer", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  return with_recipe(op.call(x, scale, shift, eps), x, scale, shift,
+                     autograd::kModulatedLayerNorm, 1, eps);
 }
 
 // memkern.nn.functional.dropout with a drawn seed: memkern::dropout_layer.
@@ -360,6 +387,10 @@ void add_layer_entries(py::module_& m) {
         py::arg("bias"), py::arg("eps"), py::arg("rms"),
         "memkern.nn.functional.layer_norm / rms_norm's eager call: memkern::norm_layer, its "
         "output carrying the norm's recipe, or None when the Python path must take the call.");
+  m.def("modulated_norm", &modulated_norm, py::arg("x"), py::arg("scale"), py::arg("shift"),
+        py::arg("eps"),
+        "memkern.nn.functional.modulated_layer_norm's eager call: memkern::modulated_norm_layer, "
+        "its output carrying its recipe, or None when the Python path must take the call.");
   m.def("dropout_layer", &dropout_layer, py::arg("x"), py::arg("p"),
         "memkern.nn.functional.dropout's eager call with a drawn seed: memkern::dropout_layer.");
   m.def("linear_cross_entropy_layer", &linear_cross_entropy_layer, py::arg("input"),

@@ -68,8 +68,10 @@ CHAINS = {
 }
 
 
-@needs_layer_extension
-@pytest.mark.parametrize("name", list(CHAINS))
+# the eager bound below is what memkern's layers save after a memkern norm (without the
+# extension the norm is torch's and leaves no recipe: its consumer saves the normalised output)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=needs_layer_extension)
+                                  if "Norm>" in name else name for name in CHAINS])
 def test_compiled_modules_save_no_more_than_eager(name):
     from memkern.profile import saved_bytes
 
@@ -96,6 +98,7 @@ def test_compiled_modules_save_no_more_than_eager(name):
         assert rel_err(a, b) < 1e-5
 
 
+@needs_layer_extension
 def test_compiled_dropout_saves_only_its_seed():
     """Compiled, the dropout op's C++ autograd is traced: backward keeps the int64 seed (8
     bytes), never a mask, as in eager mode."""
@@ -109,6 +112,7 @@ def test_compiled_dropout_saves_only_its_seed():
     assert saved_bytes(module, x) == saved_bytes(compiled, x) == 8
 
 
+@needs_layer_extension
 def test_compiled_linear_under_autocast_matches_eager():
     """Under autocast the traced Linear computes in autocast's dtype (the op's fake says so).
     Eager it saves the input as cast; compiled, the partitioner keeps the weight's cast copy

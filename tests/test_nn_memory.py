@@ -120,6 +120,7 @@ def test_recompute_falls_back_when_the_norm_input_changed():
         out.sum().backward()  # as torch: the norm saved the input that was then modified
 
 
+@needs_layer_extension
 def test_dropout_saves_no_mask():
     x = torch.randn(33, 129, requires_grad=True)
     with SavedTensorsRecorder() as rec:
@@ -133,6 +134,7 @@ def _load_torch_into_memkern(t: GPT2Block, m: GPT2Block) -> None:
     m.load_state_dict(sd)
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_gpt2_block_saved_bytes(dtype):
     x = torch.randn(2, 33, 256, dtype=dtype, requires_grad=True)

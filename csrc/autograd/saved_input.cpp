@@ -14,8 +14,14 @@ bool uses_recipe(const at::Tensor& input, const NormRecipe& recipe) {
   if (!input.defined() || recipe.kind == kNoNorm) {
     return false;
   }
-  TORCH_CHECK(recipe.kind >= kNativeLayerNorm && recipe.kind <= kRmsNorm && recipe.x.has_value() &&
-                  recipe.x->defined() && recipe.dims >= 0 && recipe.dims <= recipe.x->dim(),
+  const bool modulated = recipe.kind == kModulatedLayerNorm;
+  const auto present = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined();
+  };
+  TORCH_CHECK(recipe.kind >= kNativeLayerNorm && recipe.kind <= kModulatedLayerNorm &&
+                  present(recipe.x) && recipe.dims >= 0 && recipe.dims <= recipe.x->dim() &&
+                  (!modulated || (recipe.dims == 1 && present(recipe.weight) &&
+                                  present(recipe.bias))),
               "memkern: invalid norm recipe (norm_kind=", recipe.kind, ", norm_dims=",
               recipe.dims, "); pass no norm_* arguments, or those of a memkern norm's output");
   return true;
@@ -23,11 +29,29 @@ bool uses_recipe(const at::Tensor& input, const NormRecipe& recipe) {
 
 }  // namespace
 
+at::Tensor per_sample_view(const at::Tensor& t, int64_t dim) {
+  at::Tensor out = t;
+  for (int64_t d = 2; d < dim; ++d) {
+    out = out.unsqueeze(1);
+  }
+  return out;
+}
+
+at::Tensor modulate(const at::Tensor& normed, const at::Tensor& scale, const at::Tensor& shift) {
+  return normed * (per_sample_view(scale, normed.dim()) + 1) +
+         per_sample_view(shift, normed.dim());
+}
+
 at::Tensor rebuild_norm_output(const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& bias, int64_t kind, int64_t dims, double eps) {
   at::NoGradGuard no_grad;
   if (kind == kNativeLayerNorm) {
     return native_layer_norm(x, weight, bias, dims, eps);
+  }
+  if (kind == kModulatedLayerNorm) {
+    // torch's normalisation without affine parameters, then the sample's modulation, as
+    // modulated_norm.cpp's forward computes it
+    return modulate(native_layer_norm(x, std::nullopt, std::nullopt, dims, eps), weight, bias);
   }
   return memkern_norm(x, weight, bias, dims, eps, kind == kRmsNorm);
 }
