@@ -336,20 +336,26 @@ def test_norms_run_the_cpp_autograd_and_stay_recomputable(autocast):
     run the C++ node; float32 LayerNorm runs torch's own. Under autocast (bfloat16) the same,
     in the input's dtype. The output carries its recipe either way (a consuming Linear saves
     x, not the output), and so it does through ``torch.ops.memkern.norm_layer`` (no recipe:
-    the op alone) and ``functional.layer_norm`` with a list or an int for the shape."""
+    the op alone) and ``functional.layer_norm`` with a list or an int for the shape. Below
+    autograd (inference mode) the op computes the same bits."""
     from memkern import _C
     cases = ((mk.nn.RMSNorm(13), torch.float32, "memkern::NormBackward"),
              (mk.nn.LayerNorm(13), torch.bfloat16, "memkern::NormBackward"),
              (mk.nn.LayerNorm(13), torch.float32, "NativeLayerNormBackward0"))
     for m, dtype, node in cases:
-        x = _input((3, 13), dtype)
+        m = m.to(dtype)
+        x = _input((64, 13), dtype, 3.0)
+        args = (m.weight, getattr(m, "bias", None), 1, m.eps or torch.finfo(dtype).eps,
+                isinstance(m, mk.nn.RMSNorm))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            y = m.to(dtype)(x)
-            direct = mk.ops.norm_layer(x, m.weight, getattr(m, "bias", None), 1, 1e-5,
-                                       isinstance(m, mk.nn.RMSNorm))
+            y = m(x)
+            direct = mk.ops.norm_layer(x, *args)
+            with torch.inference_mode():  # the op below autograd: the same bits
+                below = mk.ops.norm_layer(x, *args)
         assert y.grad_fn.name() == direct.grad_fn.name() == node and y.dtype == dtype
         assert isinstance(getattr(y, _C.NORM_RECIPE_ATTR), _C.NormRecipe)
         assert not hasattr(direct, _C.NORM_RECIPE_ATTR)
+        assert torch.equal(y, direct) and torch.equal(below, direct)
     for shape in ([13], 13):
         y = mk.nn.functional.layer_norm(_input((3, 13), torch.bfloat16), shape)
         assert isinstance(getattr(y, _C.NORM_RECIPE_ATTR), _C.NormRecipe)
