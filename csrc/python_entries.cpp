@@ -10,11 +10,11 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
 #include "autograd/linear_cross_entropy.h"
+#include "autograd/norm.h"
 #include "autograd/saved_input.h"
 
 #include <algorithm>
@@ -31,9 +31,6 @@ namespace py = pybind11;
 using OptTensor = std::optional<at::Tensor>;
 using autograd::NormRecipe;
 using autograd::WeakNormRecipe;
-
-// The Python type of WeakNormRecipe (memkern._C.NormRecipe), set when the module is made.
-PyTypeObject* norm_recipe_type = nullptr;
 
 // kNormRecipeAttr, as an interned Python string.
 PyObject* recipe_attr() {
@@ -65,18 +62,10 @@ const at::Tensor* as_tensor(py::handle obj) {
 
 // What a GEMM layer saves of its input `x` (the Python object `x_obj`): the recipe a memkern
 // norm left on it while still valid (neither x nor the norm's tensors modified in place or
-// freed since), else an empty recipe (kNoNorm: x itself). nullopt when the norm ran on the
-// Python path (a forced backend): its recipe rebuilds through that path, so the layer's
-// Python Function takes the call too.
-std::optional<NormRecipe> input_recipe(py::handle x_obj, const at::Tensor& x) {
+// freed since), else an empty recipe (kNoNorm: x itself).
+NormRecipe input_recipe(py::handle x_obj, const at::Tensor& x) {
   const py::object held = optional_attr(x_obj, recipe_attr());
-  if (!held) {
-    return NormRecipe{};
-  }
-  if (Py_TYPE(held.ptr()) != norm_recipe_type) {
-    return std::nullopt;
-  }
-  if (x._version() != 0) {
+  if (!held || x._version() != 0) {
     return NormRecipe{};
   }
   return held.cast<const WeakNormRecipe&>().lock().value_or(NormRecipe{});
@@ -114,7 +103,7 @@ bool gemm_layer_call(const at::Tensor& x,
 
 // A GEMM layer's input when the layer's C++ autograd serves the call: the tensor `x_obj` is
 // and what to save of it (input_recipe); nullopt when the Python path must take the call (not
-// a tensor, gemm_layer_call refuses it, a recipe of the Python path).
+// a tensor, gemm_layer_call refuses it).
 struct GemmInput {
   const at::Tensor& x;
   NormRecipe recipe;
@@ -128,11 +117,7 @@ std::optional<GemmInput> gemm_input(
   if (x == nullptr || !gemm_layer_call(*x, params, in_dim)) {
     return std::nullopt;
   }
-  std::optional<NormRecipe> recipe = input_recipe(x_obj, *x);
-  if (!recipe) {
-    return std::nullopt;
-  }
-  return GemmInput{*x, std::move(*recipe)};
+  return GemmInput{*x, input_recipe(x_obj, *x)};
 }
 
 // Whether a Linear call of one dtype without autocast is torch's own linear: when memkern
@@ -143,7 +128,7 @@ bool linear_is_torch_linear(bool has_recipe, bool transposed, bool weight_has_gr
 }
 
 // memkern.nn.functional.linear in eager mode: memkern::linear_layer with x's norm recipe
-// (input_recipe; a recipe of the Python path's norm is not read: x is saved), or torch's own
+// (input_recipe), or torch's own
 // linear (linear_is_torch_linear). None for a call memkern.nn.functional.linear refuses with
 // its error: x not a tensor, mismatched shapes, mixed dtypes without autocast.
 OptTensor linear_layer(py::handle x_obj, const at::Tensor& weight, const OptTensor& bias,
@@ -157,7 +142,7 @@ OptTensor linear_layer(py::handle x_obj, const at::Tensor& weight, const OptTens
   if (!autocast && !one_dtype(*x, weight, bias)) {
     return std::nullopt;
   }
-  const NormRecipe recipe = input_recipe(x_obj, *x).value_or(NormRecipe{});
+  const NormRecipe recipe = input_recipe(x_obj, *x);
   if (!autocast && linear_is_torch_linear(recipe.kind != autograd::kNoNorm, transposed,
                                           weight.grad().defined())) {
     return at::linear(*x, weight, bias);
@@ -219,7 +204,7 @@ OptTensor swiglu_layer(py::handle x_obj, const at::Tensor& gate_weight, const Op
                  recipe.eps);
 }
 
-// memkern.nn.functional's LayerNorm/RMSNorm on the C++ path: memkern::norm_layer.
+// memkern::norm_layer.
 at::Tensor norm_layer(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
                       int64_t n_norm, double eps, bool rms) {
   static const auto op =
@@ -232,20 +217,6 @@ at::Tensor norm_layer(const at::Tensor& x, const OptTensor& weight, const OptTen
 
 bool shape_is(const OptTensor& t, at::IntArrayRef shape) {
   return !t.has_value() || !t->defined() || t->sizes() == shape;
-}
-
-// Whether torch's native_layer_norm saves what memkern's op does for an input of `dtype` (with
-// parameters of its dtype): float32 statistics (float64 for float64), never the output. So for
-// float32/float64, and for 16-bit on CUDA (on the CPU its statistics would be 16-bit). The
-// Python path's rule too (memkern/nn/functional/norm.py checks at import that it is this one).
-bool native_layer_norm_saves_statistics(at::ScalarType dtype, bool on_cuda) {
-  const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
-  return dtype == at::kFloat || dtype == at::kDouble || (on_cuda && half);
-}
-
-bool native_layer_norm_ok(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias) {
-  return native_layer_norm_saves_statistics(x.scalar_type(), x.is_cuda()) &&
-         one_dtype(x, weight.value_or(x), bias);
 }
 
 // `y` as a Python tensor carrying the recipe of the norm that made it from x, weight and bias
@@ -263,12 +234,12 @@ py::object with_recipe(at::Tensor y, const at::Tensor& x, const OptTensor& weigh
   return out;
 }
 
-// memkern.nn.functional.layer_norm / rms_norm in eager mode on the default backend: torch's
-// native_layer_norm where it saves what memkern's op does (native_layer_norm_ok), else
-// memkern::norm_layer; the output carries the norm's recipe (a WeakNormRecipe in its
+// memkern.nn.functional.layer_norm / rms_norm in eager mode: memkern::norm_layer — called as
+// torch's native_layer_norm directly where the op would run that (norm_is_native_layer_norm;
+// one dispatch less) — its output carrying the norm's recipe (a WeakNormRecipe in its
 // _memkern_recipe attribute) when it requires grad, so its consumers save the norm's input
-// instead. None for a call the Python path handles: normalized_shape not a tuple, shapes that
-// do not match (the Python path raises).
+// instead. None for a call the Python path handles: normalized_shape not a tuple of ints,
+// shapes that do not match (the Python path raises).
 py::object norm(py::handle x_obj, py::handle normalized_shape, const OptTensor& weight,
                 const OptTensor& bias, double eps, bool rms) {
   const at::Tensor* x = as_tensor(x_obj);
@@ -292,15 +263,9 @@ py::object norm(py::handle x_obj, py::handle normalized_shape, const OptTensor& 
       !shape_is(bias, shape)) {
     return py::none();
   }
-  const bool native = !rms && native_layer_norm_ok(*x, weight, bias);
-  at::Tensor y;
-  if (native) {
-    // in x's dtype under autocast too (autocast would run it on, and save, a float32 copy)
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    y = std::get<0>(at::native_layer_norm(*x, shape, weight, bias, eps));
-  } else {
-    y = norm_layer(*x, weight, bias, dims, eps, rms);
-  }
+  const bool native = autograd::norm_is_native_layer_norm(*x, weight, bias, rms);
+  at::Tensor y = native ? autograd::native_layer_norm(*x, weight, bias, dims, eps)
+                        : norm_layer(*x, weight, bias, dims, eps, rms);
   const int64_t kind = native ? autograd::kNativeLayerNorm
                               : rms ? autograd::kRmsNorm : autograd::kLayerNorm;
   return with_recipe(std::move(y), *x, weight, bias, kind, dims, eps);
@@ -375,8 +340,7 @@ OptTensor linear_cross_entropy_layer(const at::Tensor& input, const at::Tensor& 
 }  // namespace
 
 void add_layer_entries(py::module_& m) {
-  auto recipe_class =
-      py::class_<WeakNormRecipe>(
+  py::class_<WeakNormRecipe>(
           m, "NormRecipe",
           "How to rebuild a memkern norm's output (its _memkern_recipe attribute, left by "
           "memkern._C.norm): weak references to the norm's input and parameters and their "
@@ -405,7 +369,6 @@ void add_layer_entries(py::module_& m) {
           .def_property_readonly("kind", &WeakNormRecipe::kind)
           .def_property_readonly("dims", &WeakNormRecipe::dims)
           .def_property_readonly("eps", &WeakNormRecipe::eps);
-  norm_recipe_type = reinterpret_cast<PyTypeObject*>(recipe_class.ptr());
   m.def("linear_layer", &linear_layer, py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("transposed"),
         "memkern.nn.functional.linear's eager call: memkern::linear_layer with x's norm recipe (or "
@@ -422,15 +385,12 @@ void add_layer_entries(py::module_& m) {
         "recipe, or None when the Python path must take the call.");
   m.def("norm", &norm, py::arg("x"), py::arg("normalized_shape"), py::arg("weight"),
         py::arg("bias"), py::arg("eps"), py::arg("rms"),
-        "memkern.nn.functional.layer_norm / rms_norm's eager call on the default backend, its "
+        "memkern.nn.functional.layer_norm / rms_norm's eager call: memkern::norm_layer, its "
         "output carrying the norm's recipe, or None when the Python path must take the call.");
   m.def("modulated_norm", &modulated_norm, py::arg("x"), py::arg("scale"), py::arg("shift"),
         py::arg("eps"),
         "memkern.nn.functional.modulated_layer_norm's eager call: memkern::modulated_norm_layer, "
         "its output carrying its recipe, or None when the Python path must take the call.");
-  m.def("norm_layer", &norm_layer, py::arg("x"), py::arg("weight"), py::arg("bias"),
-        py::arg("n_norm"), py::arg("eps"), py::arg("rms"),
-        "The norms' autograd on the C++ path: memkern::norm_layer.");
   m.def("dropout_layer", &dropout_layer, py::arg("x"), py::arg("p"),
         "memkern.nn.functional.dropout's eager call with a drawn seed: memkern::dropout_layer.");
   m.def("linear_cross_entropy_layer", &linear_cross_entropy_layer, py::arg("input"),
@@ -439,9 +399,6 @@ void add_layer_entries(py::module_& m) {
         py::arg("softcap"), py::arg("chunk_size"), py::arg("vocab_block"),
         "memkern.nn.functional.linear_cross_entropy's eager call on the C++ path "
         "(memkern::linear_cross_entropy_layer), or None when the Python path must take it.");
-  m.def("native_layer_norm_saves_statistics", &native_layer_norm_saves_statistics,
-        py::arg("dtype"), py::arg("on_cuda"),
-        "Whether torch's native_layer_norm saves what memkern's norm op does for this dtype.");
   // The C++ twin of memkern.ops.linear_cross_entropy.block_sizes (its constants:
   // constants.cpp).
   m.def("linear_cross_entropy_block_sizes", &lce::block_sizes, py::arg("n_tokens"),

@@ -6,8 +6,8 @@
 namespace memkern {
 
 // The attribute of a memkern norm's output that holds its recipe (memkern._C.NormRecipe): the
-// norm's entry sets it, the GEMM layers' entries read it (memkern/nn/functional/_saved.py
-// reads and sets it on the Python path).
+// norm's entry sets it, the GEMM layers' entries read it (and memkern/nn/functional/_saved.py,
+// for the layers that still have a Python Function).
 inline constexpr const char* kNormRecipeAttr = "_memkern_recipe";
 
 // Adds the entry points to the module memkern._C.

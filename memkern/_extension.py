@@ -86,20 +86,3 @@ def check_same_in_cpp(module: str, ours: dict[str, object]) -> None:
         if theirs != value:
             raise ImportError(f"memkern._C.{name} is {theirs!r} but {module} uses {value!r}: "
                               f"{_REBUILD}")
-
-
-def check_same_rule_in_cpp(module: str, rule, name: str, cases) -> None:
-    """Raise ImportError unless ``rule(*case)`` equals ``memkern._C.<name>(*case)`` for every
-    case: ``module``'s Python path decides a call as the C++ entry points do. Nothing to check
-    without the extension."""
-    if not compiled.has_cpu:
-        return
-    from memkern import _C
-
-    cpp_rule = getattr(_C, name, None)
-    for case in cases:
-        ours = rule(*case)
-        theirs = None if cpp_rule is None else cpp_rule(*case)
-        if theirs != ours:
-            raise ImportError(f"memkern._C.{name}{case} is {theirs!r} but {module} decides "
-                              f"{ours!r}: {_REBUILD}")

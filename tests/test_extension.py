@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 SCRIPT = r"""
 import math
@@ -109,9 +108,8 @@ def test_every_constant_the_extension_exports_is_checked_by_a_python_module():
                                               sorted(checked - exported))
 
 
-def test_a_constant_or_rule_that_differs_from_the_extension_fails_the_import(monkeypatch):
-    """The checks themselves: a planted difference in a constant or in a rule is an
-    ImportError naming it."""
+def test_a_constant_that_differs_from_the_extension_fails_the_import(monkeypatch):
+    """The check itself: a planted difference in a constant is an ImportError naming it."""
     from memkern import _extension
     if not _extension.compiled.has_cpu:
         pytest.skip("the compiled extension is not built")
@@ -122,13 +120,3 @@ def test_a_constant_or_rule_that_differs_from_the_extension_fails_the_import(mon
     with pytest.raises(ImportError, match=rf"memkern._C.LCE_ROW_ALIGN is {align} "
                                           rf"but m uses {align + 1}"):
         _extension.check_same_in_cpp("m", {"LCE_ROW_ALIGN": align + 1})
-    half = (torch.bfloat16, torch.float16)
-    cases = [(torch.bfloat16, True), (torch.bfloat16, False)]
-    _extension.check_same_rule_in_cpp("m", lambda d, cuda: cuda and d in half,
-                                      "native_layer_norm_saves_statistics", cases)
-    with pytest.raises(ImportError, match=r"native_layer_norm_saves_statistics\(torch.bfloat16, "
-                                          r"False\) is False but m decides True"):
-        _extension.check_same_rule_in_cpp("m", lambda d, cuda: d in half,
-                                          "native_layer_norm_saves_statistics", cases)
-    assert _C.native_layer_norm_saves_statistics(torch.bfloat16, True)
-    assert not _C.native_layer_norm_saves_statistics(torch.bfloat16, False)

@@ -53,7 +53,7 @@ def _input(shape, dtype, scale=1.0):
     return (torch.randn(shape) * scale).to(dtype).requires_grad_()
 
 
-_CPP_ONLY = ("linear", "conv1d", "dropout")
+_CPP_ONLY = ("linear", "conv1d", "dropout", "layer_norm", "rms_norm")
 """The layers whose one autograd is C++ (no Python Function): without the extension they are
 torch's own layers, so they have no "python" case."""
 
@@ -94,7 +94,7 @@ _DOUBLE_BACKWARD_LAYERS = {
     "rms_norm": lambda: mk.nn.RMSNorm(13),
     # on a 16-bit CPU input LayerNorm runs memkern's op (float32: torch's own, which has a
     # double backward)
-    "layer_norm_bf16": lambda: mk.nn.LayerNorm(13).to(torch.bfloat16)}
+    "layer_norm-bf16": lambda: mk.nn.LayerNorm(13).to(torch.bfloat16)}
 
 
 @_with_autograds(list(_DOUBLE_BACKWARD_LAYERS))
@@ -296,7 +296,7 @@ def test_linear_under_autocast_matches_torch():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("affine", ["affine", "no_bias", "plain"])
-def test_layer_norm_matches_torch(shape, dtype, affine, layer_autograd):
+def test_layer_norm_matches_torch(shape, dtype, affine):
     kw = dict(elementwise_affine=affine != "plain", bias=affine == "affine")
     ref = nn.LayerNorm(shape[-1], **kw).to(dtype)
     m = mk.nn.LayerNorm(shape[-1], **kw).to(dtype)
@@ -310,7 +310,7 @@ def test_layer_norm_matches_torch(shape, dtype, affine, layer_autograd):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("affine", [True, False])
-def test_rms_norm_matches_torch(shape, dtype, affine, layer_autograd):
+def test_rms_norm_matches_torch(shape, dtype, affine):
     ref = nn.RMSNorm(shape[-1], eps=1e-6, elementwise_affine=affine).to(dtype)
     m = mk.nn.RMSNorm(shape[-1], eps=1e-6, elementwise_affine=affine).to(dtype)
     with torch.no_grad():
@@ -320,7 +320,7 @@ def test_rms_norm_matches_torch(shape, dtype, affine, layer_autograd):
     assert_same(m, ref, _input(shape, dtype, 2.0), tol=TOL[dtype])
 
 
-def test_norms_over_several_dims_and_default_eps(layer_autograd):
+def test_norms_over_several_dims_and_default_eps():
     for ref, m in ((nn.LayerNorm((3, 5)), mk.nn.LayerNorm((3, 5))), (nn.RMSNorm((3, 5)), mk.nn.RMSNorm((3, 5)))):
         with torch.no_grad():
             for p in ref.parameters():
@@ -329,28 +329,41 @@ def test_norms_over_several_dims_and_default_eps(layer_autograd):
         assert_same(m, ref, _input((4, 3, 5), torch.float32), tol=1e-5)
 
 
-def test_norms_run_the_cpp_autograd_and_stay_recomputable(layer_autograd):
-    """The routing: RMSNorm (and LayerNorm on 16-bit CPU input) run the C++ node when the
-    extension is built, the Python Function otherwise; fp32 LayerNorm runs torch's own. The
-    output is marked recomputable either way (a consuming Linear saves x, not the output)."""
-    from memkern.nn.functional import _saved
-    memkern_norm = ("memkern::NormBackward" if layer_autograd == "cpp"
-                    else "NormFunctionBackward")
-    cases = ((mk.nn.RMSNorm(13), torch.float32, memkern_norm),
-             (mk.nn.LayerNorm(13), torch.bfloat16, memkern_norm),
+@needs_layer_extension
+@pytest.mark.parametrize("autocast", [False, True])
+def test_norms_run_the_cpp_autograd_and_stay_recomputable(autocast):
+    """The routing, the op's (csrc/autograd/norm.h): RMSNorm and LayerNorm on 16-bit CPU input
+    run the C++ node; float32 LayerNorm runs torch's own. Under autocast (bfloat16) the same,
+    in the input's dtype. The output carries its recipe either way (a consuming Linear saves
+    x, not the output), and so it does through ``torch.ops.memkern.norm_layer`` (no recipe:
+    the op alone) and ``functional.layer_norm`` with a list or an int for the shape. Below
+    autograd (inference mode) the op computes the same bits."""
+    from memkern import _C
+    cases = ((mk.nn.RMSNorm(13), torch.float32, "memkern::NormBackward"),
+             (mk.nn.LayerNorm(13), torch.bfloat16, "memkern::NormBackward"),
              (mk.nn.LayerNorm(13), torch.float32, "NativeLayerNormBackward0"))
     for m, dtype, node in cases:
-        y = m.to(dtype)(_input((3, 13), dtype))
-        assert y.grad_fn.name() == node
-        assert _saved.has_recipe(y)
-    with mk.ops.force("reference"):  # a forced backend keeps the Python Function
-        assert mk.nn.RMSNorm(13)(_input((3, 13), torch.float32)).grad_fn.name() == \
-            "NormFunctionBackward"
+        m = m.to(dtype)
+        x = _input((64, 13), dtype, 3.0)
+        args = (m.weight, getattr(m, "bias", None), 1, m.eps or torch.finfo(dtype).eps,
+                isinstance(m, mk.nn.RMSNorm))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = m(x)
+            direct = mk.ops.norm_layer(x, *args)
+            with torch.inference_mode():  # the op below autograd: the same bits
+                below = mk.ops.norm_layer(x, *args)
+        assert y.grad_fn.name() == direct.grad_fn.name() == node and y.dtype == dtype
+        assert isinstance(getattr(y, _C.NORM_RECIPE_ATTR), _C.NormRecipe)
+        assert not hasattr(direct, _C.NORM_RECIPE_ATTR)
+        assert torch.equal(y, direct) and torch.equal(below, direct)
+    for shape in ([13], 13):
+        y = mk.nn.functional.layer_norm(_input((3, 13), torch.bfloat16), shape)
+        assert isinstance(getattr(y, _C.NORM_RECIPE_ATTR), _C.NormRecipe)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm", ["layer", "rms"])
-def test_norms_match_float64_oracle(norm, dtype, layer_autograd):
+def test_norms_match_float64_oracle(norm, dtype):
     """Against the formulas evaluated in float64 (not torch's layers), normalising the last two
     dimensions of an odd-sized input, with weight and bias."""
     shape, tol = (3, 5, 7), {torch.float32: 2e-6}.get(dtype, TOL[dtype])
@@ -588,10 +601,9 @@ def test_nan_and_inf_propagate_like_torch(name, where, layer_autograd):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 @pytest.mark.skipif(not mk.backend.runs_on("triton", torch.device("cpu")), reason="no triton interpreter")
-@pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm", "MLP", "SwiGLU", "LinearCrossEntropy"])
+@pytest.mark.parametrize("name", ["MLP", "SwiGLU", "LinearCrossEntropy"])
 def test_module_on_triton_backend_matches_reference(name):
-    make = {"LayerNorm": lambda: mk.nn.LayerNorm(37), "RMSNorm": lambda: mk.nn.RMSNorm(37),
-            "MLP": lambda: mk.nn.MLP(37, 53, activation="gelu"),
+    make = {"MLP": lambda: mk.nn.MLP(37, 53, activation="gelu"),
             "SwiGLU": lambda: mk.nn.SwiGLU(37, 53), "LinearCrossEntropy": lambda: mk.nn.LinearCrossEntropy(37, 301)}
     m = make[name]()
     x = torch.randn(3, 7, 37, requires_grad=True)
@@ -701,6 +713,7 @@ def _leaves(tensors, dtype=None):
     return [t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
 
 
+@needs_layer_extension
 @_with_autograds(_LAYERS)
 @pytest.mark.parametrize("norm", _NORMS)
 def test_layer_after_a_norm_saves_its_recipe_and_matches_float64(norm, layer, layer_autograd):
@@ -765,38 +778,31 @@ def test_cpp_and_python_autograd_are_bit_identical_after_a_norm(norm, layer, dty
 @pytest.mark.skipif(not mk.compiled.has_cpu, reason="the compiled extension is not built")
 @pytest.mark.parametrize("layer", ["mlp-activation", "swiglu-full"])
 @pytest.mark.parametrize("norm", ["layer_norm", "rms_norm_2d"])
-def test_recipe_crosses_between_the_cpp_and_python_paths(norm, layer, monkeypatch):
-    """A norm on the C++ path leaves a C++ recipe; a layer that runs its Python Function
-    (here: under autocast, in the input's dtype) saves and rebuilds through it. A norm on the Python path (a forced
-    backend) leaves a Python recipe; the layer's C++ entry hands that call to the Python
-    Function. Either way the layer saves the norm's input, not its output, and every result is
-    what the all-Python run gives, bit for bit."""
+def test_recipe_crosses_to_the_python_path(norm, layer):
+    """A norm leaves a C++ recipe; a layer that runs its Python Function (here: under autocast,
+    in the input's dtype) saves and rebuilds through it: it saves the norm's input, not its
+    output, and every result is what the same run with the recipe taken off the norm's output
+    (the layer saving that output) gives, bit for bit."""
+    from memkern import _C
     seed = int(torch.randint(0, 2**31, ()))
 
-    def run(norm_backend):
+    def run(recipe):
         torch.manual_seed(seed)
         x = torch.randn(4, 3, 13).to(torch.bfloat16).requires_grad_()
         norm_fn, _, norm_params = _norm_case(norm, 13, torch.bfloat16)
         fn, _, params, function = _layer_case(layer, 13, torch.bfloat16)
-        if norm_backend is None:
-            y = norm_fn(x, *norm_params)
-        else:
-            with mk.ops.force(norm_backend):
-                y = norm_fn(x, *norm_params)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=norm_backend is None):
+        y = norm_fn(x, *norm_params)
+        if not recipe:
+            delattr(y, _C.NORM_RECIPE_ATTR)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
             out, saved = _saved_storages(fn, y, *params)
         assert not runs_cpp_autograd(out.grad_fn) and function in out.grad_fn.name()
-        assert y.untyped_storage().data_ptr() not in saved, "the normalised output was saved"
-        assert x.untyped_storage().data_ptr() in saved
+        assert (y.untyped_storage().data_ptr() in saved) != recipe
+        assert (x.untyped_storage().data_ptr() in saved) == recipe
         out.backward(torch.randn(out.shape).to(out.dtype))
         return [out, *(t.grad for t in (x, *norm_params, *params))]
 
-    cpp_recipe_under_autocast = run(None)
-    python_recipe = run("reference")
-    use_python_autograd(monkeypatch)
-    for i, (a, b) in enumerate(zip(cpp_recipe_under_autocast, run(None))):
-        assert torch.equal(a, b), f"result {i}"
-    for i, (a, b) in enumerate(zip(python_recipe, run("reference"))):
+    for i, (a, b) in enumerate(zip(run(True), run(False))):
         assert torch.equal(a, b), f"result {i}"
 
 
@@ -855,6 +861,7 @@ def test_stale_recipe_makes_the_layer_save_its_input(changed, layer, layer_autog
         assert rel_err(a, b) < 1e-10
 
 
+@needs_layer_extension
 @_with_autograds(_STALE_LAYERS)
 def test_norm_input_modified_after_the_layer_ran_raises_as_torch(layer, layer_autograd):
     """The norm's input modified in place between forward and backward: rebuilding the

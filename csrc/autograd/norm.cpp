@@ -1,15 +1,21 @@
-// memkern::norm_layer: the autograd of memkern's LayerNorm/RMSNorm (NormFunction in
-// memkern/nn/functional/norm.py) in C++ (a torch::autograd::Node, node.h), so a layer call
-// costs no Python autograd.Function.
+// memkern::norm_layer: memkern's LayerNorm/RMSNorm, its one autograd (a torch::autograd::Node,
+// node.h) for eager calls and torch.compile alike (traced into the ops it calls).
 //
-// Forward flattens x to [rows, D] (D = the product of the last n_norm sizes) and runs
+// Where torch's native_layer_norm saves what memkern's op does (norm_is_native_layer_norm,
+// norm.h), the call is torch's native_layer_norm with torch's autograd. Otherwise forward
+// flattens x to [rows, D] (D = the product of the last n_norm sizes) and runs
 // memkern::norm_forward; saves x, the weight, and the float32 (float64 for float64 x) per-row
 // mean (LayerNorm; empty for RMSNorm) and rstd — never the output. Backward runs
 // memkern::norm_backward. Both ops are called through the dispatcher, so whatever kernel is
 // registered for the device serves them (C++ on the CPU and on CUDA: csrc/cpu/norm.cpp,
-// csrc/cuda/norm.cu).
+// csrc/cuda/norm.cu). Under autocast the norm computes in x's dtype and its output has that
+// dtype: memkern's ops have no autocast kernel, and native_layer_norm runs with autocast
+// excluded (CUDA autocast would run it on, and save, a float32 copy of a 16-bit x).
+#include "norm.h"
+
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -99,6 +105,9 @@ struct NormBackward : public torch::autograd::Node {
 at::Tensor norm_layer_autograd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                const std::optional<at::Tensor>& bias, int64_t n_norm, double eps,
                                bool rms) {
+  if (memkern::autograd::norm_is_native_layer_norm(x, weight, bias, rms)) {
+    return memkern::autograd::native_layer_norm(x, weight, bias, n_norm, eps);
+  }
   at::Tensor y, mean, rstd;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -125,11 +134,42 @@ at::Tensor norm_layer_autograd(const at::Tensor& x, const std::optional<at::Tens
 at::Tensor norm_layer_forward(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                               const std::optional<at::Tensor>& bias, int64_t n_norm, double eps,
                               bool rms) {
+  if (memkern::autograd::norm_is_native_layer_norm(x, weight, bias, rms)) {
+    return memkern::autograd::native_layer_norm(x, weight, bias, n_norm, eps);
+  }
+  return memkern::autograd::memkern_norm(x, weight, bias, n_norm, eps, rms);
+}
+
+}  // namespace
+
+namespace memkern::autograd {
+
+bool norm_is_native_layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& bias, bool rms) {
+  const at::ScalarType dtype = x.scalar_type();
+  const auto of_x = [dtype](const std::optional<at::Tensor>& p) {
+    return !p.has_value() || !p->defined() || p->scalar_type() == dtype;
+  };
+  const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
+  return !rms && (dtype == at::kFloat || dtype == at::kDouble || (x.is_cuda() && half)) &&
+         of_x(weight) && of_x(bias);
+}
+
+at::Tensor native_layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                             const std::optional<at::Tensor>& bias, int64_t n_norm, double eps) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  return std::get<0>(
+      at::native_layer_norm(x, x.sizes().slice(x.dim() - n_norm), weight, bias, eps));
+}
+
+at::Tensor memkern_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                        const std::optional<at::Tensor>& bias, int64_t n_norm, double eps,
+                        bool rms) {
   return std::get<0>(norm_forward(rows(x, n_norm), flat(weight), flat(bias), eps, rms))
       .view(x.sizes());
 }
 
-}  // namespace
+}  // namespace memkern::autograd
 
 // The schema is defined in memkern/ops/norm_layer.py.
 TORCH_LIBRARY_IMPL(memkern, Autograd, m) { m.impl("norm_layer", norm_layer_autograd); }

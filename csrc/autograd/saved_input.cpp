@@ -1,18 +1,13 @@
 // See saved_input.h.
 #include "saved_input.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
-#include <tuple>
+#include "norm.h"
 
 namespace memkern::autograd {
 namespace {
-
-std::optional<at::Tensor> flat(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t.reshape({-1})) : std::nullopt;
-}
 
 // Whether `input` is saved through `recipe` (checked: the arguments come from Python).
 bool uses_recipe(const at::Tensor& input, const NormRecipe& recipe) {
@@ -47,34 +42,18 @@ at::Tensor modulate(const at::Tensor& normed, const at::Tensor& scale, const at:
          per_sample_view(shift, normed.dim());
 }
 
-// What memkern/nn/functional/norm.py's rebuild closures compute (_native_layer_norm,
-// _recompute), through the same ops.
 at::Tensor rebuild_norm_output(const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& bias, int64_t kind, int64_t dims, double eps) {
   at::NoGradGuard no_grad;
-  // the op as the norm ran it: in x's dtype, whatever autocast the backward runs under
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  const at::IntArrayRef normalized = x.sizes().slice(x.dim() - dims);
   if (kind == kNativeLayerNorm) {
-    return std::get<0>(at::native_layer_norm(x, normalized, weight, bias, eps));
+    return native_layer_norm(x, weight, bias, dims, eps);
   }
   if (kind == kModulatedLayerNorm) {
-    return modulate(std::get<0>(at::native_layer_norm(x, normalized, {}, {}, eps)), weight, bias);
+    // torch's normalisation without affine parameters, then the sample's modulation, as
+    // modulated_norm.cpp's forward computes it
+    return modulate(native_layer_norm(x, std::nullopt, std::nullopt, dims, eps), weight, bias);
   }
-  static const auto norm_forward =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("memkern::norm_forward", "")
-          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-              const at::Tensor&, const std::optional<at::Tensor>&,
-              const std::optional<at::Tensor>&, double, bool)>();
-  int64_t features = 1;
-  for (const int64_t n : normalized) {
-    features *= n;
-  }
-  const at::Tensor y = std::get<0>(norm_forward.call(x.reshape({-1, features}).contiguous(),
-                                                     flat(weight), flat(bias), eps,
-                                                     kind == kRmsNorm));
-  return y.view(x.sizes());
+  return memkern_norm(x, weight, bias, dims, eps, kind == kRmsNorm);
 }
 
 WeakNormRecipe::WeakNormRecipe(const at::Tensor& x, const std::optional<at::Tensor>& weight,

@@ -3,10 +3,11 @@
 // and parameters (storage the norm saved anyway) plus which norm, how many trailing dimensions
 // it normalises and its eps, from which backward rebuilds the output bit for bit. The
 // modulated LayerNorm of adaLN (modulated_norm.cpp) leaves one too: its per-sample scale and
-// shift take the parameters' places. This is the
-// C++ side of memkern/nn/functional/_saved.py: the layer ops take it as their norm_* arguments
+// shift take the parameters' places. The layer ops take it as their norm_* arguments
 // (memkern/ops/_norm_recipe.py); in eager mode the layers' entry points (python_entries.cpp)
-// find it on the input, as the WeakNormRecipe the norm left there, and check it is still valid.
+// find it on the input, as the WeakNormRecipe the norm's entry left there, and check it is
+// still valid. (Under torch.compile tensors carry no recipe: there
+// memkern/nn/functional/_saved.py's compiled_region has the norm recomputed.)
 #pragma once
 
 #include <ATen/ATen.h>
@@ -47,13 +48,14 @@ at::Tensor per_sample_view(const at::Tensor& t, int64_t dim);
 // rebuilt output is the forward's bit for bit.
 at::Tensor modulate(const at::Tensor& normed, const at::Tensor& scale, const at::Tensor& shift);
 
-// The norm's output rebuilt from its tensors (without building a graph) by the op the norm ran:
-// at::native_layer_norm, or memkern::norm_forward over the flattened trailing dimensions.
+// The norm's output rebuilt from its tensors (without building a graph) by the computation the
+// norm ran (norm.h): torch's native_layer_norm (modulated, for the modulated LayerNorm), or
+// memkern::norm_forward.
 at::Tensor rebuild_norm_output(const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& bias, int64_t kind, int64_t dims, double eps);
 
-// A norm output's recipe as the norm leaves it for its consumers (the C++ side of
-// memkern/nn/functional/_saved.py's _Recipe; python_entries.cpp attaches it to the output):
+// A norm output's recipe as the norm leaves it for its consumers (python_entries.cpp attaches
+// it to the output):
 // weak references to the norm's tensors, which never keep them alive, and their version
 // counters at the norm's call.
 class WeakNormRecipe {

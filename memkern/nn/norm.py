@@ -12,7 +12,8 @@ class LayerNorm(nn.LayerNorm):
 
     Saves for backward: the input, float32 ``mean`` and ``rstd`` per row (and the parameters).
     The normalised output is never saved, by this module or by a memkern Linear/MLP consuming
-    it (they rebuild it in backward from what this module saved).
+    it (they rebuild it in backward from what this module saved). Without the compiled
+    extension this is torch's ``F.layer_norm`` (:mod:`memkern.nn.functional`).
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

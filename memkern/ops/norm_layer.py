@@ -1,16 +1,17 @@
 """``memkern::norm_layer``: memkern's LayerNorm / RMSNorm over the last ``n_norm`` dimensions
-as one op whose autograd is C++ (csrc/autograd/norm.cpp): it runs :mod:`memkern.ops.norm`'s
-``norm_forward`` / ``norm_backward`` through the dispatcher and saves ``x``, the weight and the
-per-row float32 (float64) ``mean`` / ``rstd`` — never the output — at the host cost of a C++
-autograd node.
+as one op whose autograd is C++ (csrc/autograd/norm.cpp), the norm's one algorithm: torch's
+``native_layer_norm`` (and its autograd) where that saves the same thing, else
+:mod:`memkern.ops.norm`'s ``norm_forward`` / ``norm_backward`` through the dispatcher, saving
+``x``, the weight and the per-row float32 (float64) ``mean`` / ``rstd`` — never the output.
+Under autocast it computes in ``x``'s dtype.
 
 Arguments: ``x`` (float tensor ending with the normalised shape), ``weight`` / ``bias``
 (optional, of the normalised shape; RMSNorm takes no bias), ``n_norm`` (how many trailing
 dimensions are normalised), ``eps``, ``rms`` (False: LayerNorm, True: RMSNorm).
 
 Only the compiled extension registers its kernels (``Autograd`` and, below autograd,
-``CompositeExplicitAutograd``); without it :mod:`memkern.nn.functional.norm` runs the same
-algorithm as a Python ``autograd.Function``.
+``CompositeExplicitAutograd``); ``torch.compile`` traces the C++ autograd into the ops it
+calls. Without the extension :mod:`memkern.nn.functional.norm` is torch's own norm.
 """
 from __future__ import annotations
 
@@ -29,10 +30,8 @@ def _fake(x, weight, bias, n_norm, eps, rms):
 
 norm_layer = torch.ops.memkern.norm_layer.default
 
-# The eager entry points of the norms (:func:`memkern.ops._registry.eager_entry`): the op's,
-# with its arguments; and memkern.nn.functional's whole norm call, ``norm_entry(x,
-# normalized_shape, weight, bias, eps, rms)``: torch's native_layer_norm where it saves what
-# this op does, else this op, its output carrying the norm's recipe
-# (:mod:`memkern.nn.functional._saved`); None when the Python path must take the call.
-norm_layer_entry = eager_entry("norm_layer")
+# memkern.nn.functional's whole eager norm call (:func:`memkern.ops._registry.eager_entry`),
+# ``norm_entry(x, normalized_shape, weight, bias, eps, rms)``: this op (torch's
+# native_layer_norm called directly where the op would run that), its output carrying the
+# norm's recipe (csrc/autograd/saved_input.h); None for a call the Python path handles.
 norm_entry = eager_entry("norm")
