@@ -18,6 +18,7 @@ from torch import nn
 import memkern as mk
 from memkern.profile import saved_bytes
 from compare import rel_err
+from conftest import needs_layer_extension
 
 
 
@@ -159,6 +160,7 @@ def _loss_of(name, model, ids):
     return model(ids)
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("name", list(MODELS))
 def test_patch_reduces_saved_bytes(name):
     model, loss_fn = MODELS[name](0.1)
@@ -217,6 +219,7 @@ def test_patch_is_idempotent_and_respects_flags():
         mk.patch(model, recompute="lots")
 
 
+@needs_layer_extension
 def test_patch_recompute_full_saves_even_less():
     a, fa = _plain(TinyGPT)(0.0)
     b = copy.deepcopy(a)

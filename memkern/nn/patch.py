@@ -110,7 +110,7 @@ def _llama_mlp_forward(self, x):
 
 class SequentialMLP(nn.Sequential):
     """A patched ``nn.Sequential(Linear, activation, Linear[, Dropout])``: indexing, names and
-    ``state_dict`` are those of the Sequential; forward is one memkern MLP Function."""
+    ``state_dict`` are those of the Sequential; forward is one memkern MLP call."""
 
     forward = _gpt2_mlp_forward
 

@@ -1,9 +1,13 @@
 """The functional layer of :mod:`memkern.nn`: per layer, the call of its layer op, or a Python
 ``torch.autograd.Function`` where that layer still has one, each deciding exactly what is saved
-for backward and what is recomputed (see each file's docstring). Linear and dropout have no
-Python autograd: every call runs the layer op's C++ node (:mod:`memkern.ops.linear_layer`,
-:mod:`memkern.ops.dropout_layer`), and without the compiled extension they are torch's own
-``F.linear`` / ``F.dropout`` (the only Python path a layer without a Python Function has).
+for backward and what is recomputed (see each file's docstring). Linear, dropout, the MLP and
+SwiGLU have no Python autograd: every call runs the layer op's C++ node
+(:mod:`memkern.ops.linear_layer`, :mod:`memkern.ops.dropout_layer`,
+:mod:`memkern.ops.mlp_layer`, :mod:`memkern.ops.swiglu_layer`), and without the compiled
+extension they are plain torch — ``F.linear``, ``F.dropout``, the MLP as
+``F.linear(act(F.linear(x, fc1)), fc2)``, SwiGLU as ``F.linear(F.silu(F.linear(x, gate)) *
+F.linear(x, up), down)``, saving what torch saves (the only Python path a layer without a
+Python Function has).
 
 =====================  ===========================================================
 file                   what it saves for backward
@@ -15,7 +19,6 @@ mlp.py                 per ``recompute``: x, pre-activation (and activation)
 swiglu.py              per ``recompute``: x, gate, up (and h)
 linear_cross_entropy   never a [tokens, classes] tensor
 _saved.py              the "recomputable output" mechanism (norm outputs)
-_grad.py               accumulation of weight gradients into existing ``.grad``
 =====================  ===========================================================
 """
 from memkern.nn.functional.dropout import dropout
