@@ -108,6 +108,17 @@ def test_compiled_dropout_saves_only_its_seed():
     assert saved_bytes(module, x) == saved_bytes(compiled, x) == 8
 
 
+def _assert_same_float32_gradients(module, x, out, eager):
+    """``out`` (compiled) equals ``eager``, and their gradients w.r.t. ``x`` and the module's
+    parameters are float32 and agree."""
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x, *module.parameters()], g)
+    want = torch.autograd.grad(eager, [x, *module.parameters()], g)
+    assert torch.equal(out, eager)
+    for a, b in zip(grads, want):
+        assert a.dtype == b.dtype == torch.float32 and rel_err(a, b) < 1e-5
+
+
 def test_compiled_linear_under_autocast_matches_eager():
     """Under autocast the traced Linear computes in autocast's dtype (the op's fake says so).
     Eager it saves the input as cast; compiled, the partitioner keeps the weight's cast copy
@@ -126,12 +137,7 @@ def test_compiled_linear_under_autocast_matches_eager():
         assert linear_layer_fake(x, module.weight, None, False).dtype == torch.bfloat16
         assert saved_bytes(module, x) == 2 * x.numel()
         assert saved_bytes(compiled, x) == 2 * (x.numel() + module.weight.numel())
-    g = torch.randn_like(out)
-    grads = torch.autograd.grad(out, [x, *module.parameters()], g)
-    want = torch.autograd.grad(eager, [x, *module.parameters()], g)
-    assert torch.equal(out, eager)
-    for a, b in zip(grads, want):
-        assert a.dtype == b.dtype == torch.float32 and rel_err(a, b) < 1e-5
+    _assert_same_float32_gradients(module, x, out, eager)
 
 
 @needs_layer_extension
@@ -156,9 +162,4 @@ def test_compiled_gemm_layers_under_autocast_match_eager(name):
         assert out.dtype == eager.dtype == torch.bfloat16
         assert saved_bytes(module, x) == 2 * (x.numel() + intermediates * rows * hidden)
         assert saved_bytes(compiled, x) == 4 * x.numel() + 2 * intermediates * rows * hidden
-    g = torch.randn_like(out)
-    grads = torch.autograd.grad(out, [x, *module.parameters()], g)
-    want = torch.autograd.grad(eager, [x, *module.parameters()], g)
-    assert torch.equal(out, eager)
-    for a, b in zip(grads, want):
-        assert a.dtype == b.dtype == torch.float32 and rel_err(a, b) < 1e-5
+    _assert_same_float32_gradients(module, x, out, eager)

@@ -197,21 +197,9 @@ at::Tensor mlp_no_autograd(const at::Tensor& x, const at::Tensor& w1,
 
 namespace memkern::autograd {
 
-// MLPBackward's recomputation: the casts of its operands to the compute dtype, in every mode
-// (under autocast the weights' low-precision copies; a region recomputing this op recomputes
-// x's cast too, keeping x itself where the node keeps it cast); the activation
-// ("activation"); the first GEMM too ("full": the GEMMs by name, the second's output being the
-// layer's, which is never saved).
+// MLPBackward's recomputation: the activation is memkern::act_forward.
 std::vector<const char*> mlp_recomputed_ops(Recompute recompute) {
-  switch (recompute) {
-    case kNone:
-      return {kCastOp};
-    case kActivation:
-      return {kCastOp, kActForward};
-    case kFull:
-      return {kCastOp, kActForward, kLayerMmOps[0], kLayerMmOps[1]};
-  }
-  return {};
+  return gemm_layer_recomputed_ops(recompute, kActForward);
 }
 
 }  // namespace memkern::autograd

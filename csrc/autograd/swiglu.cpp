@@ -210,21 +210,9 @@ at::Tensor swiglu_no_autograd(const at::Tensor& x, const at::Tensor& wg,
 
 namespace memkern::autograd {
 
-// SwiGLUBackward's recomputation: the casts of its operands to the compute dtype, in every
-// mode (under autocast the weights' low-precision copies; a region recomputing this op
-// recomputes x's cast too, keeping x itself where the node keeps it cast); the gated unit
-// ("activation"); the gate and up GEMMs too ("full": the GEMMs by name, the down GEMM's output
-// being the layer's, which is never saved).
+// SwiGLUBackward's recomputation: the gated unit is memkern::swiglu_forward.
 std::vector<const char*> swiglu_recomputed_ops(Recompute recompute) {
-  switch (recompute) {
-    case kNone:
-      return {kCastOp};
-    case kActivation:
-      return {kCastOp, kSwigluForward};
-    case kFull:
-      return {kCastOp, kSwigluForward, kLayerMmOps[0], kLayerMmOps[1]};
-  }
-  return {};
+  return gemm_layer_recomputed_ops(recompute, kSwigluForward);
 }
 
 }  // namespace memkern::autograd
