@@ -33,7 +33,8 @@ void add_constants(py::module_& m) {
   m.attr("NORM_KINDS") = std::map<std::string, int64_t>{
       {"native_layer_norm", autograd::kNativeLayerNorm},
       {"layer_norm", autograd::kLayerNorm},
-      {"rms_norm", autograd::kRmsNorm}};
+      {"rms_norm", autograd::kRmsNorm},
+      {"modulated_layer_norm", autograd::kModulatedLayerNorm}};
   // memkern/nn/functional/_saved.py
   m.attr("NORM_RECIPE_ATTR") = kNormRecipeAttr;
   // memkern/ops/activation.py, memkern/nn/functional/mlp.py

@@ -261,6 +261,21 @@ bool native_layer_norm_ok(const at::Tensor& x, const OptTensor& weight, const Op
          one_dtype(x, weight.value_or(x), bias);
 }
 
+// `y` as a Python tensor carrying the recipe of the norm that made it from x, weight and bias
+// (a WeakNormRecipe in its _memkern_recipe attribute) when it requires grad, so that its
+// consumers save the norm's tensors instead of it.
+py::object with_recipe(at::Tensor y, const at::Tensor& x, const OptTensor& weight,
+                       const OptTensor& bias, int64_t kind, int64_t dims, double eps) {
+  py::object out = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(y)));
+  if (THPVariable_Unpack(out.ptr()).requires_grad() && at::GradMode::is_enabled()) {
+    const py::object recipe = py::cast(WeakNormRecipe(x, weight, bias, kind, dims, eps));
+    if (PyObject_SetAttr(out.ptr(), recipe_attr(), recipe.ptr()) < 0) {
+      throw py::error_already_set();
+    }
+  }
+  return out;
+}
+
 // memkern.nn.functional.layer_norm / rms_norm in eager mode on the default backend: torch's
 // native_layer_norm where it saves what memkern's op does (native_layer_norm_ok), else
 // memkern::norm_layer; the output carries the norm's recipe (a WeakNormRecipe in its
@@ -299,16 +314,28 @@ py::object norm(py::handle x_obj, py::handle normalized_shape, const OptTensor& 
   } else {
     y = norm_layer(*x, weight, bias, dims, eps, rms);
   }
-  py::object out = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(y)));
-  if (THPVariable_Unpack(out.ptr()).requires_grad() && at::GradMode::is_enabled()) {
-    const int64_t kind = native ? autograd::kNativeLayerNorm
-                                : rms ? autograd::kRmsNorm : autograd::kLayerNorm;
-    const py::object recipe = py::cast(WeakNormRecipe(*x, weight, bias, kind, dims, eps));
-    if (PyObject_SetAttr(out.ptr(), recipe_attr(), recipe.ptr()) < 0) {
-      throw py::error_already_set();
-    }
+  const int64_t kind = native ? autograd::kNativeLayerNorm
+                              : rms ? autograd::kRmsNorm : autograd::kLayerNorm;
+  return with_recipe(std::move(y), *x, weight, bias, kind, dims, eps);
+}
+
+// memkern.nn.functional.modulated_layer_norm in eager mode: memkern::modulated_norm_layer, its
+// output carrying its recipe (kModulatedLayerNorm: x, scale, shift) like a norm's. None for a
+// call the Python path takes: autocast on x's device (the op has none: torch's composition
+// runs), mixed dtypes or shapes that do not fit (the Python path raises).
+py::object modulated_norm(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
+                          double eps) {
+  if (x.dim() < 2 || scale.dim() != 2 || scale.sizes() != shift.sizes() ||
+      scale.size(0) != x.size(0) || scale.size(1) != x.size(-1) || !one_dtype(x, scale, shift) ||
+      autocast_on(x.device().type())) {
+    return py::none();
   }
-  return out;
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memkern::modulated_norm_layer", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  return with_recipe(op.call(x, scale, shift, eps), x, scale, shift,
+                     autograd::kModulatedLayerNorm, 1, eps);
 }
 
 // memkern.nn.functional.dropout with a drawn seed: memkern::dropout_layer.
@@ -410,6 +437,10 @@ void add_layer_entries(py::module_& m) {
         py::arg("bias"), py::arg("eps"), py::arg("rms"),
         "memkern.nn.functional.layer_norm / rms_norm's eager call on the default backend, its "
         "output carrying the norm's recipe, or None when the Python path must take the call.");
+  m.def("modulated_norm", &modulated_norm, py::arg("x"), py::arg("scale"), py::arg("shift"),
+        py::arg("eps"),
+        "memkern.nn.functional.modulated_layer_norm's eager call: memkern::modulated_norm_layer, "
+        "its output carrying its recipe, or None when the Python path must take the call.");
   m.def("norm_layer", &norm_layer, py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("n_norm"), py::arg("eps"), py::arg("rms"),
         "The norms' autograd on the C++ path: memkern::norm_layer.");

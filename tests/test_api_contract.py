@@ -38,7 +38,8 @@ CONTRACT = [
      dict(input=INF, weight=INF, target=INF, bias=None, ignore_index=-100, reduction="mean",
           label_smoothing=0.0, num_items=None)),
     ("mk.checkpoint", dict(module=INF, policy="full")),
-    ("mk.patch", dict(model=INF, linear=True, norm=True, mlp=True, dropout=True)),
+    ("mk.patch", dict(model=INF, linear=True, norm=True, mlp=True, dropout=True, attention=True,
+                      loss=True, recompute="activation", verbose=False)),
     ("mk.GradBuffer", dict(params=INF, dtype=None)),
     ("mk.LossScaler", dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                                  growth_interval=2000, min_scale=1.0, hysteresis=1,
@@ -51,10 +52,15 @@ CONTRACT = [
      dict(params=INF, optimizer="adamw", lr=INF, grad_dtype=None, zero_stage=1,
           process_group=None, accumulation_steps=1, loss_scale=None, max_grad_norm=None,
           offload=None, bucket_size_mb=25)),
+    ("MemkernTrainer", dict(model=None, args=None, patch=True, offload=None, zero_stage=None,
+                            fsdp2=False)),
 ]
 
 
 def resolve(dotted: str):
+    if dotted == "MemkernTrainer":
+        from memkern.integrations.transformers import MemkernTrainer
+        return MemkernTrainer
     obj = mk
     for part in dotted.split(".")[1:]:
         obj = getattr(obj, part)

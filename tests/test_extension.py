@@ -1,6 +1,7 @@
 """memkern without its compiled extension: one notice at import, every op still runs (the
 reference is registered for the CPU dispatch key in place of the C++ kernels) and computes
-the right values (checked against hand-computed float64 ones); and with
+the right values (checked against hand-computed float64 ones), memkern.nn's Linear, Conv1D
+and Dropout are torch's own layers; and with
 ``MEMKERN_REQUIRE_EXT=1`` (what CI sets) a missing extension is an import error instead. With
 the extension: every constant it shares with the Python modules is checked by one at import."""
 import os
@@ -42,6 +43,19 @@ for name, got, ref in (("master", master, want), ("exp_avg", m, want_m), ("exp_a
 assert torch.equal(params, master.to(torch.bfloat16))
 exact = math.sqrt(math.fsum(x * x for x in g.tolist()))
 assert abs(mk.ops.l2_norm(grads).item() - exact) <= 1e-6 * exact
+# Linear, Conv1D and Dropout are torch's own layers: torch's nodes, torch's values bit for bit,
+# even with .grad present (where the extension's Linear adds into it)
+F = torch.nn.functional
+x = torch.randn(5, 13, requires_grad=True)
+linear, conv1d = mk.nn.Linear(13, 7), mk.nn.Conv1D(7, 13)
+linear.weight.grad = torch.zeros_like(linear.weight)
+for y, want in ((linear(x), F.linear(x, linear.weight, linear.bias)),
+                (conv1d(x), F.linear(x, conv1d.weight.t(), conv1d.bias))):
+    assert y.grad_fn.name() == want.grad_fn.name() and torch.equal(y, want), y.grad_fn.name()
+torch.manual_seed(7)
+y = mk.nn.Dropout(0.3)(x)
+torch.manual_seed(7)
+assert y.grad_fn.name() == "MulBackward0" and torch.equal(y, F.dropout(x, 0.3)), y.grad_fn.name()
 print("ok")
 """
 

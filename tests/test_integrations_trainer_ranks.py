@@ -74,8 +74,8 @@ def runs(tmp_path_factory):
                  what="accelerate launch, 2 ranks, ZeRO-2, resumed")
     _in_process("--resume", checkpoint, "--out", str(tmp / "one"),
                 "--result", str(tmp / "one.json"), *common)
-    return {"seed": seed, **{name: _result(tmp / f"{name}.json")
-                             for name in ("plain", "zero1", "zero2", "one")}}
+    return {"seed": seed, "checkpoint_files": sorted(os.listdir(checkpoint)),
+            **{name: _result(tmp / f"{name}.json") for name in ("plain", "zero1", "zero2", "one")}}
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +113,16 @@ def test_two_ranks_log_plain_trainers_losses_with_half_the_state_each(runs):
     for rank in zero1["ranks"]:
         assert rank["wrapper"] == "LlamaForCausalLM" and rank["world"] == 2
         assert abs(rank["state_elements"] - whole / 2) <= 2 * 2 * ALIGN, (rank, whole)
+
+
+@pytest.mark.slow
+def test_two_rank_checkpoint_holds_the_optimizer_in_shards(runs):
+    """Across ranks each rank writes its own shards of the optimizer (no rank gathers the
+    whole state): a memkern-optimizer folder, no Trainer-style optimizer.pt."""
+    from memkern.integrations.transformers import SHARDED_OPTIMIZER
+    assert SHARDED_OPTIMIZER in runs["checkpoint_files"]
+    assert "optimizer.pt" not in runs["checkpoint_files"]
+    assert "scheduler.pt" in runs["checkpoint_files"]
 
 
 @pytest.mark.slow

@@ -95,6 +95,7 @@ def test_compiled_modules_save_no_more_than_eager(name):
         assert rel_err(a, b) < 1e-5
 
 
+@needs_layer_extension
 def test_compiled_dropout_saves_only_its_seed():
     """Compiled, the dropout op's C++ autograd is traced: backward keeps the int64 seed (8
     bytes), never a mask, as in eager mode."""
@@ -119,6 +120,7 @@ def _assert_same_float32_gradients(module, x, out, eager):
         assert a.dtype == b.dtype == torch.float32 and rel_err(a, b) < 1e-5
 
 
+@needs_layer_extension
 def test_compiled_linear_under_autocast_matches_eager():
     """Under autocast the traced Linear computes in autocast's dtype (the op's fake says so).
     Eager it saves the input as cast; compiled, the partitioner keeps the weight's cast copy

@@ -107,6 +107,7 @@ def test_norm_saves_input_and_row_statistics_only(norm, layer_autograd):
     del y
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_linear_after_a_norm_saves_no_normalised_output(norm):
     """Nor does the Linear consuming the normalised output: it rebuilds it in backward."""
@@ -144,6 +145,7 @@ def test_recompute_falls_back_when_the_norm_input_changed():
         out.sum().backward()  # as torch: the norm saved the input that was then modified
 
 
+@needs_layer_extension
 def test_dropout_saves_no_mask():
     x = torch.randn(33, 129, requires_grad=True)
     with SavedTensorsRecorder() as rec:

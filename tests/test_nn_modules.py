@@ -53,10 +53,26 @@ def _input(shape, dtype, scale=1.0):
     return (torch.randn(shape) * scale).to(dtype).requires_grad_()
 
 
+_CPP_ONLY = ("linear", "conv1d", "dropout", "mlp", "swiglu")
+"""The layers whose one autograd is C++ (no Python Function): without the extension they are
+torch's own layers, so they have no "python" case."""
+
+
+def _with_autograds(layers):
+    """Parametrizes ``layer`` over ``layers`` and the ``layer_autograd`` fixture over the
+    implementations each of them has."""
+    return pytest.mark.parametrize(
+        ("layer", "layer_autograd"),
+        [(layer, impl) for layer in layers for impl in ("cpp", "python")
+         if impl == "cpp" or layer.split("-")[0] not in _CPP_ONLY],
+        indirect=["layer_autograd"])
+
+
 # ----------------------------------------------------------------------------------------------
 # Linear
 
 
+@needs_layer_extension
 def test_linear_runs_the_cpp_autograd():
     """Every call that memkern computes otherwise than torch's linear runs the C++ node: with
     ``.grad`` present (the training case), transposed, under autocast (in its dtype), 1-D;
@@ -81,14 +97,7 @@ _DOUBLE_BACKWARD_LAYERS = {
     "layer_norm_bf16": lambda: mk.nn.LayerNorm(13).to(torch.bfloat16)}
 
 
-# the layers with no Python Function: without the extension they are torch's, whose double
-# backward works
-_TORCH_WITHOUT_EXTENSION = ("linear", "dropout", "mlp", "swiglu")
-
-
-@pytest.mark.parametrize("layer", [
-    pytest.param(layer, marks=needs_layer_extension) if layer in _TORCH_WITHOUT_EXTENSION
-    else layer for layer in _DOUBLE_BACKWARD_LAYERS])
+@_with_autograds(list(_DOUBLE_BACKWARD_LAYERS))
 def test_cpp_autograd_refuses_double_backward(layer, layer_autograd):
     """The C++ backwards' gradients are not differentiable (Linear's adds into ``.grad`` in
     place; memkern's backward kernels have no autograd): a backward that builds a graph is
@@ -165,18 +174,18 @@ class _NewStorages(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("make", [
-    pytest.param(lambda: mk.nn.Linear(301, 203), id="Linear"),
-    pytest.param(lambda: mk.nn.Conv1D(203, 301), id="Conv1D"),
-    pytest.param(lambda: mk.nn.MLP(301, 203, recompute="activation"), id="MLP"),
-    pytest.param(lambda: mk.nn.SwiGLU(301, 203, recompute="full"), id="SwiGLU"),
-])
-@needs_layer_extension
-def test_weight_grad_accumulates_into_grad_buffer(make):
+_GRAD_BUFFER_LAYERS = {
+    "linear": lambda: mk.nn.Linear(301, 203), "conv1d": lambda: mk.nn.Conv1D(203, 301),
+    "mlp": lambda: mk.nn.MLP(301, 203, recompute="activation"),
+    "swiglu": lambda: mk.nn.SwiGLU(301, 203, recompute="full")}
+
+
+@_with_autograds(list(_GRAD_BUFFER_LAYERS))
+def test_weight_grad_accumulates_into_grad_buffer(layer, layer_autograd):
     """With the front end's GradBuffer, weight-gradient GEMMs add into p.grad (beta = 1): no
     op creates a weight-sized tensor during backward, p.grad stays the buffer's view, the
     post-accumulate hooks fire once per backward, and the values are torch's."""
-    m = make()
+    m = _GRAD_BUFFER_LAYERS[layer]()
     ref = copy.deepcopy(m)
     buffer = mk.GradBuffer(list(m.parameters()))
     views = {id(p): p.grad for p in m.parameters()}
@@ -380,6 +389,7 @@ def test_norms_match_float64_oracle(norm, dtype, layer_autograd):
 # Dropout
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_dropout_masks_forward_equal_backward(p, dtype):
@@ -412,6 +422,7 @@ def test_dropout_reproducible_from_manual_seed_and_eval_identity():
     assert mk.nn.Dropout(0.0)(x) is x
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_mask_is_the_reference_mask_of_the_drawn_seed(p):
     """Under one RNG state the module draws one int64 seed in ``[0, 2**62)`` from the input's

@@ -240,3 +240,61 @@ def test_patched_hf_model_keeps_isinstance_and_pickles(name):
     ids = torch.randint(0, 97, (2, 9))
     assert type(clone.lm_head) is type(model.lm_head)
     assert rel_err(_loss_of(name, clone, ids).detach(), loss_fn(ids).detach()) < 1e-6
+
+
+class _LoRA(nn.Module):
+    """A LoRA adapter as peft puts one in a linear layer's place: it wraps the layer, exposes
+    its weight and bias, and adds its own low-rank term."""
+
+    def __init__(self, base: nn.Module, features: tuple[int, int], rank: int = 3):
+        super().__init__()
+        self.base_layer = base
+        g = torch.Generator().manual_seed(5)
+        self.A = nn.Parameter(torch.randn(rank, features[0], generator=g, dtype=torch.float64))
+        self.B = nn.Parameter(torch.randn(features[1], rank, generator=g, dtype=torch.float64))
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
+    def forward(self, x):
+        return self.base_layer(x) + (x @ self.A.t() @ self.B.t()) * 0.1
+
+
+# per model: the MLP layer an adapter replaces (hf-gpt2's is a Conv1D), its in/out features
+_ADAPTED = {"torch-gpt": ("blocks.1.mlp.2", (192, 48)),
+            "hf-gpt2": ("transformer.h.1.mlp.c_fc", (64, 256)),
+            "hf-llama": ("model.layers.0.mlp.up_proj", (64, 112))}
+
+
+@pytest.mark.parametrize("change", ["adapter", "hook"])
+@pytest.mark.parametrize("name", list(_ADAPTED))
+def test_fused_mlp_runs_a_layer_replaced_or_hooked_after_patch(name, change):
+    """A fused MLP reads its layers' weights; a LoRA adapter put in a layer's place after
+    ``patch``, or a hook on it, must still run (the block then computes unfused), as in the
+    unpatched model with the same change."""
+    model, loss_fn = MODELS[name](0.0)
+    model.double().train()
+    ref = copy.deepcopy(model)
+    mk.patch(model)
+    layer_name, features = _ADAPTED[name]
+    parent, child = layer_name.rsplit(".", 1)
+    for m in (model, ref):
+        layer = m.get_submodule(layer_name)
+        if change == "adapter":
+            m.get_submodule(parent).register_module(child, _LoRA(layer, features))
+        else:
+            layer.register_forward_hook(lambda mod, args, out: out * 1.5)
+    ids = torch.randint(0, 97, (2, 13))
+    loss, ref_loss = loss_fn(ids), _loss_of(name, ref, ids)
+    assert rel_err(loss.detach(), ref_loss.detach()) < 1e-6  # (the fused loss: float32 inside)
+    loss.backward()
+    ref_loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if q.grad is not None:
+            assert rel_err(p.grad, q.grad) < 1e-5, n

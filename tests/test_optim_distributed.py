@@ -450,6 +450,67 @@ def scenario_mismatch(rank, world, seed, shared):
     return errors
 
 
+def scenario_gradless(rank, world, seed, shared):
+    """In the second window the last rank's second micro-batch has a loss that reaches no
+    parameter of the optimizer; stages 1 and 2, each on a process group whose collectives time
+    out after 20 s (a rank left waiting for the others fails instead of hanging). What each
+    rank raised, whether its parameters moved, what it raised training the third window after
+    zero_grad(), and whether that gave the parameters of a run without the second window."""
+    results = {}
+    for stage in (1, 2):
+        group = dist.new_group(timeout=timedelta(seconds=20))
+        result, params = {"error": None, "after": None}, {}
+        for run in ("dropped", "without"):
+            model = make_model(seed)
+            opt = make_optimizer(model, "adamw", zero_stage=stage, process_group=group)
+            feed(opt, model, seed, rank, world, schedule(0, 1))
+            if run == "dropped":
+                before = [p.detach().clone() for p in model.parameters()]
+                try:
+                    for micro in range(ACCUMULATION):
+                        x, y = batch(seed, 1, micro, rank, world)
+                        loss = torch.nn.functional.mse_loss(model(x), y)
+                        if micro == 1 and rank == world - 1:
+                            loss = loss.detach().requires_grad_()
+                        opt.backward(loss)
+                        opt.step()
+                except RuntimeError as e:
+                    result["error"] = str(e)
+                result["unchanged"] = all(torch.equal(p, q)
+                                          for p, q in zip(model.parameters(), before))
+                opt.zero_grad()
+            try:
+                feed(opt, model, seed, rank, world, schedule(2, 3))
+            except RuntimeError as e:
+                result["after"] = str(e)
+            params[run] = [p.detach().clone() for p in model.parameters()]
+        result["as_without"] = all(torch.equal(p, q)
+                                   for p, q in zip(params["dropped"], params["without"]))
+        # saved after the pass that reached no parameter, resumed by a fresh optimizer: its
+        # window's step is refused too, on every rank
+        model = make_model(seed)
+        opt = make_optimizer(model, "adamw", zero_stage=stage, process_group=group)
+        for micro in range(2):
+            x, y = batch(seed, 1, micro, rank, world)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.backward(loss.detach().requires_grad_() if micro == 1 and rank == world - 1
+                         else loss)
+        state = opt.state_dict()
+        model = make_model(seed)
+        opt = make_optimizer(model, "adamw", zero_stage=stage, process_group=group)
+        opt.load_state_dict(state)
+        try:
+            for micro in range(2, ACCUMULATION):
+                x, y = batch(seed, 1, micro, rank, world)
+                opt.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+        except RuntimeError as e:
+            result["resumed_error"] = str(e)
+        results[stage] = result
+        dist.destroy_process_group(group)
+    return results
+
+
 # --------------------------------------------------------------------------------- launch
 def launch(world: int, scenarios: list[str], out: str, seed: int) -> dict[str, list]:
     """Runs the scenarios in ``world`` processes; returns each scenario's per-rank results."""
@@ -490,7 +551,7 @@ def shared(tmp_path_factory):
 LAUNCHES = {  # world size -> its scenarios, launched in this order (W=3 loads W=2's saves)
     1: ["equivalence", "equivalence_8bit"],
     2: ["equivalence", "hand_computed", "no_host_read", "memory", "overlap", "checkpoint_save",
-        "equivalence_8bit", "checkpoint_save_8bit"],
+        "equivalence_8bit", "checkpoint_save_8bit", "gradless"],
     3: ["equivalence", "hand_computed", "memory", "checkpoint_load", "equivalence_8bit",
         "checkpoint_load_8bit"],
 }
@@ -673,6 +734,22 @@ def test_ranks_that_disagree_on_the_parameters_fail_fast(shared, seed):
         message = rank_errors["frozen"]
         assert "rank 1 of process_group cannot use its parameters: ValueError: memkern: " \
                "params[2] (shape (33,), torch.float32) does not require grad" in message
+
+
+def test_a_rank_whose_loss_reaches_no_parameter_fails_every_rank(runs):
+    """Every rank raises the same error at the window's step, within the collectives'
+    timeout (not the one rank in backward() while the others wait for it), no rank's
+    parameters moved, and after zero_grad() the next window trains as if the dropped one had
+    never been (bit for bit)."""
+    for stage in (1, 2):
+        results = [rank_results[stage] for rank_results in runs[2]["gradless"]]
+        errors = {result["error"] for result in results}
+        assert len(errors) == 1, (stage, errors)
+        assert "on some rank a micro-batch's loss reached no parameter" in errors.pop(), stage
+        for rank, result in enumerate(results):
+            assert result["unchanged"] and result["after"] is None and result["as_without"], \
+                (stage, rank, result)
+            assert "reached no parameter" in result.get("resumed_error", ""), (stage, rank)
 
 
 @pytest.mark.parametrize("offload", [None, "cpu"])

@@ -47,6 +47,19 @@ def test_every_task_plans_and_patch_saves_less(task):
     assert plans["patch"].description.startswith(model_class.__name__ + " memkern.patch()")
 
 
+@pytest.mark.parametrize("task", ["causal-lm", "masked-lm"])
+def test_plan_holds_the_parameters_of_the_model_as_built(task):
+    """GPT-2's and BERT's output layers share the embeddings' weight: the plan holds each
+    parameter once, as the model transformers builds from the config does (the planner builds
+    it without initialising weights, which in transformers 5 also skipped the tying)."""
+    cfg = _config(task)
+    built = getattr(transformers, TASKS[task]).from_config(cfg)
+    parameter_bytes = sum(p.numel() * 4 for p in built.parameters())  # unique, float32
+    plan = plan_training_step(hf_workload(cfg, batch=2, seq=31, dtype=torch.float32,
+                                          optimizer="adamw", task=task), device="cpu")
+    assert plan.held["parameters"] == parameter_bytes
+
+
 def test_masked_lm_plan_holds_no_logits():
     cfg = hf_config("xlm-roberta", {**TINY, "vocab_size": 20011, "max_position_embeddings": 70})
     logits = 3 * 64 * 20011 * 4

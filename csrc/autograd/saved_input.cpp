@@ -19,14 +19,33 @@ bool uses_recipe(const at::Tensor& input, const NormRecipe& recipe) {
   if (!input.defined() || recipe.kind == kNoNorm) {
     return false;
   }
-  TORCH_CHECK(recipe.kind >= kNativeLayerNorm && recipe.kind <= kRmsNorm && recipe.x.has_value() &&
-                  recipe.x->defined() && recipe.dims >= 0 && recipe.dims <= recipe.x->dim(),
+  const bool modulated = recipe.kind == kModulatedLayerNorm;
+  const auto present = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined();
+  };
+  TORCH_CHECK(recipe.kind >= kNativeLayerNorm && recipe.kind <= kModulatedLayerNorm &&
+                  present(recipe.x) && recipe.dims >= 0 && recipe.dims <= recipe.x->dim() &&
+                  (!modulated || (recipe.dims == 1 && present(recipe.weight) &&
+                                  present(recipe.bias))),
               "memkern: invalid norm recipe (norm_kind=", recipe.kind, ", norm_dims=",
               recipe.dims, "); pass no norm_* arguments, or those of a memkern norm's output");
   return true;
 }
 
 }  // namespace
+
+at::Tensor per_sample_view(const at::Tensor& t, int64_t dim) {
+  at::Tensor out = t;
+  for (int64_t d = 2; d < dim; ++d) {
+    out = out.unsqueeze(1);
+  }
+  return out;
+}
+
+at::Tensor modulate(const at::Tensor& normed, const at::Tensor& scale, const at::Tensor& shift) {
+  return normed * (per_sample_view(scale, normed.dim()) + 1) +
+         per_sample_view(shift, normed.dim());
+}
 
 // What memkern/nn/functional/norm.py's rebuild closures compute (_native_layer_norm,
 // _recompute), through the same ops.
@@ -38,6 +57,9 @@ at::Tensor rebuild_norm_output(const at::Tensor& x, const at::Tensor& weight,
   const at::IntArrayRef normalized = x.sizes().slice(x.dim() - dims);
   if (kind == kNativeLayerNorm) {
     return std::get<0>(at::native_layer_norm(x, normalized, weight, bias, eps));
+  }
+  if (kind == kModulatedLayerNorm) {
+    return modulate(std::get<0>(at::native_layer_norm(x, normalized, {}, {}, eps)), weight, bias);
   }
   static const auto norm_forward =
       c10::Dispatcher::singleton()

@@ -1,7 +1,9 @@
 // The input a GEMM layer's C++ autograd (linear.cpp, mlp.cpp, swiglu.cpp) saves for backward:
 // the tensor itself, or — when it is a memkern norm's output — the norm's *recipe*: its input
 // and parameters (storage the norm saved anyway) plus which norm, how many trailing dimensions
-// it normalises and its eps, from which backward rebuilds the output bit for bit. This is the
+// it normalises and its eps, from which backward rebuilds the output bit for bit. The
+// modulated LayerNorm of adaLN (modulated_norm.cpp) leaves one too: its per-sample scale and
+// shift take the parameters' places. This is the
 // C++ side of memkern/nn/functional/_saved.py: the layer ops take it as their norm_* arguments
 // (memkern/ops/_norm_recipe.py); in eager mode the layers' entry points (python_entries.cpp)
 // find it on the input, as the WeakNormRecipe the norm left there, and check it is still valid.
@@ -21,6 +23,9 @@ enum NormKind : int64_t {
   kNativeLayerNorm = 1,  // at::native_layer_norm (torch's LayerNorm)
   kLayerNorm = 2,        // memkern::norm_forward, rms = false
   kRmsNorm = 3,          // memkern::norm_forward, rms = true
+  // at::native_layer_norm without affine parameters over the last dimension, then
+  // modulate(): weight = scale, bias = shift, both [batch, features] (modulated_norm.cpp)
+  kModulatedLayerNorm = 4,
 };
 
 // How to rebuild the layer input from the norm's tensors (not inputs of the layer's autograd
@@ -31,6 +36,16 @@ struct NormRecipe {
   int64_t dims = 0;  // normalised trailing dimensions of x
   double eps = 0.0;
 };
+
+// A per-sample scale or shift [batch, features] viewed to broadcast over a tensor [batch, ...,
+// features] of `dim` dimensions.
+at::Tensor per_sample_view(const at::Tensor& t, int64_t dim);
+
+// adaLN's modulation of a normalised `normed` [batch, ..., features]: normed * (1 + scale) +
+// shift, scale and shift [batch, features] (the two operations diffusers' blocks run, in their
+// order). The modulated norm's forward and its recipe's rebuild both compute it here, so the
+// rebuilt output is the forward's bit for bit.
+at::Tensor modulate(const at::Tensor& normed, const at::Tensor& scale, const at::Tensor& shift);
 
 // The norm's output rebuilt from its tensors (without building a graph) by the op the norm ran:
 // at::native_layer_norm, or memkern::norm_forward over the flattened trailing dimensions.

@@ -27,7 +27,10 @@ What changes against ``Trainer``:
   float16 with float32 master weights in the optimizer, instead of autocast over float32
   weights; ``fp16`` adds dynamic loss scaling (a skipped step does not advance the scheduler);
 * checkpoints hold the optimizer's full state (float32 masters, moments, loss scale), and
-  ``train(resume_from_checkpoint=...)`` restores it, at any world size;
+  ``train(resume_from_checkpoint=...)`` restores it, at any world size: in one process as
+  ``Trainer``'s ``optimizer.pt``; across processes each rank writes its own shards
+  (:meth:`~memkern.optim.ShardedOptimizer.save_sharded`, a ``memkern-optimizer`` folder),
+  so no rank ever holds the whole state;
 * a checkpoint is marked complete (``memkern-complete``) once every rank has written its
   files, and ``save_total_limit`` removes older ones only after that: a process killed while
   saving leaves the previous complete checkpoint, which ``train(resume_from_checkpoint=True)``
@@ -96,6 +99,10 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     steps = [(int(m.group(1)), name) for name in names if (m := pattern.match(name))
              and os.path.exists(os.path.join(output_dir, name, COMPLETE))]
     return os.path.join(os.fspath(output_dir), max(steps)[1]) if steps else None
+
+SHARDED_OPTIMIZER = "memkern-optimizer"
+"""A checkpoint's folder of the optimizer's shards, written across processes (each rank its
+own: :meth:`memkern.optim.ShardedOptimizer.save_sharded`)."""
 
 _FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """FSDP2 checkpoints: the gathered tensors, on the CPU (rank 0 holds them, the others none)."""
@@ -250,25 +257,37 @@ class MemkernTrainer(Trainer):
                              "build it with the same value (None for max_grad_norm=0)")
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        # Trainer asks the saving rank alone for the optimizer's state dict; across ranks
-        # ShardedOptimizer.state_dict() is collective (it gathers the shards), and so is
-        # gathering FSDP2's: every rank assembles it, the saving rank writes it.
+        # Every rank is called. Across ranks, ShardedOptimizer writes its shards itself
+        # (collective, nothing gathered); gathering FSDP2's state is collective too: every
+        # rank assembles it, the saving rank writes it.
+        opt = self.memkern_optimizer
+        state = None
         if self.memkern_fsdp2:
-            state = get_optimizer_state_dict(self.model, self.memkern_optimizer,
-                                             options=_FULL_STATE)
+            state = get_optimizer_state_dict(self.model, opt, options=_FULL_STATE)
+        elif opt.world_size > 1:
+            opt.save_sharded(os.path.join(output_dir, SHARDED_OPTIMIZER))
         else:
-            state = self.memkern_optimizer.state_dict()
+            state = opt.state_dict()
         if self.args.should_save:
-            torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
+            if state is not None:
+                torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if not self.memkern_fsdp2 or checkpoint is None:
+        if checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        # Every rank reads the full state and keeps its shards of it: any world size.
-        state = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu",
-                           weights_only=True)
-        set_optimizer_state_dict(self.model, self.memkern_optimizer, state, options=_FULL_STATE)
+        sharded = os.path.join(checkpoint, SHARDED_OPTIMIZER)
+        if self.memkern_fsdp2:
+            # Every rank reads the full state and keeps its shards of it: any world size.
+            state = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu",
+                               weights_only=True)
+            set_optimizer_state_dict(self.model, self.memkern_optimizer, state,
+                                     options=_FULL_STATE)
+        elif os.path.isdir(sharded):
+            # Each rank reads the parts of the saved shards it owns now: any world size.
+            self.memkern_optimizer.load_sharded(sharded)
+        else:
+            return super()._load_optimizer_and_scheduler(checkpoint)
         self.lr_scheduler.load_state_dict(
             torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 

@@ -6,7 +6,10 @@ What is swapped (each family can be turned off by its keyword):
   (``transformers.pytorch_utils.Conv1D``) -> a memkern ``Conv1D``.
 * ``norm``: ``nn.LayerNorm`` -> :class:`memkern.nn.LayerNorm`, ``nn.RMSNorm`` ->
   :class:`memkern.nn.RMSNorm`, Llama-style ``*RMSNorm`` of ``transformers`` (the
-  ``LlamaRMSNorm`` formula: float32 statistics, ``weight * normalised.to(input dtype)``).
+  ``LlamaRMSNorm`` formula: float32 statistics, ``weight * normalised.to(input dtype)``);
+  diffusers' adaLN-Zero (DiT's ``AdaLayerNormZero``, its ``BasicTransformerBlock``'s MLP
+  modulation and ``DiTTransformer2DModel``'s output layer) through memkern's modulated
+  LayerNorm (:mod:`memkern.nn.adaln`).
 * ``dropout``: ``nn.Dropout`` -> :class:`memkern.nn.Dropout`.
 * ``mlp``: MLP blocks run as one memkern MLP with ``recompute``, recognised by structure:
   ``fc -> activation -> proj (-> dropout)`` — ``nn.Sequential(Linear, GELU/ReLU/SiLU, Linear[,
@@ -14,7 +17,9 @@ What is swapped (each family can be turned off by its keyword):
   dropout) that its forward calls in that order (GPT-2's, ViT's, DeiT's MLP); diffusers'
   ``FeedForward`` with a GELU projection (DiT); the post-LN MLP that BERT-family layers split
   in two modules (:mod:`memkern.nn.split_mlp`); and Llama style ``down(silu(gate(x)) * up(x))``
-  (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``).
+  (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``). The fused block reads its linear layers'
+  weights; a layer replaced after ``patch`` (a LoRA adapter wrapping it) or given a hook makes
+  the block run its own forward, so the adapter or hook is never skipped.
 * ``attention``: a ``transformers`` model whose attention implementation is SDPA runs it with
   its ``[batch, heads, tokens, tokens]`` probabilities recomputed in backward wherever SDPA
   would keep them (its math kernel: on the CPU, attention dropout on), the dropout mask
@@ -47,6 +52,7 @@ import torch
 from torch import nn
 
 from memkern import _fake
+from memkern.nn import adaln as _adaln
 from memkern.nn import dropout as _dropout_mod
 from memkern.nn import hf_attention as _hf_attention
 from memkern.nn import linear as _linear_mod
@@ -92,9 +98,18 @@ def _hf_rms_norm_forward(self, hidden_states):
     return y.to(torch.promote_types(hidden_states.dtype, w.dtype))
 
 
+def _fused_over(*layers: nn.Module) -> bool:
+    """Whether the fused MLP may read ``layers``' weights instead of calling them: each is still
+    a plain linear layer (``nn.Linear``, ``Conv1D``, patched or not) with no hook
+    (:func:`memkern.nn.split_mlp.fused_over` says why)."""
+    return all(_linear_like(m) is not None and not _split_mlp.hooked(m) for m in layers)
+
+
 def _gpt2_mlp_forward(self, hidden_states):
     cfg = self._memkern_mlp
     fc, proj = self.get_submodule(cfg["fc"]), self.get_submodule(cfg["proj"])
+    if not _fused_over(fc, proj):
+        return self._memkern_base.forward(self, hidden_states)
     y = _mlp(hidden_states, fc.weight, fc.bias, proj.weight, proj.bias,
              activation=cfg["activation"], recompute=cfg["recompute"], transposed=cfg["transposed"])
     drop = cfg.get("dropout")
@@ -103,6 +118,8 @@ def _gpt2_mlp_forward(self, hidden_states):
 
 def _llama_mlp_forward(self, x):
     cfg = self._memkern_mlp
+    if not _fused_over(self.gate_proj, self.up_proj, self.down_proj):
+        return self._memkern_base.forward(self, x)
     return _swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
                    self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias,
                    recompute=cfg["recompute"])
@@ -111,6 +128,8 @@ def _llama_mlp_forward(self, x):
 class SequentialMLP(nn.Sequential):
     """A patched ``nn.Sequential(Linear, activation, Linear[, Dropout])``: indexing, names and
     ``state_dict`` are those of the Sequential; forward is one memkern MLP call."""
+
+    _memkern_base = nn.Sequential  # its own forward: when a layer was replaced after patch
 
     forward = _gpt2_mlp_forward
 
@@ -123,6 +142,9 @@ _FORWARDS = {
     "split_mlp_layer": _split_mlp.layer_forward,
     "split_mlp_intermediate": _split_mlp.intermediate_forward,
     "split_mlp_output": _split_mlp.output_forward,
+    "ada_norm_zero": _adaln.norm_forward,
+    "ada_norm_zero_block": _adaln.block_forward,
+    "ada_norm_zero_model": _adaln.model_forward,
 }
 
 # transformers classes recognised by name: class name -> kind of patched forward
@@ -189,6 +211,25 @@ def _from_transformers(m: nn.Module) -> bool:
 
 def _hf_kind(m: nn.Module) -> str | None:
     return _HF_CLASSES.get(type(m).__name__) if _from_transformers(m) else None
+
+
+def _diffusers_class(m: nn.Module, name: str) -> bool:
+    return type(m).__name__ == name and type(m).__module__.startswith("diffusers.")
+
+
+def _ada_norm_zero_kind(m: nn.Module) -> tuple[str, str | None] | None:
+    """(the kind of patched forward, None or why it is left alone) for diffusers'
+    ``AdaLayerNormZero``, its adaLN-Zero ``BasicTransformerBlock`` and
+    ``DiTTransformer2DModel``; None for anything else."""
+    if _diffusers_class(m, "AdaLayerNormZero"):
+        kind, layout = "ada_norm_zero", _adaln.norm_layout
+    elif _diffusers_class(m, "BasicTransformerBlock") and getattr(m, "norm_type", None) == "ada_norm_zero":
+        kind, layout = "ada_norm_zero_block", _adaln.block_layout
+    elif _diffusers_class(m, "DiTTransformer2DModel"):
+        kind, layout = "ada_norm_zero_model", _adaln.model_layout
+    else:
+        return None
+    return kind, _adaln.diffusers_version_known() or layout(m)
 
 
 def _activation_kind(act: nn.Module) -> str | None:
@@ -514,6 +555,12 @@ def patch(model: nn.Module, *, linear: bool = True, norm: bool = True, mlp: bool
                 _swap(m, _patched_class(t, "rms_norm"), name, report)
             else:
                 report.skipped.append((name, f"{t.__name__} does not have the LlamaRMSNorm layout"))
+        elif norm and (ada := _ada_norm_zero_kind(m)) is not None:
+            kind, why = ada
+            if why is None:
+                _swap(m, _patched_class(t, kind), name, report)
+            else:
+                report.skipped.append((name, f"{t.__name__}: {why}"))
         elif dropout and t is nn.Dropout:
             _swap(m, _dropout_mod.Dropout, name, report)
         elif mlp and (cfg := _mlp_config(m, recompute) or _feed_forward_config(m, recompute)):

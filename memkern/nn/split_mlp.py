@@ -20,7 +20,9 @@ module, given that very tensor, computes the fused block. Outside a layer call (
 intermediate module called on its own) both modules compute what they always did. If the layer
 uses the intermediate's result for anything but the output module, the call raises a
 RuntimeError rather than compute a wrong result (``memkern.patch(model, mlp=False)`` keeps such
-a layer unfused).
+a layer unfused). If a dense layer is no longer a plain linear layer (a LoRA adapter put in its
+place after ``patch``) or has a hook, the modules compute what they always did
+(:func:`fused_over`).
 """
 from __future__ import annotations
 
@@ -30,8 +32,23 @@ import torch
 from torch import nn
 
 from memkern.nn.functional.mlp import mlp
+from memkern.nn.linear import Linear
 
 _CALL = "_memkern_split_mlp"
+
+
+def fused_over(layer: nn.Module) -> bool:
+    """Whether a fused block may read ``layer``'s weight and bias instead of calling it:
+    ``layer`` is a plain ``nn.Linear`` (memkern's or torch's) with no hook. A module put in its
+    place after ``patch`` (a LoRA adapter, which wraps the layer and adds its own term) or a
+    hook on it (FSDP2's unshard, a user's) would otherwise be skipped without a word."""
+    return type(layer) in (nn.Linear, Linear) and not hooked(layer)
+
+
+def hooked(m: nn.Module) -> bool:
+    """Whether a hook is registered on ``m`` itself (forward, forward-pre or backward)."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or m._backward_pre_hooks)
 
 
 class SplitMLPCall:
@@ -54,7 +71,8 @@ def intermediate_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """The intermediate module: in an open layer call, pass the input through (see the module
     docstring); else ``act(dense(x))`` as before."""
     call = self.__dict__.get(_CALL)
-    if call is None or not call.open or call.passed is not None:
+    if (call is None or not call.open or call.passed is not None
+            or not fused_over(getattr(self, call.fc))):
         return self._memkern_base.forward(self, hidden_states)
     call.passed = hidden_states
     return hidden_states
@@ -74,6 +92,10 @@ def output_forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor
             "memkern.patch(model, mlp=False) to keep its MLP unfused")
     call.passed = None
     fc, proj = getattr(call.intermediate, call.fc), getattr(self, call.proj)
+    if not fused_over(proj):
+        intermediate = call.intermediate
+        h = intermediate._memkern_base.forward(intermediate, hidden_states)
+        return self._memkern_base.forward(self, h, input_tensor)
     y = mlp(hidden_states, fc.weight, fc.bias, proj.weight, proj.bias,
             activation=call.activation, recompute=call.recompute)
     return getattr(self, call.norm)(getattr(self, call.dropout)(y) + input_tensor)

@@ -9,8 +9,8 @@ Format (``memkern-sharded-optimizer/2``): a DCP checkpoint directory with
                                    format, memkern version, the algorithm, param groups
                                    (torch format), parameter shapes and dtypes, state keys
                                    and step per parameter, loss scaler, skipped steps, the
-                                   open window's counters and its item count summed over
-                                   ranks
+                                   open window's counters, its item count and its passes
+                                   that reached no parameter, summed over ranks
 ``state.<i>.<key>.<start>``        float32, elements ``[start, start + n)`` of parameter
                                    ``i``'s flattened state ``key`` (``exp_avg``, ...,
                                    ``master_param`` for 16-bit parameters), saved by the rank

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor, distribute_tensor
 
+from memkern._fake import local_tensor
+
 
 def dtensor_mesh(groups: list[dict[str, Any]], owner: str) -> DeviceMesh | None:
     """The one device mesh of the parameters in ``groups`` if they are DTensors, None if none
@@ -47,8 +49,10 @@ def dtensor_mesh(groups: list[dict[str, Any]], owner: str) -> DeviceMesh | None:
 
 def local_flat(t: torch.Tensor, what: str) -> torch.Tensor:
     """This rank's elements of ``t`` (a DTensor's local shard, or a plain tensor) as a 1-D view
-    of its storage, so that the kernels update it in place."""
-    local = t.to_local() if isinstance(t, DTensor) else t
+    of its storage, so that the kernels update it in place. (``DTensor.to_local()`` is an
+    autograd op, and this runs per parameter per step: :func:`memkern._fake.local_tensor`
+    reads the shard itself.)"""
+    local = local_tensor(t)
     if not local.is_contiguous():
         raise ValueError(f"memkern: {what} has a non-contiguous local shard of shape "
                          f"{tuple(local.shape)} and strides {local.stride()}; the fused step "
@@ -73,7 +77,7 @@ def local_grad(p: DTensor) -> torch.Tensor | None:
 def as_dtensor_like(local: torch.Tensor, p: DTensor) -> DTensor:
     """``local`` (``p``'s local shard's elements, any shape) as a DTensor of ``p``'s mesh,
     placements and global shape: a view, no copy and no communication."""
-    local_shape = p.to_local().shape
+    local_shape = local_tensor(p).shape
     return DTensor.from_local(local.view(local_shape), p.device_mesh, p.placements,
                               run_check=False, shape=p.shape, stride=p.stride())
 

@@ -39,25 +39,27 @@ def loss_scaler_for(loss_scale: Any) -> LossScaler:
     )
 
 
-def scaled_grad_norm(grad_buffer: GradBuffer, shards: Shards | None,
-                     num_items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def scaled_grad_norm(grad_buffer: GradBuffer, shards: Shards | None, num_items: torch.Tensor,
+                     gradless: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """L2 norm of the window's accumulated (scaled, un-normalised) gradient, and the window's
-    ``num_items`` total, as 0-dim device tensors.
+    ``num_items`` and ``gradless`` (backward passes that reached no parameter) totals, as
+    0-dim device tensors.
 
     One process: one read-only pass per flat buffer. Non-finite exactly when some gradient is
     (or when the squares overflow float32, i.e. scaled gradients above ~1e19). Across ranks
     (after the reduction, ``shards``): each rank's norm over its reduced shard, then one
-    all-reduce of ``[norm², num_items]`` in float64, whose sum is non-finite exactly when
-    some rank's shard holds an inf/NaN (squares are >= 0 and cannot overflow float64).
+    all-reduce of ``[norm², num_items, gradless]`` in float64, whose sum is non-finite exactly
+    when some rank's shard holds an inf/NaN (squares are >= 0 and cannot overflow float64).
     """
     if shards is None:
         norms = [ops.l2_norm(b.grads) for b in grad_buffer.buckets]
         norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-        return norm, num_items
+        return norm, num_items, gradless
     squares = [ops.l2_norm(shards.shard_grads_of(u)).double().square() for u in shards.units]
-    packet = torch.stack([torch.stack(squares).sum(), num_items])
+    packet = torch.stack([torch.stack(squares).sum(), num_items, gradless])
     shards.all_reduce(packet)
-    return packet[0].sqrt().float(), packet[1]
+    return packet[0].sqrt().float(), packet[1], packet[2]
 
 
 def unclipped_multiplier(scaler: LossScaler, normaliser: torch.Tensor | int,

@@ -323,7 +323,10 @@ class ShardedOptimizer(FlatOptimizer):
                 if overlap is not None:
                     self._shards.watch_units(None)
                     overlap.end()
-        if not window.grads_in_pass:
+        if not window.grads_in_pass and self.world_size > 1:
+            # refused at the step, on every rank (the other ranks would wait for this one)
+            window.add_gradless_pass()
+        elif not window.grads_in_pass:
             self._settle_host_steps()
             raise RuntimeError(
                 f"{name}: no parameter of this optimizer received a gradient from loss, so "
@@ -392,17 +395,20 @@ class ShardedOptimizer(FlatOptimizer):
         nothing on the host and writes only into tensors that persist from step to step, so
         it can be captured in a CUDA graph (:meth:`graphed_step`)."""
         self._reduce_gradients()
-        norm, num_items = scaled_grad_norm(self.grad_buffer, self._shards,
-                                           self._window.num_items)
+        window = self._window
+        norm, num_items, gradless = scaled_grad_norm(self.grad_buffer, self._shards,
+                                                     window.num_items, window.gradless)
+        if self.world_size > 1 or window.holds_gradless_pass:  # (one process: after a resume)
+            window.check_every_pass_had_gradients(gradless)
         nonfinite = ~torch.isfinite(norm)
         found_inf = nonfinite.float()
         multiplier, self._grad_norm = grad_multiplier(
-            self.scaler, norm, self._window.normaliser(num_items), self.max_grad_norm)
+            self.scaler, norm, window.normaliser(num_items), self.max_grad_norm)
         self._apply_update(multiplier, found_inf)
         self._gather_parameters()
         self.scaler.update(found_inf)
         self._skipped.add_(nonfinite)
-        self._window.reset_items()
+        window.reset_items()
         return ~nonfinite
 
     def graphed_step(self) -> Any:

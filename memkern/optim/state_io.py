@@ -132,16 +132,22 @@ class StateIO:
         return dict(sorted(grads.items()))
 
     # ------------------------------------------------------------------ front-end state
-    def num_items_total(self) -> float:
-        """The open window's item count summed over ranks (collective; reads the device)."""
-        num_items = self.window.num_items.clone()
+    def window_totals(self) -> tuple[float, int]:
+        """The open window's item count and its count of backward passes that reached no
+        parameter, each summed over ranks (one collective; reads the device)."""
+        totals = torch.stack([self.window.num_items.to(torch.float64),
+                              self.window.gradless.to(torch.float64)])
         if self.shards is not None:
-            self.shards.all_reduce(num_items)
-        return float(num_items.item())
+            self.shards.all_reduce(totals)
+        num_items, gradless = totals.tolist()
+        return num_items, int(gradless)
 
     def window_state(self) -> dict[str, Any]:
-        """The window's counters and item total, as saved (collective)."""
-        return {**self.window.counters(), "num_items": self.num_items_total()}
+        """The window's counters and totals, as saved (collective). ``gradless``: a pass that
+        reached no parameter on some rank, which the window's step refuses on every rank, is
+        refused after a resume too."""
+        num_items, gradless = self.window_totals()
+        return {**self.window.counters(), "num_items": num_items, "gradless": gradless}
 
     def front_end_state(self) -> dict[str, Any]:
         """The ``"memkern"`` entry of the state dict: the loss scaler, the skipped-step count

@@ -7,6 +7,11 @@ of micro-batch gradients summed, ``"mean"``, or by the items the losses were sum
 ``"items"``) and the state of the gradient buffer around it: gradients not yet zeroed, and
 gradients that reached the buffer outside ``backward()`` (not loss-scaled, not counted), which
 the step refuses. Nothing here touches the gradients themselves.
+
+Over several ranks, a rank's micro-batch whose backward reached no parameter is counted like
+any other (the ranks' windows must close at the same step) and refused at the window's step
+on every rank at once (:meth:`AccumulationWindow.check_every_pass_had_gradients`): raised on
+its rank alone, it would leave the other ranks waiting in the step's collectives.
 """
 from __future__ import annotations
 
@@ -18,6 +23,21 @@ from typing import Any
 import torch
 
 BACKWARD = "memkern.ShardedOptimizer.backward"
+
+GRADLESS_PASS = (
+    "memkern.ShardedOptimizer.step: on some rank a micro-batch's loss reached no parameter of "
+    "this optimizer (its backward() received no gradient), so no step was taken on any rank "
+    "and the window was dropped (zero_grad() clears it). Were the model's parameters replaced "
+    "after the optimizer was built on that rank (model.load_state_dict(..., assign=True), a "
+    "new model)? Build the optimizer on the parameters the loss is computed from")
+
+
+def assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """RuntimeError(``message``) unless the 0-dim bool ``condition`` is true, checked where it
+    lives: on the CPU at once, on a GPU as an asynchronous device-side assert, never a host
+    read (the step loop does not wait for the device). torch's private ``_assert_async``:
+    the only public check reads the value on the host."""
+    torch._assert_async(condition, message)
 
 
 class AccumulationWindow:
@@ -33,6 +53,9 @@ class AccumulationWindow:
         dirty: the buffer holds gradients that ``zero_grad()`` has not cleared.
         stray: a gradient arrived outside ``backward()``.
         grads_in_pass: parameters that received a gradient in the last ``backward()`` pass.
+        gradless: this rank's ``backward()`` passes in the window whose loss reached no
+            parameter (several ranks only; one process refuses them in ``backward()``), a 0-dim
+            float64 tensor on the gradients' device, summed over the ranks at the step.
     """
 
     def __init__(self, device: torch.device, accumulation_steps: int) -> None:
@@ -44,6 +67,8 @@ class AccumulationWindow:
         self.stray = False
         self._in_backward = False
         self.grads_in_pass = 0
+        self.gradless = torch.zeros((), dtype=torch.float64, device=device)
+        self._gradless_on_host = False  # gradless is non-zero: zero it when the window closes
         self._warned_unzeroed = False
         self._checked_batch_norm = accumulation_steps == 1
         self._accumulation_steps = accumulation_steps
@@ -73,7 +98,7 @@ class AccumulationWindow:
                                  f"{tuple(num_items.shape)}")
             n = num_items.detach().reshape(()).to(self.num_items.device, non_blocking=True)
             # Checked where the value lives: on a GPU an asynchronous device-side assert.
-            torch._assert_async(n > 0, f"{BACKWARD}: num_items must be > 0")
+            assert_on_device(n > 0, f"{BACKWARD}: num_items must be > 0")
             self.num_items.add_(n)
         elif isinstance(num_items, (int, float)) and not isinstance(num_items, bool):
             if not (math.isfinite(num_items) and num_items > 0):
@@ -139,6 +164,17 @@ class AccumulationWindow:
         else:
             self.stray = True
 
+    def add_gradless_pass(self) -> None:
+        """Counts a ``backward()`` pass whose loss reached no parameter (several ranks)."""
+        self.gradless.add_(1)
+        self._gradless_on_host = True
+
+    @property
+    def holds_gradless_pass(self) -> bool:
+        """Whether this rank counted (or a checkpoint restored) a pass that reached no
+        parameter in the open window."""
+        return self._gradless_on_host
+
     def add_micro_batch(self, mode: str, world_size: int) -> None:
         """Counts a micro-batch whose backward went through: ``world_size`` gradients (one
         per rank) are now summed into the window."""
@@ -153,6 +189,17 @@ class AccumulationWindow:
         or the number of micro-batch gradients."""
         return num_items_total if self.mode == "items" else self.gradients
 
+    def check_every_pass_had_gradients(self, gradless_total: torch.Tensor) -> None:
+        """RuntimeError (on a GPU, a device-side assert) on every rank when the ranks'
+        ``gradless`` counts, summed by the step's all-reduce, are not 0; the window is then
+        dropped, before any update."""
+        try:
+            assert_on_device(gradless_total == 0, GRADLESS_PASS)
+        except RuntimeError:
+            self.reset_items()
+            self.close()
+            raise
+
     def reset_items(self) -> None:
         """Zeroes the item count at the window's end (a device op: part of a captured step)."""
         if self.mode == "items":
@@ -161,6 +208,9 @@ class AccumulationWindow:
     def close(self) -> None:
         """The counters after the step that applied the window."""
         self.micro_batches, self.gradients, self.mode = 0, 0, None
+        if self._gradless_on_host:
+            self.gradless.zero_()
+            self._gradless_on_host = False
 
     def gradients_cleared(self) -> None:
         """``zero_grad()`` cleared the buffer (between windows)."""
@@ -186,4 +236,7 @@ class AccumulationWindow:
         self.gradients = window.get("gradients", window["micro_batches"])
         self.mode = window["mode"]
         self.num_items.fill_(window["num_items"] if rank == 0 else 0)
+        if rank == 0 and window.get("gradless"):  # (absent from older checkpoints)
+            self.gradless.fill_(window["gradless"])
+            self._gradless_on_host = True
         self.dirty = True

@@ -184,6 +184,9 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
         # fake tensors)
         with on_host(), no_init_weights():
             model = model_cls(config)
+        # transformers' no_init_weights also skips tying the output layer to the embeddings
+        # (GPT-2's, a masked LM's decoder): tie them as a built model has them
+        model.tie_weights()
         model = model.to(dtype=dtype).train()
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()

@@ -14,6 +14,7 @@ file                   what it saves for backward
 =====================  ===========================================================
 linear.py              the input (weight grad accumulated into ``weight.grad``)
 norm.py                the input and per-row statistics, never the normalised output
+modulated_norm.py      adaLN's LayerNorm: the input, its statistics, scale and shift
 dropout.py             an 8-byte seed, never a mask
 mlp.py                 per ``recompute``: x, pre-activation (and activation)
 swiglu.py              per ``recompute``: x, gate, up (and h)
@@ -25,7 +26,9 @@ from memkern.nn.functional.dropout import dropout
 from memkern.nn.functional.linear import linear
 from memkern.nn.functional.linear_cross_entropy import linear_cross_entropy
 from memkern.nn.functional.mlp import mlp
+from memkern.nn.functional.modulated_norm import modulated_layer_norm
 from memkern.nn.functional.norm import layer_norm, rms_norm
 from memkern.nn.functional.swiglu import swiglu
 
-__all__ = ["dropout", "layer_norm", "linear", "linear_cross_entropy", "mlp", "rms_norm", "swiglu"]
+__all__ = ["dropout", "layer_norm", "linear", "linear_cross_entropy", "mlp", "modulated_layer_norm",
+           "rms_norm", "swiglu"]
