@@ -2,8 +2,9 @@
 
 Each module has the constructor, parameters and ``state_dict`` keys of its torch counterpart
 and documents what it saves for backward; the functions deciding it (each layer's op, or its
-Python autograd Function) are in :mod:`memkern.nn.functional`. :func:`checkpoint` applies a recompute policy to any module and
-:func:`patch` swaps a model's torch layers for these in place.
+Python autograd Function) are in :mod:`memkern.nn.functional`. :func:`checkpoint` applies a
+recompute policy to any module and :func:`patch` swaps a model's torch layers for these in
+place.
 """
 from memkern.nn import functional
 from memkern.nn.checkpoint import checkpoint
