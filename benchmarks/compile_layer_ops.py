@@ -1,11 +1,11 @@
-"""Can torch.compile run memkern's layers through their C++ autograd nodes (issue 33)? Each
-chain of test_nn_compile.py's saved-bytes test, on the CPU, compiled two ways: through
-memkern.nn (today's compile path: the Python autograd.Functions inside their
-selective-checkpoint regions) and through the layer ops themselves (torch.ops.memkern.*_layer:
-AOTAutograd traces the C++ node registered on the op's Autograd key into the inner ops). Prints
-per chain the bytes saved for backward in eager mode (memkern.nn, and the layer ops without a
-norm recipe) and under each compiled path, with the gradients' largest relative error against
-eager memkern.nn.
+"""Can torch.compile run memkern's layers through their C++ autograd nodes (issue 33)? Each chain
+of test_nn_compile.py's saved-bytes test, on the CPU, compiled two ways: through memkern.nn
+(its compile path: the norms' Python autograd.Functions and the MLP/SwiGLU layer ops inside
+selective-checkpoint regions, Linear's layer op as it is) and through the layer ops alone
+(torch.ops.memkern.*_layer: AOTAutograd traces the C++ node registered on the op's Autograd key
+into the inner ops). Prints per chain the bytes saved for backward in eager mode (memkern.nn,
+and the layer ops without a norm recipe) and under each compiled path, with the gradients'
+largest relative error against eager memkern.nn.
 
     python benchmarks/compile_layer_ops.py
 """

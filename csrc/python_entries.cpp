@@ -15,7 +15,9 @@
 
 #include "autograd/linear_cross_entropy.h"
 #include "autograd/norm.h"
+#include "autograd/recomputed_ops.h"
 #include "autograd/saved_input.h"
+#include "layer_constants.h"
 
 #include <algorithm>
 #include <cmath>
@@ -23,6 +25,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace memkern {
 namespace {
@@ -82,28 +85,31 @@ bool one_dtype(const at::Tensor& x, const at::Tensor& weight, const OptTensor& b
          (!bias.has_value() || !bias->defined() || bias->scalar_type() == x.scalar_type());
 }
 
-// What a GEMM layer's C++ autograd requires of a call (the rest goes to its Python Function):
-// x with at least 2 dimensions, one dtype for x and every (weight, bias) pair, no
-// autocast on x's device, and x's last dimension equal to the first weight's in_features
-// (`in_dim`: its dimension holding them).
+// Whether a GEMM layer's op serves a call of its memkern.nn.functional function: x with at
+// least one dimension, the last equal to the first weight's in_features (`in_dim`: its
+// dimension holding them), and, without autocast on x's device, one dtype for x and every
+// (weight, bias) pair. The function raises its error for the rest.
 bool gemm_layer_call(const at::Tensor& x,
                      std::initializer_list<std::pair<const at::Tensor*, const OptTensor*>> params,
                      int64_t in_dim) {
-  if (x.dim() < 2 || params.begin()->first->dim() != 2 ||
-      x.size(-1) != params.begin()->first->size(in_dim)) {
+  const at::Tensor& first = *params.begin()->first;
+  if (x.dim() < 1 || first.dim() != 2 || x.size(-1) != first.size(in_dim)) {
     return false;
+  }
+  if (autocast_on(x.device().type())) {
+    return true;
   }
   for (const auto& [weight, bias] : params) {
     if (!one_dtype(x, *weight, *bias)) {
       return false;
     }
   }
-  return !autocast_on(x.device().type());
+  return true;
 }
 
-// A GEMM layer's input when the layer's C++ autograd serves the call: the tensor `x_obj` is
-// and what to save of it (input_recipe); nullopt when the Python path must take the call (not
-// a tensor, gemm_layer_call refuses it).
+// A GEMM layer's input when its op serves the call (gemm_layer_call): the tensor `x_obj` is,
+// and what to save of it: the recipe of the memkern norm whose output it is (input_recipe).
+// nullopt when the function must raise its error (x not a tensor, gemm_layer_call refuses it).
 struct GemmInput {
   const at::Tensor& x;
   NormRecipe recipe;
@@ -128,24 +134,19 @@ bool linear_is_torch_linear(bool has_recipe, bool transposed, bool weight_has_gr
 }
 
 // memkern.nn.functional.linear in eager mode: memkern::linear_layer with x's norm recipe
-// (input_recipe), or torch's own
-// linear (linear_is_torch_linear). None for a call memkern.nn.functional.linear refuses with
-// its error: x not a tensor, mismatched shapes, mixed dtypes without autocast.
+// (gemm_input), or torch's own linear (linear_is_torch_linear). None for a call
+// memkern.nn.functional.linear refuses with its error.
 OptTensor linear_layer(py::handle x_obj, const at::Tensor& weight, const OptTensor& bias,
                        bool transposed) {
-  const at::Tensor* x = as_tensor(x_obj);
-  if (x == nullptr || x->dim() < 1 || weight.dim() != 2 ||
-      x->size(-1) != weight.size(transposed ? 0 : 1)) {
+  const auto in = gemm_input(x_obj, {{&weight, &bias}}, transposed ? 0 : 1);
+  if (!in) {
     return std::nullopt;
   }
-  const bool autocast = autocast_on(x->device().type());
-  if (!autocast && !one_dtype(*x, weight, bias)) {
-    return std::nullopt;
-  }
-  const NormRecipe recipe = input_recipe(x_obj, *x);
-  if (!autocast && linear_is_torch_linear(recipe.kind != autograd::kNoNorm, transposed,
-                                          weight.grad().defined())) {
-    return at::linear(*x, weight, bias);
+  const NormRecipe& recipe = in->recipe;
+  if (!autocast_on(in->x.device().type()) &&
+      linear_is_torch_linear(recipe.kind != autograd::kNoNorm, transposed,
+                             weight.grad().defined())) {
+    return at::linear(in->x, weight, bias);
   }
   static const auto op =
       c10::Dispatcher::singleton()
@@ -153,12 +154,12 @@ OptTensor linear_layer(py::handle x_obj, const at::Tensor& weight, const OptTens
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
                             const OptTensor&, const OptTensor&, const OptTensor&, int64_t,
                             int64_t, double)>();
-  return op.call(*x, weight, bias, transposed, recipe.x, recipe.weight, recipe.bias,
+  return op.call(in->x, weight, bias, transposed, recipe.x, recipe.weight, recipe.bias,
                  recipe.kind, recipe.dims, recipe.eps);
 }
 
-// memkern.nn.functional.mlp: memkern::mlp_layer with x's norm recipe, or None (see
-// gemm_layer_call, input_recipe).
+// memkern.nn.functional.mlp in eager mode: memkern::mlp_layer with x's norm recipe, or None
+// for a call that function refuses with its error (gemm_input).
 OptTensor mlp_layer(py::handle x_obj, const at::Tensor& fc1_weight, const OptTensor& fc1_bias,
               const at::Tensor& fc2_weight, const OptTensor& fc2_bias,
               const std::string& activation, const std::string& recompute, bool transposed) {
@@ -180,8 +181,8 @@ OptTensor mlp_layer(py::handle x_obj, const at::Tensor& fc1_weight, const OptTen
                  recipe.eps);
 }
 
-// memkern.nn.functional.swiglu: memkern::swiglu_layer with x's norm recipe, or None (see
-// gemm_layer_call, input_recipe).
+// memkern.nn.functional.swiglu in eager mode: memkern::swiglu_layer with x's norm recipe, or
+// None for a call that function refuses with its error (gemm_input).
 OptTensor swiglu_layer(py::handle x_obj, const at::Tensor& gate_weight, const OptTensor& gate_bias,
                  const at::Tensor& up_weight, const OptTensor& up_bias,
                  const at::Tensor& down_weight, const OptTensor& down_bias,
@@ -202,6 +203,21 @@ OptTensor swiglu_layer(py::handle x_obj, const at::Tensor& gate_weight, const Op
   return op.call(in->x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
                  recompute, recipe.x, recipe.weight, recipe.bias, recipe.kind, recipe.dims,
                  recipe.eps);
+}
+
+// The inner ops the node of layer op `layer` (mlp_layer, swiglu_layer) runs again in backward
+// for `recompute` (recomputed_ops.h).
+std::vector<std::string> recomputed_ops(const std::string& layer, const std::string& recompute) {
+  const Recompute mode = parse_recompute(layer.c_str(), recompute);
+  std::vector<const char*> names;
+  if (layer == "mlp_layer") {
+    names = autograd::mlp_recomputed_ops(mode);
+  } else {
+    TORCH_CHECK(layer == "swiglu_layer", "memkern._C.recomputed_ops: layer='", layer,
+                "' is not 'mlp_layer' or 'swiglu_layer'");
+    names = autograd::swiglu_recomputed_ops(mode);
+  }
+  return std::vector<std::string>(names.begin(), names.end());
 }
 
 // memkern::norm_layer.
@@ -343,29 +359,9 @@ void add_layer_entries(py::module_& m) {
   py::class_<WeakNormRecipe>(
           m, "NormRecipe",
           "How to rebuild a memkern norm's output (its _memkern_recipe attribute, left by "
-          "memkern._C.norm): weak references to the norm's input and parameters and their "
-          "versions at the call, which norm, over how many trailing dimensions, with which eps.")
-          .def(
-              "tensors",
-              [](const WeakNormRecipe& recipe) -> std::optional<std::vector<OptTensor>> {
-                std::optional<NormRecipe> held = recipe.lock();
-                if (!held) {
-                  return std::nullopt;
-                }
-                return std::vector<OptTensor>{held->x, held->weight, held->bias};
-              },
-              "[x, weight, bias] (None for an absent one) while none was freed or modified in "
-              "place since the norm's call; None otherwise.")
-          .def(
-              "rebuild",
-              [](const WeakNormRecipe& recipe, const at::Tensor& x, const OptTensor& weight,
-                 const OptTensor& bias) {
-                return autograd::rebuild_norm_output(x, weight.value_or(at::Tensor()),
-                                                     bias.value_or(at::Tensor()), recipe.kind(),
-                                                     recipe.dims(), recipe.eps());
-              },
-              py::arg("x"), py::arg("weight"), py::arg("bias"),
-              "The norm's output from these tensors, by the op the norm ran, without a graph.")
+          "memkern._C.norm), which the layers' C++ entries read: weak references to the norm's "
+          "input and parameters and their versions at the call, which norm, over how many "
+          "trailing dimensions, with which eps.")
           .def_property_readonly("kind", &WeakNormRecipe::kind)
           .def_property_readonly("dims", &WeakNormRecipe::dims)
           .def_property_readonly("eps", &WeakNormRecipe::eps);
@@ -377,12 +373,12 @@ void add_layer_entries(py::module_& m) {
         py::arg("fc2_weight"), py::arg("fc2_bias"), py::arg("activation"), py::arg("recompute"),
         py::arg("transposed"),
         "memkern.nn.functional.mlp's eager call: memkern::mlp_layer with x's norm recipe, or "
-        "None when the Python path must take the call.");
+        "None for a call that function refuses with its error.");
   m.def("swiglu_layer", &swiglu_layer, py::arg("x"), py::arg("gate_weight"), py::arg("gate_bias"),
         py::arg("up_weight"), py::arg("up_bias"), py::arg("down_weight"), py::arg("down_bias"),
         py::arg("recompute"),
         "memkern.nn.functional.swiglu's eager call: memkern::swiglu_layer with x's norm "
-        "recipe, or None when the Python path must take the call.");
+        "recipe, or None for a call that function refuses with its error.");
   m.def("norm", &norm, py::arg("x"), py::arg("normalized_shape"), py::arg("weight"),
         py::arg("bias"), py::arg("eps"), py::arg("rms"),
         "memkern.nn.functional.layer_norm / rms_norm's eager call: memkern::norm_layer, its "
@@ -399,6 +395,9 @@ void add_layer_entries(py::module_& m) {
         py::arg("softcap"), py::arg("chunk_size"), py::arg("vocab_block"),
         "memkern.nn.functional.linear_cross_entropy's eager call on the C++ path "
         "(memkern::linear_cross_entropy_layer), or None when the Python path must take it.");
+  m.def("recomputed_ops", &recomputed_ops, py::arg("layer"), py::arg("recompute"),
+        "The inner ops (\"aten::mm\", \"aten::to.dtype\", ...) the node of layer op `layer` "
+        "(mlp_layer, swiglu_layer) runs again in backward instead of saving, for `recompute`.");
   // The C++ twin of memkern.ops.linear_cross_entropy.block_sizes (its constants:
   // constants.cpp).
   m.def("linear_cross_entropy_block_sizes", &lce::block_sizes, py::arg("n_tokens"),

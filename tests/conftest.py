@@ -67,12 +67,10 @@ def cpu_backends() -> list[str]:
 
 
 # The layers whose autograd runs in C++ when the extension is built and in Python otherwise
-# (memkern.ops.linear_cross_entropy_layer, mlp_layer, swiglu_layer), named by the
+# (memkern.ops.linear_cross_entropy_layer), named by the
 # memkern.nn.functional module that routes them and what that module reads to choose: the op's
 # direct entry point (None without the extension), or the extension's build info.
-_CPP_AUTOGRAD_ROUTES = {"mlp": ("mlp_layer_entry",),
-                        "swiglu": ("swiglu_layer_entry",),
-                        "linear_cross_entropy": ("compiled", "linear_cross_entropy_layer_entry")}
+_CPP_AUTOGRAD_ROUTES = {"linear_cross_entropy": ("compiled", "linear_cross_entropy_layer_entry")}
 
 
 def use_python_autograd(monkeypatch) -> None:
@@ -82,8 +80,7 @@ def use_python_autograd(monkeypatch) -> None:
 
     from memkern._extension import compiled
     without_extension = {"compiled": dataclasses.replace(compiled, has_cpu=False),
-                         "mlp_layer_entry": None,
-                         "swiglu_layer_entry": None, "linear_cross_entropy_layer_entry": None}
+                         "linear_cross_entropy_layer_entry": None}
     for name, switches in _CPP_AUTOGRAD_ROUTES.items():  # the modules, not the functions
         for switch in switches:
             monkeypatch.setattr(sys.modules[f"memkern.nn.functional.{name}"], switch,

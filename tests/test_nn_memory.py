@@ -35,6 +35,7 @@ def test_saved_bytes_counts_each_storage_once_and_skips_parameters():
     assert saved_bytes(lambda: x @ w, include_parameters=True) == (x.numel() + w.numel()) * 4
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("activation,torch_act", [("gelu", nn.GELU()), ("gelu_tanh", nn.GELU(approximate="tanh")),
                                                    ("silu", nn.SiLU())])
 def test_mlp_activation_saves_at_most_60_percent(activation, torch_act):
@@ -50,6 +51,7 @@ def test_mlp_activation_saves_at_most_60_percent(activation, torch_act):
     assert abs(ratios["none"] - 1.0) < 0.01, ratios  # "none" keeps what torch keeps
 
 
+@needs_layer_extension
 def test_swiglu_saves_less_than_torch():
     m = mk.nn.SwiGLU(64, 160)
     x = torch.randn(3, 17, 64, requires_grad=True)
@@ -63,6 +65,30 @@ def test_swiglu_saves_less_than_torch():
     m.recompute = "full"
     full = saved_bytes(m, x)  # x
     assert act <= 0.60 * base and full <= 0.15 * base, (act / base, full / base)
+
+
+@needs_layer_extension
+@pytest.mark.parametrize("name", ["MLP", "SwiGLU"])
+@pytest.mark.parametrize("recompute", ["none", "activation", "full"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_gemm_layers_under_autocast_save_the_cast_input(name, recompute, dtype):
+    """Under autocast (bfloat16) the MLPs save x in bfloat16 — a copy for a float32 x, x itself
+    for a bfloat16 one — and their bfloat16 intermediates, per recompute; never the weights'
+    bfloat16 copies (made again in backward)."""
+    x = torch.randn(3, 37, 64, dtype=dtype, requires_grad=True)
+    m = (mk.nn.MLP(64, 160, recompute=recompute) if name == "MLP"
+         else mk.nn.SwiGLU(64, 160, recompute=recompute))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with SavedTensorsRecorder() as rec:
+            y = m(x)
+    assert y.dtype == torch.bfloat16
+    # [rows, hidden] intermediates: MLP pre (and h); SwiGLU gate, up (and h)
+    intermediates = {"none": 2, "activation": 1, "full": 0}[recompute]
+    if name == "SwiGLU" and recompute != "full":
+        intermediates += 1
+    rows, hidden = 3 * 37, 160
+    assert rec.bytes == 2 * (x.numel() + intermediates * rows * hidden), rec.entries
+    assert all(e.dtype == torch.bfloat16 for e in rec.entries.values())
 
 
 @needs_layer_extension

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 import memkern as mk
 from compare import rel_err
-from conftest import needs_layer_extension, runs_cpp_autograd, use_python_autograd
+from conftest import needs_layer_extension, runs_cpp_autograd
 from memkern.profile import SavedTensorsRecorder
 
 # Documented tolerances (relative to the largest magnitude of the tensor): float32 exact to
@@ -53,7 +53,7 @@ def _input(shape, dtype, scale=1.0):
     return (torch.randn(shape) * scale).to(dtype).requires_grad_()
 
 
-_CPP_ONLY = ("linear", "conv1d", "dropout", "layer_norm", "rms_norm")
+_CPP_ONLY = ("linear", "conv1d", "dropout", "layer_norm", "rms_norm", "mlp", "swiglu")
 """The layers whose one autograd is C++ (no Python Function): without the extension they are
 torch's own layers, so they have no "python" case."""
 
@@ -484,14 +484,14 @@ def _torch_mlp(m: mk.nn.MLP) -> nn.Sequential:
 
 @pytest.mark.parametrize("recompute", ["none", "activation", "full"])
 @pytest.mark.parametrize("activation", list(_ACTS))
-def test_mlp_matches_torch_fp32(activation, recompute, layer_autograd):
+def test_mlp_matches_torch_fp32(activation, recompute):
     m = mk.nn.MLP(13, 29, 11, activation=activation, recompute=recompute)
     assert_same(m, _torch_mlp(m), _input((2, 7, 13), torch.float32), tol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES[1:])
 @pytest.mark.parametrize("recompute", ["activation", "full"])
-def test_mlp_matches_torch_low_precision(dtype, recompute, layer_autograd):
+def test_mlp_matches_torch_low_precision(dtype, recompute):
     m = mk.nn.MLP(37, 61, activation="gelu_tanh", bias=True, recompute=recompute).to(dtype)
     assert_same(m, _torch_mlp(m), _input((9, 37), dtype), tol=TOL[dtype])
 
@@ -511,29 +511,52 @@ class _TorchSwiGLU(nn.Module):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("recompute", ["none", "activation", "full"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_swiglu_matches_torch(recompute, dtype, bias, layer_autograd):
+def test_swiglu_matches_torch(recompute, dtype, bias):
     m = mk.nn.SwiGLU(13, 23, 11, bias=bias, recompute=recompute).to(dtype)
     assert_same(m, _TorchSwiGLU(m), _input((3, 5, 13), dtype), tol=TOL[dtype])
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("name", ["MLP", "SwiGLU"])
-def test_gemm_layers_route_autocast_and_mixed_dtypes_to_the_python_function(name,
-                                                                             layer_autograd):
-    """The routing: one dtype, no autocast runs the C++ node when the extension is built;
-    under autocast, or with a parameter in another dtype, the Python Function runs (it casts
-    per autocast and reports mixed dtypes)."""
+def test_gemm_layers_run_the_cpp_autograd(name):
+    """Every call runs the layer op's C++ node: one dtype, under autocast (in its dtype), a
+    1-D input, GPT-2's transposed weights; a parameter in another dtype without autocast is
+    refused with memkern's message."""
     m = mk.nn.MLP(13, 23) if name == "MLP" else mk.nn.SwiGLU(13, 23)
-    x = torch.randn(3, 13)
-    assert runs_cpp_autograd(m(x).grad_fn) == (layer_autograd == "cpp")
+    backward = f"memkern::{name}Backward"
+    for x in (torch.randn(3, 13), torch.randn(13)):
+        assert m(x).grad_fn.name() == backward and m(x).shape == (*x.shape[:-1], 13)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = m(x)
-    assert f"{name}FunctionBackward" == y.grad_fn.name() and y.dtype == torch.bfloat16
+        y = m(torch.randn(3, 13))
+    assert y.grad_fn.name() == backward and y.dtype == torch.bfloat16
+    if name == "MLP":
+        y = mk.nn.functional.mlp(torch.randn(3, 13), m.fc1.weight.t(), m.fc1.bias,
+                                 m.fc2.weight.t(), m.fc2.bias, transposed=True)
+        assert y.grad_fn.name() == backward
     list(m.parameters())[-1].data = list(m.parameters())[-1].data.double()
     with pytest.raises(RuntimeError, match="a parameter has torch.float64"):  # memkern's message
-        m(x)
+        m(torch.randn(3, 13))
 
 
-def test_mlp_dropout_and_structure(layer_autograd):
+@pytest.mark.parametrize("name", ["MLP", "SwiGLU"])
+def test_gemm_layers_under_autocast_match_torch(name):
+    """Under autocast (bfloat16 on the CPU) the layer computes as torch's Linear layers do:
+    in bfloat16, gradients in the parameters' and input's float32."""
+    m = mk.nn.MLP(13, 29, 11, activation="gelu_tanh") if name == "MLP" else mk.nn.SwiGLU(13, 29, 11)
+    ref = _torch_mlp(m) if name == "MLP" else _TorchSwiGLU(m)
+    x = _input((2, 7, 13), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, yr = m(x), ref(x)
+    assert y.dtype == yr.dtype == torch.bfloat16
+    g = torch.randn_like(yr)
+    a = torch.autograd.grad(y, (x, *m.parameters()), g)
+    b = torch.autograd.grad(yr, (x, *ref.parameters()), g)
+    assert rel_err(y, yr) <= TOL[torch.bfloat16]
+    for u, v in zip(a, b):
+        assert u.dtype == v.dtype == torch.float32 and rel_err(u, v) <= TOL[torch.bfloat16]
+
+
+def test_mlp_dropout_and_structure():
     m = mk.nn.MLP(16, 32, dropout=0.25)
     assert set(dict(m.named_children())) == {"fc1", "fc2", "dropout"}
     assert isinstance(m.fc1, mk.nn.Linear) and m.fc2.out_features == 16
@@ -552,7 +575,7 @@ def test_mlp_rejects_bad_arguments(bad):
         mk.nn.MLP(4, 8, **bad)
 
 
-def test_frozen_weights_only_input_grad(layer_autograd):
+def test_frozen_weights_only_input_grad():
     m = mk.nn.MLP(13, 17, recompute="full").requires_grad_(False)
     x = torch.randn(3, 13, requires_grad=True)
     ref = _torch_mlp(m)
@@ -601,15 +624,13 @@ def test_nan_and_inf_propagate_like_torch(name, where, layer_autograd):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 @pytest.mark.skipif(not mk.backend.runs_on("triton", torch.device("cpu")), reason="no triton interpreter")
-@pytest.mark.parametrize("name", ["MLP", "SwiGLU", "LinearCrossEntropy"])
-def test_module_on_triton_backend_matches_reference(name):
-    make = {"MLP": lambda: mk.nn.MLP(37, 53, activation="gelu"),
-            "SwiGLU": lambda: mk.nn.SwiGLU(37, 53), "LinearCrossEntropy": lambda: mk.nn.LinearCrossEntropy(37, 301)}
-    m = make[name]()
+def test_linear_cross_entropy_on_triton_backend_matches_reference():
+    """The one layer with a Python autograd (a forced backend reaches its kernel ops)."""
+    m = mk.nn.LinearCrossEntropy(37, 301)
     x = torch.randn(3, 7, 37, requires_grad=True)
-    args = (x, torch.randint(0, 301, (3, 7))) if name == "LinearCrossEntropy" else (x,)
+    args = (x, torch.randint(0, 301, (3, 7)))
     outs = {}
-    g = torch.randn(()) if name == "LinearCrossEntropy" else torch.randn_like(x)
+    g = torch.randn(())
     for b in ("reference", "triton"):
         torch.manual_seed(11)
         with mk.ops.force(b):
@@ -714,11 +735,11 @@ def _leaves(tensors, dtype=None):
 
 
 @needs_layer_extension
-@_with_autograds(_LAYERS)
+@pytest.mark.parametrize("layer", _LAYERS)
 @pytest.mark.parametrize("norm", _NORMS)
-def test_layer_after_a_norm_saves_its_recipe_and_matches_float64(norm, layer, layer_autograd):
+def test_layer_after_a_norm_saves_its_recipe_and_matches_float64(norm, layer):
     """norm -> layer in float64 on odd sizes against F.layer_norm/F.rms_norm + F.linear: the
-    C++ node runs (or the Python one), the layer saves the norm's input but not its output,
+    C++ node runs, the layer saves the norm's input but not its output,
     and every gradient — added into an existing .grad for half the layer's weights — is
     right."""
     x = torch.randn(2, 5, 3, 13, dtype=torch.float64, requires_grad=True)
@@ -729,8 +750,7 @@ def test_layer_after_a_norm_saves_its_recipe_and_matches_float64(norm, layer, la
         p.grad = None if e is None else e.clone()
     y = norm_fn(x, *norm_params)
     out, saved = _saved_storages(fn, y, *params)
-    assert out.grad_fn.name() == (f"memkern::{function}Backward" if layer_autograd == "cpp"
-                                  else f"{function}FunctionBackward")
+    assert out.grad_fn.name() == f"memkern::{function}Backward"
     assert y.untyped_storage().data_ptr() not in saved, "the normalised output was saved"
     assert x.untyped_storage().data_ptr() in saved
     g = torch.randn_like(out)
@@ -746,80 +766,21 @@ def test_layer_after_a_norm_saves_its_recipe_and_matches_float64(norm, layer, la
         assert rel_err(a.grad, want) < 1e-10, name
 
 
-def _norm_then_layer_grads(norm, layer, dtype, seed):
-    """Output and every gradient of norm -> layer on data drawn from ``seed``."""
-    torch.manual_seed(seed)
-    x = torch.randn(4, 3, 13).to(dtype).requires_grad_()
-    norm_fn, _, norm_params = _norm_case(norm, 13, dtype)
-    fn, _, params, _ = _layer_case(layer, 13, dtype)
-    for p in params[:2]:
-        p.grad = torch.randn_like(p)
-    out = fn(norm_fn(x, *norm_params), *params)
-    out.backward(torch.randn_like(out))
-    return [out, *(t.grad for t in (x, *norm_params, *params))]
-
-
-@pytest.mark.skipif(not mk.compiled.has_cpu, reason="the compiled extension is not built")
-@pytest.mark.parametrize("dtype", DTYPES[:2])
-@pytest.mark.parametrize("layer", [layer for layer in _LAYERS if layer not in _CPP_ONLY])
-@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm_2d"])
-def test_cpp_and_python_autograd_are_bit_identical_after_a_norm(norm, layer, dtype, monkeypatch):
-    """The C++ node rebuilds the norm's output with the op the norm ran (torch's
-    native_layer_norm; memkern::norm_forward for RMSNorm and 16-bit LayerNorm on the CPU) and
-    computes what the Python Function does: every result is equal, bit for bit."""
-    seed = int(torch.randint(0, 2**31, ()))
-    cpp = _norm_then_layer_grads(norm, layer, dtype, seed)
-    use_python_autograd(monkeypatch)
-    python = _norm_then_layer_grads(norm, layer, dtype, seed)
-    for i, (a, b) in enumerate(zip(cpp, python)):
-        assert torch.equal(a, b), f"result {i}"
-
-
-@pytest.mark.skipif(not mk.compiled.has_cpu, reason="the compiled extension is not built")
-@pytest.mark.parametrize("layer", ["mlp-activation", "swiglu-full"])
-@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm_2d"])
-def test_recipe_crosses_to_the_python_path(norm, layer):
-    """A norm leaves a C++ recipe; a layer that runs its Python Function (here: under autocast,
-    in the input's dtype) saves and rebuilds through it: it saves the norm's input, not its
-    output, and every result is what the same run with the recipe taken off the norm's output
-    (the layer saving that output) gives, bit for bit."""
-    from memkern import _C
-    seed = int(torch.randint(0, 2**31, ()))
-
-    def run(recipe):
-        torch.manual_seed(seed)
-        x = torch.randn(4, 3, 13).to(torch.bfloat16).requires_grad_()
-        norm_fn, _, norm_params = _norm_case(norm, 13, torch.bfloat16)
-        fn, _, params, function = _layer_case(layer, 13, torch.bfloat16)
-        y = norm_fn(x, *norm_params)
-        if not recipe:
-            delattr(y, _C.NORM_RECIPE_ATTR)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out, saved = _saved_storages(fn, y, *params)
-        assert not runs_cpp_autograd(out.grad_fn) and function in out.grad_fn.name()
-        assert (y.untyped_storage().data_ptr() in saved) != recipe
-        assert (x.untyped_storage().data_ptr() in saved) == recipe
-        out.backward(torch.randn(out.shape).to(out.dtype))
-        return [out, *(t.grad for t in (x, *norm_params, *params))]
-
-    for i, (a, b) in enumerate(zip(run(True), run(False))):
-        assert torch.equal(a, b), f"result {i}"
-
-
 @needs_layer_extension
+@pytest.mark.parametrize("layer", ["linear", "mlp-activation", "mlp-full-transposed", "swiglu-none"])
 @pytest.mark.parametrize("dtype", DTYPES[:2])
 @pytest.mark.parametrize("norm", ["layer_norm", "rms_norm_2d"])
-def test_linear_after_a_norm_under_autocast(norm, dtype):
-    """Norm and Linear both under autocast (bfloat16): on a bfloat16 input the Linear saves
+def test_layer_after_a_norm_under_autocast(norm, dtype, layer):
+    """Norm and layer both under autocast (bfloat16): on a bfloat16 input the layer saves
     the norm's input (the norm's output is of the compute dtype and rebuilt in backward); on a
     float32 one, the bfloat16 copy it computes with. Gradients against float64 torch."""
     x = torch.randn(4, 3, 13).to(dtype).requires_grad_()
     norm_fn, norm_oracle, norm_params = _norm_case(norm, 13, dtype)
-    fn, oracle, params, _ = _layer_case("linear", 13, dtype)
+    fn, oracle, params, function = _layer_case(layer, 13, dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = norm_fn(x, *norm_params)
         out, saved = _saved_storages(fn, y, *params)
-    assert out.grad_fn.name() == "memkern::LinearBackward" and out.dtype == torch.bfloat16
+    assert out.grad_fn.name() == f"memkern::{function}Backward" and out.dtype == torch.bfloat16
     assert y.untyped_storage().data_ptr() not in saved
     assert (x.untyped_storage().data_ptr() in saved) == (dtype == torch.bfloat16)
     g = torch.randn(out.shape)
@@ -836,9 +797,10 @@ def test_linear_after_a_norm_under_autocast(norm, dtype):
 _STALE_LAYERS = ["linear", "mlp-activation", "mlp-full-transposed", "swiglu-full"]
 
 
-@_with_autograds(_STALE_LAYERS)
+@needs_layer_extension
+@pytest.mark.parametrize("layer", _STALE_LAYERS)
 @pytest.mark.parametrize("changed", ["norm_input", "norm_output"])
-def test_stale_recipe_makes_the_layer_save_its_input(changed, layer, layer_autograd):
+def test_stale_recipe_makes_the_layer_save_its_input(changed, layer):
     """The norm's input (or its output) modified in place between the norm and the layer: the
     output can no longer be rebuilt from the norm's tensors, so the layer saves it itself and
     its gradients are those of the values it was given."""
@@ -862,8 +824,8 @@ def test_stale_recipe_makes_the_layer_save_its_input(changed, layer, layer_autog
 
 
 @needs_layer_extension
-@_with_autograds(_STALE_LAYERS)
-def test_norm_input_modified_after_the_layer_ran_raises_as_torch(layer, layer_autograd):
+@pytest.mark.parametrize("layer", _STALE_LAYERS)
+def test_norm_input_modified_after_the_layer_ran_raises_as_torch(layer):
     """The norm's input modified in place between forward and backward: rebuilding the
     output from it would be wrong, and the layer's backward raises autograd's error (as it
     would for any saved tensor modified in place), even when only the layer's own weight

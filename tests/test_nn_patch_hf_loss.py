@@ -19,6 +19,7 @@ import memkern as mk
 from memkern.nn.causal_lm_loss import MemkernCausalLMHead
 from memkern.profile import peak_allocated_bytes, saved_bytes
 from compare import rel_err
+from conftest import needs_layer_extension
 
 transformers = pytest.importorskip("transformers")
 
@@ -216,6 +217,7 @@ def test_fused_training_holds_no_logits():
     assert fused < logits_bytes and fused < plain / 3, (fused, plain)
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_recompute_reaches_the_mlp_blocks(family):
     ids, labels = _batch()

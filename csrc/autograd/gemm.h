@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 
+#include <array>
 #include <optional>
 #include <vector>
 
@@ -31,9 +32,13 @@ inline at::ScalarType compute_dtype(const at::Tensor& x) {
   return x.scalar_type();
 }
 
-// `t` in `dtype`: `t` itself when it has it (no aten::to call, which would return its input).
+// The op `cast` runs (Tensor::to's), by name and overload (recomputed_ops.h).
+inline constexpr const char* kCastOp = "aten::to.dtype";
+
+// `t` in `dtype`: `t` itself when it has it (no aten::to call, which would return its input)
+// or is undefined (an absent bias).
 inline at::Tensor cast(const at::Tensor& t, at::ScalarType dtype) {
-  return t.scalar_type() == dtype ? t : t.to(dtype);
+  return !t.defined() || t.scalar_type() == dtype ? t : t.to(dtype);
 }
 
 // The same for an optional tensor; absent stays absent.
@@ -43,6 +48,9 @@ inline std::optional<at::Tensor> cast(const std::optional<at::Tensor>& t, at::Sc
   }
   return cast(*t, dtype);
 }
+
+// The ops `layer_mm` runs, by name (recomputed_ops.h).
+inline constexpr std::array<const char*, 2> kLayerMmOps{"aten::mm", "aten::addmm"};
 
 // a @ W^T + b (a @ W + b when transposed); b may be absent.
 inline at::Tensor layer_mm(const at::Tensor& a, const at::Tensor& weight,

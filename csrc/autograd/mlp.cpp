@@ -1,14 +1,17 @@
-// memkern::mlp_layer: the autograd of memkern's MLP fc2(act(fc1(x))) in C++ (a
-// torch::autograd::Node, node.h), so a layer call costs on the host what torch's composition
-// of C++ autograd nodes does: no Python autograd.Function per call.
+// memkern::mlp_layer: memkern's MLP fc2(act(fc1(x))) with its autograd in C++ (a
+// torch::autograd::Node, node.h), the layer's one implementation: eager calls run it, and
+// torch.compile traces it into its inner ops.
 //
-// What it computes, saves and recomputes is memkern.nn.functional.mlp's MLPFunction for one
-// dtype and no autocast (the Python functional routes only those calls here): per recompute,
-// "none" saves x, pre = fc1(x) and h = act(pre); "activation" x and pre; "full" x only — x
-// being the norm's recipe when it is a memkern norm's output (saved_input.h) — and the
-// weights (and fc1's bias, for "full"). The activation and its gradient run as
-// memkern::act_forward / act_backward through the dispatcher; weight gradients are added
-// straight into .grad when that gives exactly what autograd would (weight_grad.h).
+// Computed in autocast's dtype when autocast is on for x's device (x, the weights and the
+// biases cast to it first, as torch's linear does), else in x's. Per recompute, "none" saves
+// x, pre = fc1(x) and h = act(pre); "activation" x and pre; "full" x only — x as cast, or the
+// norm's recipe when x is a memkern norm's output of the compute dtype (saved_input.h) — and
+// the weights themselves (and fc1's bias, for "full"): under autocast their low-precision
+// copies are made again in backward rather than kept. What backward runs again is
+// mlp_recomputed_ops. The activation and its gradient run as memkern::act_forward /
+// act_backward through the dispatcher; weight gradients are added straight into .grad when
+// that gives exactly what autograd would (weight_grad.h); the engine casts each gradient to its
+// input's dtype.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -19,6 +22,7 @@
 #include "../layer_constants.h"
 #include "gemm.h"
 #include "node.h"
+#include "recomputed_ops.h"
 #include "saved_input.h"
 #include "weight_grad.h"
 
@@ -29,9 +33,11 @@ using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 namespace mka = memkern::autograd;
 
+constexpr const char* kActForward = "memkern::act_forward";
+
 at::Tensor act_forward(const at::Tensor& x, const std::string& kind) {
   static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("memkern::act_forward", "")
+                             .findSchemaOrThrow(kActForward, "")
                              .typed<at::Tensor(const at::Tensor&, c10::string_view)>();
   return op.call(x, kind);
 }
@@ -44,14 +50,25 @@ at::Tensor act_backward(const at::Tensor& grad, const at::Tensor& x, const std::
   return op.call(grad, x, kind);
 }
 
-at::Tensor forward_only(const at::Tensor& x, const at::Tensor& w1,
-                        const std::optional<at::Tensor>& b1, const at::Tensor& w2,
-                        const std::optional<at::Tensor>& b2, c10::string_view activation,
-                        bool transposed) {
-  const at::Tensor h = act_forward(mka::layer_mm(mka::rows(x), w1, b1, transposed),
-                                   std::string(activation));
-  const at::Tensor out = mka::layer_mm(h, w2, b2, transposed);
-  return out.view(mka::with_last(x.sizes(), out.size(-1)));
+// The forward's tensors: x in the compute dtype, the pre-activation, the activation, the
+// output.
+struct Forward {
+  at::Tensor xc, pre, h, out;
+};
+
+Forward forward(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
+                const at::Tensor& w2, const std::optional<at::Tensor>& b2,
+                const std::string& activation, bool transposed) {
+  const at::ScalarType dtype = mka::compute_dtype(x);
+  Forward f;
+  f.xc = mka::cast(x, dtype);
+  f.pre =
+      mka::layer_mm(mka::rows(f.xc), mka::cast(w1, dtype), mka::cast(b1, dtype), transposed);
+  f.h = act_forward(f.pre, activation);
+  const at::Tensor out =
+      mka::layer_mm(f.h, mka::cast(w2, dtype), mka::cast(b2, dtype), transposed);
+  f.out = out.view(mka::with_last(x.sizes(), out.size(-1)));
+  return f;
 }
 
 // The backward of one call; its inputs (next edges) are x, fc1_weight, fc1_bias, fc2_weight,
@@ -60,6 +77,7 @@ struct MLPBackward : public torch::autograd::Node {
   mka::SavedInput input;
   SavedVariable pre, h, w1, w2, b1;  // pre: not for "full"; h: "none" only
   std::string activation;
+  at::ScalarType dtype = at::kFloat;  // the compute dtype
   bool transposed = false;
   bool has_b2 = false;
 
@@ -70,9 +88,11 @@ struct MLPBackward : public torch::autograd::Node {
     if (!grad_out.defined()) {
       return out;
     }
-    const at::Tensor w1_ = w1.unpack();
-    const at::Tensor w2_ = w2.unpack();
-    const at::Tensor g = mka::rows(grad_out);
+    const at::Tensor w1_stored = w1.unpack();
+    const at::Tensor w2_stored = w2.unpack();
+    const at::Tensor w1_ = mka::cast(w1_stored, dtype);
+    const at::Tensor w2_ = mka::cast(w2_stored, dtype);
+    const at::Tensor g = mka::rows(mka::cast(grad_out, dtype));
     // x, fc1_weight, fc1_bias, fc2_weight, fc2_bias
     const bool need[5] = {task_should_compute_output(0), task_should_compute_output(1),
                           task_should_compute_output(2), task_should_compute_output(3),
@@ -84,14 +104,14 @@ struct MLPBackward : public torch::autograd::Node {
       x2 = mka::rows(input.load());
     }
     if (!pre_.defined()) {  // "full": the first GEMM again
-      pre_ = mka::layer_mm(x2, w1_, b1.unpack(), transposed);
+      pre_ = mka::layer_mm(x2, w1_, mka::cast(b1.unpack(), dtype), transposed);
     }
     if (need[3]) {
       if (!h_.defined()) {  // "activation"/"full": the activation again
         h_ = act_forward(pre_, activation);
       }
       const auto [a, b] = mka::weight_grad_operands(g, h_, transposed);
-      out[3] = mka::weight_grad(w2_, a, b);
+      out[3] = mka::weight_grad(w2_stored, a, b);
     }
     h_.reset();
     if (need[4]) {
@@ -102,7 +122,7 @@ struct MLPBackward : public torch::autograd::Node {
       pre_.reset();
       if (need[1]) {
         const auto [a, b] = mka::weight_grad_operands(dpre, x2, transposed);
-        out[1] = mka::weight_grad(w1_, a, b);
+        out[1] = mka::weight_grad(w1_stored, a, b);
       }
       if (need[2]) {
         out[2] = dpre.sum(0);
@@ -136,32 +156,32 @@ at::Tensor mlp_autograd(const at::Tensor& x, const at::Tensor& w1,
                         int64_t norm_dims, double norm_eps) {
   const memkern::Recompute keep = memkern::parse_recompute("mlp_layer", recompute);
   const std::string act(activation);
-  at::Tensor pre, h, out;
+  Forward f;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    pre = mka::layer_mm(mka::rows(x), w1, b1, transposed);
-    h = act_forward(pre, act);
-    out = mka::layer_mm(h, w2, b2, transposed);
-    out = out.view(mka::with_last(x.sizes(), out.size(-1)));
+    f = forward(x, w1, b1, w2, b2, act, transposed);
   }
   const at::Tensor b1_ = b1.value_or(at::Tensor());
   const at::Tensor b2_ = b2.value_or(at::Tensor());
   if (torch::autograd::compute_requires_grad(x, w1, b1_, w2, b2_)) {
     auto node = mka::make_node<MLPBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(x, w1, b1_, w2, b2_));
-    node->input.save(x, NormRecipe{norm_x, norm_weight, norm_bias, norm_kind, norm_dims,
-                                   norm_eps});
-    node->pre = SavedVariable(keep != memkern::kFull ? pre : at::Tensor(), false);
-    node->h = SavedVariable(keep == memkern::kNone ? h : at::Tensor(), false);
+    // a cast x is not the norm's output: the recipe cannot rebuild it
+    node->input.save(f.xc, f.xc.is_same(x) ? NormRecipe{norm_x, norm_weight, norm_bias,
+                                                        norm_kind, norm_dims, norm_eps}
+                                           : NormRecipe{});
+    node->pre = SavedVariable(keep != memkern::kFull ? f.pre : at::Tensor(), false);
+    node->h = SavedVariable(keep == memkern::kNone ? f.h : at::Tensor(), false);
     node->w1 = SavedVariable(w1, false);
     node->w2 = SavedVariable(w2, false);
     node->b1 = SavedVariable(b1_, false);
     node->activation = act;
+    node->dtype = f.xc.scalar_type();
     node->transposed = transposed;
     node->has_b2 = b2_.defined();
-    torch::autograd::set_history(out, node);
+    torch::autograd::set_history(f.out, node);
   }
-  return out;
+  return f.out;
 }
 
 at::Tensor mlp_no_autograd(const at::Tensor& x, const at::Tensor& w1,
@@ -170,10 +190,19 @@ at::Tensor mlp_no_autograd(const at::Tensor& x, const at::Tensor& w1,
                            c10::string_view, bool transposed, const std::optional<at::Tensor>&,
                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                            int64_t, int64_t, double) {
-  return forward_only(x, w1, b1, w2, b2, activation, transposed);
+  return forward(x, w1, b1, w2, b2, std::string(activation), transposed).out;
 }
 
 }  // namespace
+
+namespace memkern::autograd {
+
+// MLPBackward's recomputation: the activation is memkern::act_forward.
+std::vector<const char*> mlp_recomputed_ops(Recompute recompute) {
+  return gemm_layer_recomputed_ops(recompute, kActForward);
+}
+
+}  // namespace memkern::autograd
 
 // The schema is defined in memkern/ops/mlp_layer.py.
 TORCH_LIBRARY_IMPL(memkern, Autograd, m) { m.impl("mlp_layer", mlp_autograd); }

@@ -1,14 +1,17 @@
-// memkern::swiglu_layer: the autograd of memkern's SwiGLU MLP down(silu(gate(x)) * up(x)) in
-// C++ (a torch::autograd::Node, node.h), so a layer call costs on the host what torch's
-// composition of C++ autograd nodes does: no Python autograd.Function per call.
+// memkern::swiglu_layer: memkern's SwiGLU MLP down(silu(gate(x)) * up(x)) with its autograd in
+// C++ (a torch::autograd::Node, node.h), the layer's one implementation: eager calls run it,
+// and torch.compile traces it into its inner ops.
 //
-// What it computes, saves and recomputes is memkern.nn.functional.swiglu's SwiGLUFunction for
-// one dtype and no autocast (the Python functional routes only those calls here): per
-// recompute, "none" saves x, gate(x), up(x) and h; "activation" x, gate and up; "full" x only —
-// x being the norm's recipe when it is a memkern norm's output (saved_input.h) — and the
-// weights (and the gate/up biases, for "full"). The gated unit and its gradient run as
-// memkern::swiglu_forward / swiglu_backward through the dispatcher; weight gradients are added
-// straight into .grad when that gives exactly what autograd would (weight_grad.h).
+// Computed in autocast's dtype when autocast is on for x's device (x, the weights and the
+// biases cast to it first, as torch's linear does), else in x's. Per recompute, "none" saves
+// x, gate(x), up(x) and h; "activation" x, gate and up; "full" x only — x as cast, or the
+// norm's recipe when x is a memkern norm's output of the compute dtype (saved_input.h) — and
+// the weights themselves (and the gate/up biases, for "full"): under autocast their
+// low-precision copies are made again in backward rather than kept. What backward runs again
+// is swiglu_recomputed_ops. The gated unit and its gradient run as memkern::swiglu_forward /
+// swiglu_backward through the dispatcher; weight gradients are added straight into .grad when
+// that gives exactly what autograd would (weight_grad.h); the engine casts each gradient to its
+// input's dtype.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -19,6 +22,7 @@
 #include "../layer_constants.h"
 #include "gemm.h"
 #include "node.h"
+#include "recomputed_ops.h"
 #include "saved_input.h"
 #include "weight_grad.h"
 
@@ -29,9 +33,11 @@ using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 namespace mka = memkern::autograd;
 
+constexpr const char* kSwigluForward = "memkern::swiglu_forward";
+
 at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
   static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("memkern::swiglu_forward", "")
+                             .findSchemaOrThrow(kSwigluForward, "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
   return op.call(gate, up);
 }
@@ -46,15 +52,24 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad, const
   return op.call(grad, gate, up);
 }
 
-at::Tensor forward_only(const at::Tensor& x, const at::Tensor& wg,
-                        const std::optional<at::Tensor>& bg, const at::Tensor& wu,
-                        const std::optional<at::Tensor>& bu, const at::Tensor& wd,
-                        const std::optional<at::Tensor>& bd) {
-  const at::Tensor x2 = mka::rows(x);
-  const at::Tensor h = swiglu_forward(mka::layer_mm(x2, wg, bg, false),
-                                      mka::layer_mm(x2, wu, bu, false));
-  const at::Tensor out = mka::layer_mm(h, wd, bd, false);
-  return out.view(mka::with_last(x.sizes(), out.size(-1)));
+// The forward's tensors: x in the compute dtype, gate(x), up(x), the gated unit, the output.
+struct Forward {
+  at::Tensor xc, gate, up, h, out;
+};
+
+Forward forward(const at::Tensor& x, const at::Tensor& wg, const std::optional<at::Tensor>& bg,
+                const at::Tensor& wu, const std::optional<at::Tensor>& bu, const at::Tensor& wd,
+                const std::optional<at::Tensor>& bd) {
+  const at::ScalarType dtype = mka::compute_dtype(x);
+  Forward f;
+  f.xc = mka::cast(x, dtype);
+  const at::Tensor x2 = mka::rows(f.xc);
+  f.gate = mka::layer_mm(x2, mka::cast(wg, dtype), mka::cast(bg, dtype), false);
+  f.up = mka::layer_mm(x2, mka::cast(wu, dtype), mka::cast(bu, dtype), false);
+  f.h = swiglu_forward(f.gate, f.up);
+  const at::Tensor out = mka::layer_mm(f.h, mka::cast(wd, dtype), mka::cast(bd, dtype), false);
+  f.out = out.view(mka::with_last(x.sizes(), out.size(-1)));
+  return f;
 }
 
 // The backward of one call; its inputs (next edges) are x, gate_weight, gate_bias, up_weight,
@@ -63,6 +78,7 @@ struct SwiGLUBackward : public torch::autograd::Node {
   mka::SavedInput input;
   SavedVariable gate, up, h;  // gate, up: not for "full"; h: "none" only
   SavedVariable wg, bg, wu, bu, wd;
+  at::ScalarType dtype = at::kFloat;  // the compute dtype
   bool has_bd = false;
 
   variable_list apply(variable_list&& grads) override {
@@ -72,16 +88,19 @@ struct SwiGLUBackward : public torch::autograd::Node {
     if (!grad_out.defined()) {
       return out;
     }
-    const at::Tensor wg_ = wg.unpack();
-    const at::Tensor wu_ = wu.unpack();
-    const at::Tensor wd_ = wd.unpack();
+    const at::Tensor wg_stored = wg.unpack();
+    const at::Tensor wu_stored = wu.unpack();
+    const at::Tensor wd_stored = wd.unpack();
+    const at::Tensor wg_ = mka::cast(wg_stored, dtype);
+    const at::Tensor wu_ = mka::cast(wu_stored, dtype);
+    const at::Tensor wd_ = mka::cast(wd_stored, dtype);
     // x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias
     bool need[7];
     for (size_t i = 0; i < 7; ++i) {
       need[i] = task_should_compute_output(i);
     }
     need[6] = need[6] && has_bd;
-    const at::Tensor g = mka::rows(grad_out);
+    const at::Tensor g = mka::rows(mka::cast(grad_out, dtype));
     at::Tensor gate_ = gate.unpack();
     at::Tensor up_ = up.unpack();
     at::Tensor h_ = h.unpack();
@@ -90,14 +109,14 @@ struct SwiGLUBackward : public torch::autograd::Node {
       x2 = mka::rows(input.load());
     }
     if (!gate_.defined()) {  // "full": both GEMMs again
-      gate_ = mka::layer_mm(x2, wg_, bg.unpack(), false);
-      up_ = mka::layer_mm(x2, wu_, bu.unpack(), false);
+      gate_ = mka::layer_mm(x2, wg_, mka::cast(bg.unpack(), dtype), false);
+      up_ = mka::layer_mm(x2, wu_, mka::cast(bu.unpack(), dtype), false);
     }
     if (need[5]) {
       if (!h_.defined()) {  // the gated unit again
         h_ = swiglu_forward(gate_, up_);
       }
-      out[5] = mka::weight_grad(wd_, g.t(), h_);
+      out[5] = mka::weight_grad(wd_stored, g.t(), h_);
     }
     h_.reset();
     if (need[6]) {
@@ -108,13 +127,13 @@ struct SwiGLUBackward : public torch::autograd::Node {
       gate_.reset();
       up_.reset();
       if (need[1]) {
-        out[1] = mka::weight_grad(wg_, dgate.t(), x2);
+        out[1] = mka::weight_grad(wg_stored, dgate.t(), x2);
       }
       if (need[2]) {
         out[2] = dgate.sum(0);
       }
       if (need[3]) {
-        out[3] = mka::weight_grad(wu_, dup.t(), x2);
+        out[3] = mka::weight_grad(wu_stored, dup.t(), x2);
       }
       if (need[4]) {
         out[4] = dup.sum(0);
@@ -147,15 +166,10 @@ at::Tensor swiglu_autograd(const at::Tensor& x, const at::Tensor& wg,
                            const std::optional<at::Tensor>& norm_bias, int64_t norm_kind,
                            int64_t norm_dims, double norm_eps) {
   const memkern::Recompute keep = memkern::parse_recompute("swiglu_layer", recompute);
-  at::Tensor gate, up, h, out;
+  Forward f;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const at::Tensor x2 = mka::rows(x);
-    gate = mka::layer_mm(x2, wg, bg, false);
-    up = mka::layer_mm(x2, wu, bu, false);
-    h = swiglu_forward(gate, up);
-    out = mka::layer_mm(h, wd, bd, false);
-    out = out.view(mka::with_last(x.sizes(), out.size(-1)));
+    f = forward(x, wg, bg, wu, bu, wd, bd);
   }
   const at::Tensor bg_ = bg.value_or(at::Tensor());
   const at::Tensor bu_ = bu.value_or(at::Tensor());
@@ -163,21 +177,24 @@ at::Tensor swiglu_autograd(const at::Tensor& x, const at::Tensor& wg,
   if (torch::autograd::compute_requires_grad(x, wg, bg_, wu, bu_, wd, bd_)) {
     auto node = mka::make_node<SwiGLUBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(x, wg, bg_, wu, bu_, wd, bd_));
-    node->input.save(x, NormRecipe{norm_x, norm_weight, norm_bias, norm_kind, norm_dims,
-                                   norm_eps});
+    // a cast x is not the norm's output: the recipe cannot rebuild it
+    node->input.save(f.xc, f.xc.is_same(x) ? NormRecipe{norm_x, norm_weight, norm_bias,
+                                                        norm_kind, norm_dims, norm_eps}
+                                           : NormRecipe{});
     const bool keep_gate_and_up = keep != memkern::kFull;
-    node->gate = SavedVariable(keep_gate_and_up ? gate : at::Tensor(), false);
-    node->up = SavedVariable(keep_gate_and_up ? up : at::Tensor(), false);
-    node->h = SavedVariable(keep == memkern::kNone ? h : at::Tensor(), false);
+    node->gate = SavedVariable(keep_gate_and_up ? f.gate : at::Tensor(), false);
+    node->up = SavedVariable(keep_gate_and_up ? f.up : at::Tensor(), false);
+    node->h = SavedVariable(keep == memkern::kNone ? f.h : at::Tensor(), false);
     node->wg = SavedVariable(wg, false);
     node->bg = SavedVariable(bg_, false);
     node->wu = SavedVariable(wu, false);
     node->bu = SavedVariable(bu_, false);
     node->wd = SavedVariable(wd, false);
+    node->dtype = f.xc.scalar_type();
     node->has_bd = bd_.defined();
-    torch::autograd::set_history(out, node);
+    torch::autograd::set_history(f.out, node);
   }
-  return out;
+  return f.out;
 }
 
 at::Tensor swiglu_no_autograd(const at::Tensor& x, const at::Tensor& wg,
@@ -186,10 +203,19 @@ at::Tensor swiglu_no_autograd(const at::Tensor& x, const at::Tensor& wg,
                               const std::optional<at::Tensor>& bd, c10::string_view,
                               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                               const std::optional<at::Tensor>&, int64_t, int64_t, double) {
-  return forward_only(x, wg, bg, wu, bu, wd, bd);
+  return forward(x, wg, bg, wu, bu, wd, bd).out;
 }
 
 }  // namespace
+
+namespace memkern::autograd {
+
+// SwiGLUBackward's recomputation: the gated unit is memkern::swiglu_forward.
+std::vector<const char*> swiglu_recomputed_ops(Recompute recompute) {
+  return gemm_layer_recomputed_ops(recompute, kSwigluForward);
+}
+
+}  // namespace memkern::autograd
 
 // The schema is defined in memkern/ops/swiglu_layer.py.
 TORCH_LIBRARY_IMPL(memkern, Autograd, m) { m.impl("swiglu_layer", swiglu_autograd); }

@@ -1,6 +1,5 @@
 // The weight gradient of a GEMM layer's C++ autograd (linear.cpp, mlp.cpp, swiglu.cpp), added
-// straight into weight.grad when that gives exactly what autograd would: the C++ side of
-// memkern/nn/functional/_grad.py.
+// straight into weight.grad when that gives exactly what autograd would.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,9 +1,10 @@
 """memkern.nn: drop-in layers that save less for backward and recompute what is cheap.
 
 Each module has the constructor, parameters and ``state_dict`` keys of its torch counterpart
-and documents what it saves for backward; the autograd Functions deciding it are in
-:mod:`memkern.nn.functional`. :func:`checkpoint` applies a recompute policy to any module and
-:func:`patch` swaps a model's torch layers for these in place.
+and documents what it saves for backward; the functions deciding it (each layer's op, or its
+Python autograd Function) are in :mod:`memkern.nn.functional`. :func:`checkpoint` applies a
+recompute policy to any module and :func:`patch` swaps a model's torch layers for these in
+place.
 """
 from memkern.nn import functional
 from memkern.nn.checkpoint import checkpoint

@@ -127,7 +127,7 @@ def _llama_mlp_forward(self, x):
 
 class SequentialMLP(nn.Sequential):
     """A patched ``nn.Sequential(Linear, activation, Linear[, Dropout])``: indexing, names and
-    ``state_dict`` are those of the Sequential; forward is one memkern MLP Function."""
+    ``state_dict`` are those of the Sequential; forward is one memkern MLP call."""
 
     _memkern_base = nn.Sequential  # its own forward: when a layer was replaced after patch
 

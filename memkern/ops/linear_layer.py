@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from memkern.ops import _norm_recipe
+from memkern.ops._gemm_layer import fake_output
 from memkern.ops._registry import LIBRARY, eager_entry
 
 LIBRARY.define(f"linear_layer(Tensor x, Tensor weight, Tensor? bias, bool transposed, "
@@ -24,12 +25,7 @@ LIBRARY.define(f"linear_layer(Tensor x, Tensor weight, Tensor? bias, bool transp
 
 @torch.library.register_fake("memkern::linear_layer", lib=LIBRARY)
 def _fake(x, weight, bias, transposed, *norm_recipe):
-    out_features = weight.shape[1] if transposed else weight.shape[0]
-    device = x.device.type
-    autocast = (x.is_floating_point() and torch.amp.is_autocast_available(device)
-                and torch.is_autocast_enabled(device))
-    dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
-    return x.new_empty((*x.shape[:-1], out_features), dtype=dtype)
+    return fake_output(x, weight.shape[1] if transposed else weight.shape[0])
 
 
 linear_layer = torch.ops.memkern.linear_layer.default
@@ -39,6 +35,6 @@ linear_layer = torch.ops.memkern.linear_layer.default
 # typed dispatcher handle instead of the boxed torch.ops path. It returns
 # torch.nn.functional.linear's result when memkern would do nothing differently (one dtype, no
 # autocast, no recipe, no W.grad, not transposed), and None for a call
-# memkern.nn.functional.linear refuses with its error (mismatched shapes, mixed dtypes without
-# autocast).
+# memkern.nn.functional.linear refuses with its error (x not a tensor, mismatched shapes, mixed
+# dtypes without autocast).
 linear_layer_entry = eager_entry("linear_layer")

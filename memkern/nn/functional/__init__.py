@@ -1,10 +1,14 @@
 """The functional layer of :mod:`memkern.nn`: per layer, the call of its layer op, or a Python
 ``torch.autograd.Function`` where that layer still has one, each deciding exactly what is saved
-for backward and what is recomputed (see each file's docstring). Linear, dropout and the norms
-have no Python autograd: every call runs the layer op's C++ node (:mod:`memkern.ops.linear_layer`,
-:mod:`memkern.ops.dropout_layer`, :mod:`memkern.ops.norm_layer`), and without the compiled
-extension they are torch's own ``F.linear`` / ``F.dropout`` / ``F.layer_norm`` / ``F.rms_norm``,
-with the same defaults (the only Python path a layer without a Python Function has).
+for backward and what is recomputed (see each file's docstring). Linear, dropout, the norms,
+the MLP and SwiGLU have no Python autograd: every call runs the layer op's C++ node
+(:mod:`memkern.ops.linear_layer`, :mod:`memkern.ops.dropout_layer`,
+:mod:`memkern.ops.norm_layer`, :mod:`memkern.ops.mlp_layer`, :mod:`memkern.ops.swiglu_layer`),
+and without the compiled extension they are plain torch, with the same defaults —
+``F.linear``, ``F.dropout``, ``F.layer_norm``, ``F.rms_norm``, the MLP as
+``F.linear(act(F.linear(x, fc1)), fc2)``, SwiGLU as ``F.linear(F.silu(F.linear(x, gate)) *
+F.linear(x, up), down)``, saving what torch saves (the only Python path a layer without a
+Python Function has).
 
 =====================  ===========================================================
 file                   what it saves for backward
@@ -16,8 +20,7 @@ dropout.py             an 8-byte seed, never a mask
 mlp.py                 per ``recompute``: x, pre-activation (and activation)
 swiglu.py              per ``recompute``: x, gate, up (and h)
 linear_cross_entropy   never a [tokens, classes] tensor
-_saved.py              reading a norm output's recipe; the compiled recompute region
-_grad.py               accumulation of weight gradients into existing ``.grad``
+_saved.py              the compiled recompute region; the recipe attribute's name
 =====================  ===========================================================
 """
 from memkern.nn.functional.dropout import dropout

@@ -1,13 +1,10 @@
-"""Small helpers shared by the autograd Functions: the compute dtype under autocast, flattening."""
+"""Small helpers of :mod:`memkern.nn.functional`: whether autocast is on, and the dtype a GEMM
+layer computes in (with the error for mixed dtypes without autocast)."""
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
-
-
-_NOTHING = contextlib.nullcontext()
 
 
 @functools.cache
@@ -39,21 +36,3 @@ def compute_dtype(x: torch.Tensor, *params: torch.Tensor | None) -> torch.dtype:
                 "module (module.to(dtype)) or the input, or run under torch.autocast"
             )
     return x.dtype
-
-
-def cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.to(dtype)
-
-
-def rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a 2-D ``[rows, features]`` tensor (a view when possible)."""
-    return t.reshape(-1, t.shape[-1])
-
-
-def no_autocast(device_type: str):
-    """The Functions cast explicitly; autocast must not recast inside them. (A no-op context
-    when autocast is off: building a ``torch.autocast`` costs more host time than the GEMMs of
-    a small layer.)"""
-    if autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return _NOTHING

@@ -6,9 +6,7 @@ input, its weight and bias). When another memkern layer saves that output — th
 right after the norm saves its input for the weight gradient — it saves the recipe's tensors
 instead, which share storage with what the norm already saved, and rebuilds the normalised
 output in backward. So no normalised output is ever kept between forward and backward, by the
-norm or by its consumer. The layers with C++ autograd read the recipe in C++
-(csrc/autograd/saved_input.h); :class:`Saver` and :func:`load` read it for the layers that
-still have a Python Function.
+norm or by its consumer. The layers read the recipe in C++ (csrc/autograd/saved_input.h).
 
 The recipe holds only weak references (it never keeps a tensor alive) and the tensors' version
 counters; if anything was freed or modified in place since, the consumer saves the output
@@ -16,9 +14,10 @@ itself, as it would without this mechanism.
 
 Under ``torch.compile`` tensors carry no Python attributes, and the compiler merges a
 backward's recomputation with the forward op it repeats (then keeps that op's output). There
-the functions run inside :func:`compiled_region` instead: a selective-checkpoint region
-(``torch.utils.checkpoint`` with a policy) whose "must recompute" ops the compiler's
-partitioner rebuilds in backward rather than saving — what the eager mechanism does.
+the norms, the MLP and SwiGLU run inside :func:`compiled_region` instead: a
+selective-checkpoint region (``torch.utils.checkpoint`` with a policy) whose "must recompute"
+ops the compiler's partitioner rebuilds in backward rather than saving — what the eager
+mechanism does.
 """
 from __future__ import annotations
 
@@ -37,52 +36,6 @@ too (kNormRecipeAttr, csrc/python_entries.h)."""
 check_same_in_cpp(__name__, {"NORM_RECIPE_ATTR": _ATTR})
 
 
-def _valid_tensors(t: torch.Tensor) -> tuple[object, list] | tuple[None, None]:
-    """``t``'s recipe and its tensors, while it can still rebuild ``t``: nothing freed or
-    modified in place since (``t`` itself included)."""
-    recipe = getattr(t, _ATTR, None)
-    tensors = recipe.tensors() if recipe is not None else None
-    if tensors is None or t._version != 0:
-        return None, None
-    return recipe, tensors
-
-
-class Saver:
-    """Collects what one Function saves; ``add`` returns the slot to read back in backward."""
-
-    def __init__(self) -> None:
-        self._tensors: list[torch.Tensor | None] = []
-        self._layout: list[tuple] = []
-
-    def add(self, t: torch.Tensor | None, *, recompute: bool = True) -> int:
-        recipe = tensors = None
-        if recompute and t is not None and not torch.compiler.is_compiling():
-            recipe, tensors = _valid_tensors(t)
-        if recipe is not None:
-            self._layout.append(("recipe", recipe.rebuild, len(self._tensors), len(tensors)))
-            self._tensors.extend(tensors)
-        else:
-            self._layout.append(("plain", len(self._tensors)))
-            self._tensors.append(t)
-        return len(self._layout) - 1
-
-    def save(self, ctx) -> None:
-        ctx.save_for_backward(*self._tensors)
-        ctx._memkern_layout = self._layout
-
-
-def load(ctx) -> list[torch.Tensor | None]:
-    """The tensors added to the :class:`Saver`, in order, rebuilding the recomputable ones."""
-    saved = ctx.saved_tensors
-    out = []
-    for entry in ctx._memkern_layout:
-        if entry[0] == "plain":
-            out.append(saved[entry[1]])
-        else:
-            _, rebuild, start, count = entry
-            with torch.no_grad():
-                out.append(rebuild(*saved[start:start + count]))
-    return out
 
 
 def _policy(recomputed: Collection | None, ctx, op, *args, **kwargs) -> CheckpointPolicy:
