@@ -102,6 +102,19 @@ def _swapped_classes(model) -> set[str]:
         new.rsplit(".", 1)[-1] for _, _, new in mk.nn.patch_report(model).swapped}
 
 
+def _assert_same_loss_and_gradients(model, ref, batch):
+    """The patched ``model``'s loss and gradients on ``batch`` are the unpatched ``ref``'s
+    (float64)."""
+    loss, ref_loss = _loss(model, batch), _loss(ref, batch)
+    assert rel_err(loss.detach(), ref_loss.detach()) < 1e-12
+    loss.backward()
+    ref_loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if q.grad is not None:  # (atol: the key biases' gradients are 0 up to rounding)
+            assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14), n
+
+
 @pytest.mark.parametrize("recompute", ["activation", "full"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_patched_model_has_the_unpatched_loss_and_gradients(name, recompute):
@@ -113,15 +126,7 @@ def test_patched_model_has_the_unpatched_loss_and_gradients(name, recompute):
     skipped = [why for _, why in mk.nn.patch_report(model).skipped  # (DeBERTa: its own attention)
                if not why.startswith("attention not recomputed")]
     assert not skipped or kind in ("cls", "image", "dit")
-    batch = _batch(kind, torch.Generator().manual_seed(1))
-    loss, ref_loss = _loss(model, batch), _loss(ref, batch)
-    assert rel_err(loss.detach(), ref_loss.detach()) < 1e-12
-    loss.backward()
-    ref_loss.backward()
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert (p.grad is None) == (q.grad is None), n
-        if q.grad is not None:  # (atol: the key biases' gradients are 0 up to rounding)
-            assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14), n
+    _assert_same_loss_and_gradients(model, ref, _batch(kind, torch.Generator().manual_seed(1)))
 
 
 @needs_layer_extension
@@ -450,15 +455,7 @@ def test_split_mlp_runs_a_dense_layer_hooked_after_patch(dense):
     for m in (model, ref):
         m.get_submodule(f"bert.encoder.layer.1.{dense}.dense").register_forward_hook(
             lambda mod, args, out: out * 1.5)
-    batch = _batch("cls", torch.Generator().manual_seed(1))
-    loss, ref_loss = _loss(model, batch), _loss(ref, batch)
-    assert rel_err(loss.detach(), ref_loss.detach()) < 1e-12
-    loss.backward()
-    ref_loss.backward()
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert (p.grad is None) == (q.grad is None), n
-        if q.grad is not None:
-            assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14), n
+    _assert_same_loss_and_gradients(model, ref, _batch("cls", torch.Generator().manual_seed(1)))
 
 
 def test_dit_left_alone_under_another_diffusers_series(monkeypatch):
