@@ -1,7 +1,7 @@
-// memkern::norm_forward / norm_backward on CUDA, torch-free — LayerNorm and RMSNorm over the rows of a [rows, D]
-// tensor, with per-row statistics in the math type (float32; float64 for float64 x).
-// Contract: memkern/ops/norm.py; the statistics and each element's output come from the row
-// sums by the CPU kernels' math (norm_math.h).
+// memkern::norm_forward / norm_backward on CUDA, torch-free — LayerNorm and RMSNorm over the rows
+// of a [rows, D] tensor, with per-row statistics in the math type (float32; float64 for float64 x).
+// Contract: memkern/ops/norm.py; the statistics and each element's output come from the row sums by
+// the CPU kernels' math (norm_math.h).
 //
 // Two paths. The vector path (norm_*_vec_kernel), for rows of 16-bit or float32 elements whose
 // width D is a whole number of 16-byte vectors, every buffer aligned to them, and at most
@@ -427,15 +427,14 @@ int64_t chunk_count(int64_t rows) {
 
 constexpr int64_t kMaxGridX = int64_t{1} << 16;
 
-// The vector path's shape for rows of D elements of T (the vector kernels above): `slots` vectors per thread
-// and `threads` per block; slots = 0 where D is not a whole number of vectors or is wider than
-// kRowSlots * kMaxVecThreads vectors (the general path takes those; float64 rows always take
-// it). One slot up to kOneSlotVectors vectors, two up to 2 * kMaxVecThreads, else four: a
-// block's reduction per row (shuffles, two barriers) is then spread over 16 elements per
-// thread at 4096 bf16 instead of 8 (RMSNorm's row loop: 19 SASS instructions per element
-// forward, 33 backward, against 29 and 44 with one slot on 512 threads), for the same bytes
-// in flight per multiprocessor; four slots only past 1024 vectors, where the 16-bit backward
-// spills.
+// The vector path's shape for rows of D elements of T (the vector kernels above): `slots` vectors
+// per thread and `threads` per block; slots = 0 where D is not a whole number of vectors or is
+// wider than kRowSlots * kMaxVecThreads vectors (the general path takes those; float64 rows always
+// take it). One slot up to kOneSlotVectors vectors, two up to 2 * kMaxVecThreads, else four: a
+// block's reduction per row (shuffles, two barriers) is then spread over 16 elements per thread at
+// 4096 bf16 instead of 8 (RMSNorm's row loop: 19 SASS instructions per element forward, 33
+// backward, against 29 and 44 with one slot on 512 threads), for the same bytes in flight per
+// multiprocessor; four slots only past 1024 vectors, where the 16-bit backward spills.
 constexpr int64_t kOneSlotVectors = 256;
 struct VecShape {
   int64_t vectors = 0;
