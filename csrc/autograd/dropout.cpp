@@ -6,6 +6,9 @@
 // memkern::dropout on the gradient with that seed, regenerating the forward's mask. memkern::dropout is called through
 // the dispatcher: the C++ CPU kernel, or the CUDA one (csrc/cuda/dropout.cu), which reads the
 // seed on the device — at::randint draws it there, so a call makes no host-device copy.
+//
+// At the end of the file: the layer's eager entry from Python, memkern._C.dropout_layer
+// (python_entry.h).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -85,7 +88,7 @@ TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
   m.impl("dropout_layer", dropout_layer_forward);
 }
 
-// The layer's eager entry from Python (python_entry.h).
+// The layer's eager entry from Python, memkern._C.dropout_layer (python_entry.h).
 namespace memkern::autograd {
 namespace {
 

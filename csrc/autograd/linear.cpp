@@ -11,6 +11,9 @@
 // (weight_grad.h); the engine casts each gradient to its input's dtype. Device-generic: only
 // ATen ops through the dispatcher, registered for the Autograd dispatch key; torch.compile
 // traces it.
+//
+// At the end of the file: the layer's eager entry from Python, memkern._C.linear_layer
+// (python_entry.h).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -126,7 +129,7 @@ TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
   m.impl("linear_layer", linear_no_autograd);
 }
 
-// The layer's eager entry from Python (python_entry.h).
+// The layer's eager entry from Python, memkern._C.linear_layer (python_entry.h).
 namespace memkern::autograd {
 namespace {
 

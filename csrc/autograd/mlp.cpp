@@ -12,6 +12,9 @@
 // act_backward through the dispatcher; weight gradients are added straight into .grad when
 // that gives exactly what autograd would (weight_grad.h); the engine casts each gradient to its
 // input's dtype.
+//
+// At the end of the file: the layer's eager entry from Python, memkern._C.mlp_layer
+// (python_entry.h).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -212,7 +215,7 @@ TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
   m.impl("mlp_layer", mlp_no_autograd);
 }
 
-// The layer's eager entry from Python (python_entry.h).
+// The layer's eager entry from Python, memkern._C.mlp_layer (python_entry.h).
 namespace memkern::autograd {
 namespace {
 

@@ -11,6 +11,9 @@
 // dy * normalised (rebuilt from x and the statistics), dx = native_layer_norm_backward of
 // dy * (1 + scale). Only ATen ops through the dispatcher: any device, and torch.compile traces
 // it.
+//
+// At the end of the file: the layer's eager entry from Python, memkern._C.modulated_norm
+// (python_entry.h).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -124,7 +127,7 @@ TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
   m.impl("modulated_norm_layer", modulated_norm_forward);
 }
 
-// The layer's eager entry from Python (python_entry.h).
+// The layer's eager entry from Python, memkern._C.modulated_norm (python_entry.h).
 namespace memkern::autograd {
 namespace {
 

@@ -11,6 +11,8 @@
 // csrc/cuda/norm.cu). Under autocast the norm computes in x's dtype and its output has that
 // dtype: memkern's ops have no autocast kernel, and native_layer_norm runs with autocast
 // excluded (CUDA autocast would run it on, and save, a float32 copy of a 16-bit x).
+//
+// At the end of the file: the layer's eager entry from Python, memkern._C.norm (python_entry.h).
 #include "norm.h"
 
 #include <ATen/ATen.h>
@@ -179,7 +181,7 @@ TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
   m.impl("norm_layer", norm_layer_forward);
 }
 
-// The layer's eager entry from Python (python_entry.h).
+// The layer's eager entry from Python, memkern._C.norm (python_entry.h).
 namespace memkern::autograd {
 namespace {
 
