@@ -1,8 +1,8 @@
 """memkern.nn: drop-in layers that save less for backward and recompute what is cheap.
 
 Each module has the constructor, parameters and ``state_dict`` keys of its torch counterpart
-and documents what it saves for backward; the functions deciding it (each layer's op, or its
-Python autograd Function) are in :mod:`memkern.nn.functional`. :func:`checkpoint` applies a
+and documents what it saves for backward; the functions deciding it (each calling its layer's
+op) are in :mod:`memkern.nn.functional`. :func:`checkpoint` applies a
 recompute policy to any module and :func:`patch` swaps a model's torch layers for these in
 place.
 """
@@ -10,7 +10,7 @@ from memkern.nn import functional
 from memkern.nn.checkpoint import checkpoint
 from memkern.nn.dropout import Dropout
 from memkern.nn.linear import Conv1D, Linear
-from memkern.nn.loss import LinearCrossEntropy
+from memkern.nn.linear_cross_entropy import LinearCrossEntropy
 from memkern.nn.mlp import MLP, SwiGLU
 from memkern.nn.norm import LayerNorm, RMSNorm
 from memkern.nn.patch import PatchReport, patch, patch_report

@@ -1,14 +1,15 @@
-"""The functional layer of :mod:`memkern.nn`: per layer, the call of its layer op, or a Python
-``torch.autograd.Function`` where that layer still has one, each deciding exactly what is saved
-for backward and what is recomputed (see each file's docstring). Linear, dropout, the norms,
-the MLP and SwiGLU have no Python autograd: every call runs the layer op's C++ node
+"""The functional layer of :mod:`memkern.nn`: per layer, the call of its layer op, which
+decides exactly what is saved for backward and what is recomputed (see each file's docstring).
+No layer has a Python autograd: every call runs the layer op's C++ node
 (:mod:`memkern.ops.linear_layer`, :mod:`memkern.ops.dropout_layer`,
-:mod:`memkern.ops.norm_layer`, :mod:`memkern.ops.mlp_layer`, :mod:`memkern.ops.swiglu_layer`),
-and without the compiled extension they are plain torch, with the same defaults —
-``F.linear``, ``F.dropout``, ``F.layer_norm``, ``F.rms_norm``, the MLP as
-``F.linear(act(F.linear(x, fc1)), fc2)``, SwiGLU as ``F.linear(F.silu(F.linear(x, gate)) *
-F.linear(x, up), down)``, saving what torch saves (the only Python path a layer without a
-Python Function has).
+:mod:`memkern.ops.norm_layer`, :mod:`memkern.ops.mlp_layer`, :mod:`memkern.ops.swiglu_layer`,
+:mod:`memkern.ops.linear_cross_entropy_layer`), and without the compiled extension they are
+plain torch, with the same defaults — ``F.linear``, ``F.dropout``, ``F.layer_norm``,
+``F.rms_norm``, the MLP as ``F.linear(act(F.linear(x, fc1)), fc2)``, SwiGLU as
+``F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)``, the linear cross-entropy as
+``F.cross_entropy(F.linear(x, weight, bias), target)`` (the logits soft-capped, the summed loss
+divided by ``num_items`` where asked), saving what torch saves (the only Python path a layer
+has).
 
 =====================  ===========================================================
 file                   what it saves for backward
@@ -19,13 +20,13 @@ modulated_norm.py      adaLN's LayerNorm: the input, its statistics, scale and s
 dropout.py             an 8-byte seed, never a mask
 mlp.py                 per ``recompute``: x, pre-activation (and activation)
 swiglu.py              per ``recompute``: x, gate, up (and h)
-linear_cross_entropy   never a [tokens, classes] tensor
+linear_cross_entropy   never a [tokens, classes] tensor (memkern/nn/linear_cross_entropy.py)
 _saved.py              the compiled recompute region; the recipe attribute's name
 =====================  ===========================================================
 """
 from memkern.nn.functional.dropout import dropout
 from memkern.nn.functional.linear import linear
-from memkern.nn.functional.linear_cross_entropy import linear_cross_entropy
+from memkern.nn.linear_cross_entropy import linear_cross_entropy
 from memkern.nn.functional.mlp import mlp
 from memkern.nn.functional.modulated_norm import modulated_layer_norm
 from memkern.nn.functional.norm import layer_norm, rms_norm
