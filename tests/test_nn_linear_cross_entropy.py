@@ -442,6 +442,27 @@ def test_kept_between_forward_and_backward_is_per_token_or_the_weight_gradient(d
     assert w.grad.dtype == dtype and x.grad.dtype == dtype
 
 
+@needs_layer_extension
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_recorded_saved_bytes_are_what_the_node_keeps(dtype, reduction, bias):
+    """memkern.profile's recorders count what the node keeps for backward, the gradients it
+    computed in forward and hands over included (saved variables, which the saved-tensor hooks
+    see), counted by hand: float32 "mean" dx, dW (and db); split x, the int64 targets, the
+    float32 log-sum-exp and dx; the parameters are not counted."""
+    from memkern.profile import saved_bytes
+    N, H, V = 37, 24, 53
+    module = mk.nn.LinearCrossEntropy(H, V, bias=bias, reduction=reduction, dtype=dtype)
+    x = torch.randn(N, H, dtype=dtype, requires_grad=True)
+    t = torch.randint(0, V, (N,))
+    if dtype == torch.float32 and reduction == "mean":
+        kept = N * H * 4 + V * H * 4 + V * 4 * bias
+    else:
+        kept = 2 * N * H * x.element_size() + N * 8 + N * 4
+    assert saved_bytes(module, x, t) == kept
+
+
 # ----------------------------------------------------------------------------------------------
 # the twins: C++ and Python, bit for bit
 
