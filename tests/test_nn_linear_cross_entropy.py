@@ -174,6 +174,7 @@ def test_frozen_weight_with_a_trainable_bias_gives_the_bias_its_gradient(input_g
         assert rel_err(a, r) < tol, rel_err(a, r)
 
 
+@needs_layer_extension
 def test_float16_weight_gradient_survives_a_small_incoming_gradient():
     """float16, an incoming gradient of 1e-3 (times 1 / 1000 tokens for the mean): folded into
     the float16 logits gradient the factor would underflow it (torch's own float16 unfused
@@ -253,6 +254,7 @@ def test_frozen_weight_and_input_only_paths(dtype):
         assert rel_err(lce(x16, w16, t), F.cross_entropy(F.linear(x64, w64), t)) < tol
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_second_backward_through_the_same_graph_raises(reduction, dtype):
@@ -291,6 +293,11 @@ def test_shape_and_dtype_errors():
         lce(x, w, t[:2])
     with pytest.raises(TypeError, match="int64"):
         lce(x, w, t.int())
+
+
+@needs_layer_extension
+def test_out_of_range_target_error_names_its_index():
+    x, w, b, t = _data(3, 4, 5)
     with pytest.raises(ValueError, match=r"target\[1\] = 9"):
         lce(x, w, torch.tensor([0, 9, 1]))
 
@@ -422,6 +429,7 @@ def test_compiled_matches_eager_and_float64_with_ignored_targets(reduction, dtyp
         assert rel_err(c, a) < tol and rel_err(a, r) < tol and rel_err(c, r) < tol
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_kept_between_forward_and_backward_is_per_token_or_the_weight_gradient(dtype):
     """After the forward, what the graph holds: 16-bit (split) dx and the float32 log-sum-exp
