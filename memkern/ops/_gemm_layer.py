@@ -25,7 +25,7 @@ def recomputed_ops(layer: str) -> dict[str, frozenset[torch._ops.OpOverload]]:
     """``{recompute mode: the ops layer op `layer`'s node recomputes in backward}``, as the node
     states them (``memkern._C.recomputed_ops``, csrc/autograd/recomputed_ops.h); empty without
     the compiled extension. Under ``torch.compile`` the layer runs in a selective-checkpoint
-    region that recomputes exactly these (:func:`memkern.nn.functional._saved.compiled_region`):
+    region that recomputes exactly these (:func:`memkern.nn._saved.compiled_region`):
     the compiler's partitioner would otherwise keep what the node recomputes."""
     if not compiled.has_cpu:
         return {}

@@ -1,6 +1,6 @@
 """The ``norm_*`` arguments of memkern's C++ autograd layers (``memkern::linear_layer``,
 ``memkern::mlp_layer``, ``memkern::swiglu_layer``): the layer input's *recipe* when it is a
-memkern norm's output (:mod:`memkern.nn.functional._saved`), or a modulated LayerNorm's
+memkern norm's output (:mod:`memkern.nn._saved`), or a modulated LayerNorm's
 (:mod:`memkern.ops.modulated_norm_layer`), so that the layer saves the norm's input and
 parameters instead of the normalised output and rebuilds it in backward
 (csrc/autograd/saved_input.h).

@@ -20,7 +20,6 @@ dropout.py             an 8-byte seed, never a mask
 mlp.py                 per ``recompute``: x, pre-activation (and activation)
 swiglu.py              per ``recompute``: x, gate, up (and h)
 linear_cross_entropy   never a [tokens, classes] tensor
-_saved.py              the compiled recompute region; the recipe attribute's name
 =====================  ===========================================================
 """
 from memkern.nn.functional.dropout import dropout

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memkern.nn.functional import _common
+from memkern.nn import _autocast
 from memkern.ops.linear_layer import linear_layer, linear_layer_entry
 
 
@@ -42,5 +42,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             f"memkern.nn.functional.linear: input has {x.shape[-1] if x.dim() else 'no'} features "
             f"(shape {tuple(x.shape)}) but the weight {tuple(weight.shape)} expects {in_features}"
         )
-    _common.compute_dtype(x, weight, bias)  # raises for mixed dtypes without autocast
+    _autocast.compute_dtype(x, weight, bias)  # raises for mixed dtypes without autocast
     return linear_layer(x, weight, bias, transposed)

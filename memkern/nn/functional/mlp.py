@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from memkern._extension import check_same_in_cpp
-from memkern.nn.functional import _common, _saved
+from memkern.nn import _autocast, _saved
 from memkern.ops.activation import KINDS as ACTIVATIONS
 from memkern.ops.activation import forward_reference as activation_reference
 from memkern.ops.mlp_layer import RECOMPUTED, mlp_layer, mlp_layer_entry
@@ -67,7 +67,7 @@ def mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None
             f"memkern.nn.functional.mlp: input shape {tuple(x.shape)} does not end with "
             f"fc1's in_features={in_features}"
         )
-    _common.compute_dtype(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)  # raises for mixed dtypes
+    _autocast.compute_dtype(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)  # raises for mixed dtypes
     return _saved.compiled_region(mlp_layer, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
                                   activation, recompute, transposed,
                                   recomputed=RECOMPUTED[recompute])

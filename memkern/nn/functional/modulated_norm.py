@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memkern.nn.functional import _common, _saved
+from memkern.nn import _autocast, _saved
 from memkern.ops.modulated_norm_layer import modulated_norm_entry, modulated_norm_layer
 
 
@@ -45,7 +45,7 @@ def modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tens
             return y
     _check(x, scale, shift)
     if (modulated_norm_entry is not None and scale.dtype == x.dtype == shift.dtype
-            and not _common.autocast_enabled(x.device.type)):
+            and not _autocast.autocast_enabled(x.device.type)):
         # compiled: the whole norm recomputed in backward (a consumer never saves its output)
         return _saved.compiled_region(modulated_norm_layer, x, scale, shift, float(eps))
     normed = F.layer_norm(x, (x.shape[-1],), eps=eps)

@@ -7,7 +7,7 @@ backward: the input ``x``, ``mean`` (LayerNorm) and ``rstd`` — float32 (float6
 the output carries a recipe (csrc/autograd/saved_input.h), so a memkern Linear/MLP/SwiGLU
 consuming it saves ``x`` and the parameters instead (storage the norm already holds) and
 rebuilds it in backward; under ``torch.compile`` the norm runs in a region whose ops are all
-recomputed in backward (:func:`memkern.nn.functional._saved.compiled_region`).
+recomputed in backward (:func:`memkern.nn._saved.compiled_region`).
 
 LayerNorm is torch's own ``native_layer_norm`` (and its autograd) wherever that saves the same
 thing — float32/float64 inputs, and 16-bit inputs on CUDA, with parameters of the input's
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from memkern.nn.functional import _saved
+from memkern.nn import _saved
 from memkern.ops.norm_layer import norm_entry, norm_layer
 
 

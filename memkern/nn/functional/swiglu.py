@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memkern.nn.functional import _common, _saved
+from memkern.nn import _autocast, _saved
 from memkern.nn.functional.mlp import RECOMPUTE
 from memkern.ops.swiglu_layer import RECOMPUTED, swiglu_layer, swiglu_layer_entry
 
@@ -56,7 +56,7 @@ def swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
             f"memkern.nn.functional.swiglu: input shape {tuple(x.shape)} does not end with "
             f"gate_proj's in_features={gate_weight.shape[1]}"
         )
-    _common.compute_dtype(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
+    _autocast.compute_dtype(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
     return _saved.compiled_region(swiglu_layer, x, gate_weight, gate_bias, up_weight, up_bias,
                                   down_weight, down_bias, recompute,
                                   recomputed=RECOMPUTED[recompute])
