@@ -22,8 +22,8 @@ swiglu.py              per ``recompute``: x, gate, up (and h)
 linear_cross_entropy   never a [tokens, classes] tensor
 =====================  ===========================================================
 """
-from memkern.nn.functional.dropout import dropout
-from memkern.nn.functional.linear import linear
+from memkern.nn.dropout import dropout
+from memkern.nn.linear import linear
 from memkern.nn.functional.linear_cross_entropy import linear_cross_entropy
 from memkern.nn.functional.mlp import mlp
 from memkern.nn.functional.modulated_norm import modulated_layer_norm
