@@ -11,7 +11,7 @@ dimensions are normalised), ``eps``, ``rms`` (False: LayerNorm, True: RMSNorm).
 
 Only the compiled extension registers its kernels (``Autograd`` and, below autograd,
 ``CompositeExplicitAutograd``); ``torch.compile`` traces the C++ autograd into the ops it
-calls. Without the extension :mod:`memkern.nn.functional.norm` is torch's own norm.
+calls. Without the extension :mod:`memkern.nn.norm` is torch's own norm.
 """
 from __future__ import annotations
 
