@@ -11,9 +11,10 @@ from memkern.nn.checkpoint import checkpoint
 from memkern.nn.dropout import Dropout
 from memkern.nn.linear import Conv1D, Linear
 from memkern.nn.loss import LinearCrossEntropy
-from memkern.nn.mlp import MLP, SwiGLU
+from memkern.nn.mlp import MLP
 from memkern.nn.norm import LayerNorm, RMSNorm
 from memkern.nn.patch import PatchReport, patch, patch_report
+from memkern.nn.swiglu import SwiGLU
 
 __all__ = ["Conv1D", "Dropout", "LayerNorm", "Linear", "LinearCrossEntropy", "MLP",
            "PatchReport", "RMSNorm", "SwiGLU", "checkpoint", "functional", "patch",

@@ -61,9 +61,9 @@ from memkern.nn import split_mlp as _split_mlp
 from memkern.nn.causal_lm_loss import fuse_causal_lm_loss
 from memkern.nn.masked_lm_loss import fuse_masked_lm_loss
 from memkern.nn.linear import linear as _linear
-from memkern.nn.functional.mlp import RECOMPUTE, mlp as _mlp
+from memkern.nn.mlp import RECOMPUTE, mlp as _mlp
 from memkern.nn.norm import rms_norm as _rms_norm
-from memkern.nn.functional.swiglu import swiglu as _swiglu
+from memkern.nn.swiglu import swiglu as _swiglu
 
 _MARK = "_memkern_patched"
 

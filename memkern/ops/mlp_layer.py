@@ -2,7 +2,7 @@
 autograd is C++ (csrc/autograd/mlp.cpp), the layer's one implementation, at the host cost of
 torch's composition of C++ autograd nodes; the activations run as ``memkern::act_forward`` /
 ``act_backward``. What it saves and recomputes per ``recompute``: the table of
-:mod:`memkern.nn.functional.mlp`.
+:mod:`memkern.nn.mlp`.
 
 Arguments: ``x`` ``[..., in]``; ``fc1_weight`` ``[hidden, in]`` and ``fc2_weight``
 ``[out, hidden]`` (``[in, hidden]`` / ``[hidden, out]`` with ``transposed``), optional biases;

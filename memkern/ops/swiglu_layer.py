@@ -2,7 +2,7 @@
 whose autograd is C++ (csrc/autograd/swiglu.cpp), the layer's one implementation, at the host
 cost of torch's composition of C++ autograd nodes; the gated unit runs as
 ``memkern::swiglu_forward`` / ``swiglu_backward``. What it saves and recomputes per
-``recompute``: the table of :mod:`memkern.nn.functional.swiglu`.
+``recompute``: the table of :mod:`memkern.nn.swiglu`.
 
 Arguments: ``x`` ``[..., in]``; ``gate_weight``, ``up_weight`` ``[hidden, in]`` and
 ``down_weight`` ``[out, hidden]``, each with an optional bias; ``recompute`` ``"none"``,

@@ -25,10 +25,10 @@ linear_cross_entropy   never a [tokens, classes] tensor
 from memkern.nn.dropout import dropout
 from memkern.nn.linear import linear
 from memkern.nn.functional.linear_cross_entropy import linear_cross_entropy
-from memkern.nn.functional.mlp import mlp
+from memkern.nn.mlp import mlp
 from memkern.nn.functional.modulated_norm import modulated_layer_norm
 from memkern.nn.norm import layer_norm, rms_norm
-from memkern.nn.functional.swiglu import swiglu
+from memkern.nn.swiglu import swiglu
 
 __all__ = ["dropout", "layer_norm", "linear", "linear_cross_entropy", "mlp", "modulated_layer_norm",
            "rms_norm", "swiglu"]
