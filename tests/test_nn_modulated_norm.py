@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import memkern as mk
-from memkern.nn.functional import modulated_norm as _modulated_norm
-from memkern.nn.functional.modulated_norm import modulated_layer_norm
+from memkern.nn import modulated_norm as _modulated_norm
+from memkern.nn.modulated_norm import modulated_layer_norm
 from memkern.ops import _norm_recipe
 from memkern.profile import SavedTensorsRecorder
 from compare import rel_err

@@ -26,7 +26,7 @@ from memkern.nn.dropout import dropout
 from memkern.nn.linear import linear
 from memkern.nn.functional.linear_cross_entropy import linear_cross_entropy
 from memkern.nn.mlp import mlp
-from memkern.nn.functional.modulated_norm import modulated_layer_norm
+from memkern.nn.modulated_norm import modulated_layer_norm
 from memkern.nn.norm import layer_norm, rms_norm
 from memkern.nn.swiglu import swiglu
 
