@@ -5,7 +5,7 @@ What is saved for backward: ``x``, its per-row ``mean`` and ``rstd``, and the ``
 features]`` scale and shift — never the normalised input (torch's ``norm(x) * (1 + scale)``
 keeps it for scale's gradient) nor the output: a memkern Linear/MLP consuming the output saves
 the recipe's ``x``, scale and shift instead and rebuilds it in backward (csrc/autograd/
-saved_input.h, kind :data:`memkern.ops._norm_recipe.MODULATED_LAYER_NORM`). The algorithm is
+saved_input.h, kind :data:`memkern.ops._gemm_layer.MODULATED_LAYER_NORM`). The algorithm is
 one op with C++ autograd, :mod:`memkern.ops.modulated_norm_layer`. Under autocast, or without
 the compiled extension, it is torch's composition (what diffusers runs).
 :func:`modulated_layer_norm` is ``memkern.nn.functional.modulated_layer_norm``.
@@ -36,7 +36,7 @@ from torch import nn
 
 from memkern.nn import _autocast, _saved
 from memkern.nn import norm as _norm_mod
-from memkern.ops.modulated_norm_layer import modulated_norm_entry, modulated_norm_layer
+from memkern.ops.modulated_norm_layer import modulated_norm_layer, modulated_norm_layer_entry
 
 
 def _per_sample(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -60,12 +60,12 @@ def modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tens
     """``F.layer_norm(x, (features,), eps=eps) * (1 + scale) + shift`` for ``x`` ``[batch, ...,
     features]`` and ``scale``, ``shift`` ``[batch, features]`` (broadcast over the dimensions
     between), saving ``x`` and its row statistics only (see the module docstring)."""
-    if modulated_norm_entry is not None and not torch.compiler.is_compiling():
-        y = modulated_norm_entry(x, scale, shift, float(eps))
+    if modulated_norm_layer_entry is not None and not torch.compiler.is_compiling():
+        y = modulated_norm_layer_entry(x, scale, shift, float(eps))
         if y is not None:
             return y
     _check(x, scale, shift)
-    if (modulated_norm_entry is not None and scale.dtype == x.dtype == shift.dtype
+    if (modulated_norm_layer_entry is not None and scale.dtype == x.dtype == shift.dtype
             and not _autocast.autocast_enabled(x.device.type)):
         # compiled: the whole norm recomputed in backward (a consumer never saves its output)
         return _saved.compiled_region(modulated_norm_layer, x, scale, shift, float(eps))

@@ -17,7 +17,7 @@ the norm computes in the input's dtype and returns that dtype (CUDA autocast wou
 layer norm on, and save, a float32 copy of a 16-bit input).
 
 Host time per call: in eager mode the whole call — checks, the choice above, the recipe — is
-one C++ entry (:data:`memkern.ops.norm_layer.norm_entry`); the Python code below raises the
+one C++ entry (:data:`memkern.ops.norm_layer.norm_layer_entry`); the Python code below raises the
 errors and serves ``torch.compile``. Without the compiled extension these are torch's own
 ``F.layer_norm`` / ``F.rms_norm`` (:mod:`memkern.nn.functional`).
 
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memkern.nn import _saved
-from memkern.ops.norm_layer import norm_entry, norm_layer
+from memkern.ops.norm_layer import norm_layer_entry, norm_layer
 
 
 def _norm(x, normalized_shape, weight, bias, eps, rms, name):
@@ -43,7 +43,7 @@ def _norm(x, normalized_shape, weight, bias, eps, rms, name):
              else (normalized_shape,))
     compiling = torch.compiler.is_compiling()
     if not compiling:
-        y = norm_entry(x, shape, weight, bias, eps, rms)
+        y = norm_layer_entry(x, shape, weight, bias, eps, rms)
         if y is not None:
             return y
     if x.shape[x.dim() - len(shape):] != shape:  # also when x has fewer dimensions
@@ -66,7 +66,7 @@ def _norm(x, normalized_shape, weight, bias, eps, rms, name):
 def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
     """``F.layer_norm`` saving ``x``, ``mean`` and ``rstd`` only."""
-    if norm_entry is None:
+    if norm_layer_entry is None:
         return F.layer_norm(x, normalized_shape, weight, bias, eps)
     return _norm(x, normalized_shape, weight, bias, eps, False, "layer_norm")
 
@@ -75,7 +75,7 @@ def rms_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = No
              eps: float | None = None) -> torch.Tensor:
     """``F.rms_norm`` saving ``x`` and ``rstd`` only (``eps=None``: ``torch.finfo(x.dtype).eps``,
     as torch)."""
-    if norm_entry is None:
+    if norm_layer_entry is None:
         return F.rms_norm(x, normalized_shape, weight, eps)
     if eps is None:
         eps = torch.finfo(x.dtype).eps
