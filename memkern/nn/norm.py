@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memkern.nn import _saved
-from memkern.ops.norm_layer import norm_layer_entry, norm_layer
+from memkern.ops.norm_layer import norm_layer, norm_layer_entry
 
 
 def _norm(x, normalized_shape, weight, bias, eps, rms, name):
