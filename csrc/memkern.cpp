@@ -5,6 +5,7 @@
 // code (constants.h).
 #include <pybind11/pybind11.h>
 
+#include "autograd/linear_cross_entropy.h"
 #include "constants.h"
 #include "python_entries.h"
 
@@ -32,5 +33,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_archs", [] { return std::string(MEMKERN_CUDA_ARCHS); },
         "The CUDA architectures the kernels were compiled for ('' without CUDA).");
   memkern::add_layer_entries(m);
+  memkern::lce::add_entries(m);
   memkern::add_constants(m);
 }

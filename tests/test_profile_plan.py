@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+import memkern as mk
+from conftest import needs_layer_extension
 from memkern.bench.data import stdlib_corpus
 from memkern.bench.model import SIZES, GPTConfig
 from memkern.bench.runner import run
@@ -335,3 +337,42 @@ def test_plan_keeps_a_nodes_own_sum_out_of_place():
     in the plan (taking it for the engine's sum planned 0.67x the measured peak)."""
     planned, measured = _plan_and_measure(lambda w, a, c: _SumsItsOwnIntermediate.apply(w).sum())
     assert abs(planned / measured - 1) <= TOLERANCE, (planned, measured)
+
+
+
+@needs_layer_extension
+def test_plan_sees_the_linear_cross_entropy_blocks_and_the_planned_devices_gemm():
+    """The linear cross-entropy's C++ node reaches its loop ops through the dispatcher; the
+    planner runs their references there, so a plan sees the forward's [chunk, V] block and the
+    backward's [N, width] block (the ops' fake implementations make only their outputs) and
+    takes the planned device's float16 weight-gradient GEMM: cuBLAS's float32-out GEMM on a
+    GPU (aten::mm.dtype), float32 copies of the operands on the CPU (aten::to.dtype)."""
+    from memkern.ops.linear_cross_entropy import block_sizes
+    from memkern.profile import TrainingSetup
+
+    N, H, V = 517, 256, 5003
+    chunk, width = block_sizes(N, V, H, 2, True, True)
+
+    def build() -> TrainingSetup:
+        model = mk.nn.LinearCrossEntropy(H, V).to(torch.float16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(N, H, dtype=torch.float16, requires_grad=True)
+        t = torch.randint(0, V, (N,))
+
+        def step():
+            model(x, t).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return TrainingSetup(model, opt, step)
+
+    for device, gemm, not_gemm in (("cuda", "aten::mm.dtype", "aten::to.dtype"),
+                                   ("cpu", "aten::to.dtype", "aten::mm.dtype")):
+        plan = plan_training_step(build, device=device)
+        forward = plan.phase_peaks["forward"].by_op["transient"]
+        backward = plan.phase_peaks["backward"].by_op["transient"]
+        node = " @ memkern::LinearCrossEntropyBackward"
+        assert forward["aten::new_empty @ LinearCrossEntropy"] >= chunk * V * 2, forward
+        assert backward["aten::new_empty" + node] >= N * width * 2, backward
+        assert backward[gemm + node] >= width * H * 4 and not_gemm + node not in backward, \
+            (device, backward)

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from memkern.nn._autocast import autocast_enabled
-from memkern.nn.functional.linear_cross_entropy import linear_cross_entropy
+from memkern.nn.linear_cross_entropy import linear_cross_entropy
 from memkern.nn.linear import Linear as _MemkernLinear
 
 SOFTCAP_ATTR = "final_logit_softcapping"

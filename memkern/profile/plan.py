@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from memkern import _fake, backend
+from memkern.ops._registry import COMPOSITE_REFERENCES
 from memkern.profile import saved as _saved
 from memkern.profile.memory import MASTER_KEYS, _state_tensors
 from memkern.profile.targets import GEMMS, Target, target as _target
@@ -375,6 +376,10 @@ class _Timeline(TorchDispatchMode):
                 self._gemm_threads.add(thread)
                 self.workspace(self.target.gemm_workspace, f"cuBLAS workspace ({thread} thread)",
                                where, keep=True)
+        reference = COMPOSITE_REFERENCES.get(func)
+        if reference is not None:  # its ops run here instead, each recorded
+            with self:
+                return reference(*args, **kwargs)
         out = func(*args, **kwargs)
         if self.count_flops:  # torch's FLOP formulas (FlopCounterMode's), without its module
             count = flop_registry.get(func._overloadpacket)  # hooks, which change memory
