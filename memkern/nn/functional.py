@@ -1,7 +1,7 @@
 """The functional layer of :mod:`memkern.nn`: per layer, the call of its layer op, which decides
 exactly what is saved for backward and what is recomputed. Each function lives in its layer's
 file, with the layer's module (the table below; that file's docstring says what is saved and
-recomputed); this package is their public namespace.
+recomputed); this module is their public namespace.
 
 No layer has a Python autograd: every call runs the layer op's C++ node
 (:mod:`memkern.ops.linear_layer`, :mod:`memkern.ops.dropout_layer`,
