@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import memkern as mk  # noqa: E402
-from memkern.nn.functional.linear_cross_entropy import splits  # noqa: E402
+from memkern.nn.linear_cross_entropy import splits  # noqa: E402
 from memkern.ops.linear_cross_entropy import block_sizes  # noqa: E402
 from memkern.profile import allocation_stats  # noqa: E402
 

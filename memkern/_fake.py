@@ -32,6 +32,13 @@ def current_autograd_node():
     return torch._C._current_autograd_node()
 
 
+def autograd_node_key(node) -> tuple[str, int]:
+    """Which autograd node ``node`` is, without keeping it alive (a reference to a running node
+    would keep its saved tensors): its name and torch's sequence number, unique among the nodes
+    one thread records. ``Node._sequence_nr`` is private; torch's profiler reads it."""
+    return node.name(), node._sequence_nr()
+
+
 def fake_mode():
     """A new ``FakeTensorMode`` (a context manager) in which models can be built and cast.
 

@@ -66,42 +66,7 @@ def cpu_backends() -> list[str]:
     return [b for b in memkern.backend.NAMES if memkern.backend.runs_on(b, cpu)]
 
 
-# The layers whose autograd runs in C++ when the extension is built and in Python otherwise
-# (memkern.ops.linear_cross_entropy_layer), named by the
-# memkern.nn.functional module that routes them and what that module reads to choose: the op's
-# direct entry point (None without the extension), or the extension's build info.
-_CPP_AUTOGRAD_ROUTES = {"linear_cross_entropy": ("compiled", "linear_cross_entropy_layer_entry")}
-
-
-def use_python_autograd(monkeypatch) -> None:
-    """Route every layer to its Python ``autograd.Function``, as without the extension."""
-    import dataclasses
-    import sys
-
-    from memkern._extension import compiled
-    without_extension = {"compiled": dataclasses.replace(compiled, has_cpu=False),
-                         "linear_cross_entropy_layer_entry": None}
-    for name, switches in _CPP_AUTOGRAD_ROUTES.items():  # the modules, not the functions
-        for switch in switches:
-            monkeypatch.setattr(sys.modules[f"memkern.nn.functional.{name}"], switch,
-                                without_extension[switch])
-
-
 def runs_cpp_autograd(node) -> bool:
     """Whether autograd node ``node`` (a ``grad_fn``) is one of memkern's C++ ones: a
     ``torch::autograd::Node`` named ``memkern::<Layer>Backward``."""
     return node.name().startswith("memkern::")
-
-
-@pytest.fixture(params=["cpp", "python"])
-def layer_autograd(request, monkeypatch):
-    """The two implementations of the layers' algorithms: C++ autograd (``memkern::linear_layer``,
-    ``memkern::dropout_layer``, ``memkern::norm_layer``, ``memkern::linear_cross_entropy_layer``,
-    ``memkern::mlp_layer``, ``memkern::swiglu_layer``; extension built) and the Python
-    ``autograd.Function``s (no extension, autocast, compile, a forced backend, ...)."""
-    from memkern._extension import compiled
-    if request.param == "cpp" and not compiled.has_cpu:
-        pytest.skip("the compiled extension is not built")
-    if request.param == "python":
-        use_python_autograd(monkeypatch)
-    return request.param

@@ -190,3 +190,67 @@ def test_compiled_gemm_layers_under_autocast_match_eager(name):
         assert saved_bytes(module, x) == 2 * (x.numel() + intermediates * rows * hidden)
         assert saved_bytes(compiled, x) == 4 * x.numel() + 2 * intermediates * rows * hidden
     _assert_same_float32_gradients(module, x, out, eager)
+
+
+@needs_layer_extension
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_compiled_linear_cross_entropy_is_its_two_loop_ops_and_keeps_what_eager_keeps(
+        dtype, reduction, bias):
+    """Compiled, the layer's C++ node is traced into its two loop ops, opaque (never the
+    unrolled loop): the forward graph holds memkern::linear_cross_entropy_forward, the backward
+    graph memkern::linear_cross_entropy_backward where the weight gradient is computed there
+    (split). What backward keeps, counted by hand: float32 "mean" the gradients computed in
+    forward (dx, dW, db) and the 0-dim divisor; split ``x``, the targets, the float32
+    log-sum-exp and dx (and the divisor for "mean"); the parameters are not counted. The loss
+    and gradients against the float64 unfused graph. The partitioner is inductor's
+    (min-cut); the graphs are run by AOTAutograd without inductor's code generation (cheap)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    import torch.nn.functional as F
+    from memkern.profile import saved_bytes
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = {str(n.target) for n in gm.graph.nodes
+                            if n.op == "call_function" and str(n.target).startswith("memkern.")}
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                           partition_fn=min_cut_rematerialization_partition)
+    torch._dynamo.reset()
+    N, H, V = 37, 24, 53
+    module = mk.nn.LinearCrossEntropy(H, V, bias=bias, reduction=reduction, ignore_index=3,
+                                      dtype=dtype)
+    x = torch.randn(N, H, dtype=dtype, requires_grad=True)
+    t = torch.randint(0, V, (N,))
+    t[[0, 17]] = 3
+    compiled = torch.compile(module, fullgraph=True, backend=backend)
+    loss = compiled(x, t)
+    params = list(module.parameters())
+    g = torch.randn_like(loss)
+    grads = torch.autograd.grad(loss, [x, *params], g)
+
+    split = dtype != torch.float32 or reduction == "none"
+    assert graphs["forward"] == {"memkern.linear_cross_entropy_forward.default"}
+    assert graphs["backward"] == ({"memkern.linear_cross_entropy_backward.default"} if split
+                                  else set())
+    size = x.element_size()
+    divisor = 4 if reduction == "mean" else 0
+    if split:
+        kept = N * H * size + N * 8 + N * 4 + N * H * size + divisor
+    else:
+        kept = N * H * 4 + V * H * 4 + V * 4 * bias + divisor
+    assert saved_bytes(compiled, x, t) == kept
+
+    x64, *p64 = (v.detach().double().requires_grad_() for v in (x, *params))
+    ref = F.cross_entropy(F.linear(x64, *p64), t, reduction=reduction, ignore_index=3)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert rel_err(loss, ref) < tol
+    for a, r in zip(grads, torch.autograd.grad(ref, [x64, *p64], g.double())):
+        assert rel_err(a, r) < tol

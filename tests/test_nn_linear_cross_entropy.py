@@ -4,7 +4,9 @@ gradients, ignore_index (default and not), label_smoothing, bias, num_items (int
 soft-capping, on odd sizes whose chunkings take >= 3 chunks of tokens and >= 3 blocks of classes
 with a short last one; 16-bit inputs against the float32 unfused graph. Also: no host read in
 forward or backward, torch.compile with ignored targets, what is kept between forward and
-backward, the C++ and Python implementations bit for bit, and the CUDA path (``cuda``-marked).
+backward, the loops' C++ kernels and Python references bit for bit, and the CUDA path
+(``cuda``-marked). Without the compiled extension the function is torch's own loss: the tests
+of memkern's algorithm skip there, the comparisons with torch test that fallback.
 The memory and speed at N=4096, V=32000, H=512 are in test_nn_memory.py and benchmarks/.
 """
 from __future__ import annotations
@@ -19,19 +21,12 @@ import memkern as mk
 from memkern.nn.functional import linear_cross_entropy as lce
 from memkern.ops import linear_cross_entropy as lce_ops
 from compare import rel_err
-from conftest import runs_cpp_autograd, use_python_autograd
+from conftest import needs_layer_extension, runs_cpp_autograd
 from host_reads import HostReadSpy
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 LOW = [torch.float32, torch.bfloat16, torch.float16]
 LOW_IDS = ["float32", "bfloat16", "float16"]
-
-
-@pytest.fixture(autouse=True)
-def _both_implementations(layer_autograd):
-    """Every test runs on the C++ op (memkern::linear_cross_entropy_layer) and the Python
-    Function."""
-    return layer_autograd
 
 
 def _data(n, h, v, dtype=torch.float64, bias=True, ignore=(), ignore_index=-100, device="cpu"):
@@ -49,18 +44,27 @@ def _grads(loss, inputs, g):
     return torch.autograd.grad(loss, [i for i in inputs if i is not None], g)
 
 
-def test_routing_runs_the_cpp_autograd(layer_autograd):
+@needs_layer_extension
+def test_every_call_runs_the_cpp_autograd():
+    """The one autograd, memkern::linear_cross_entropy_layer's C++ node: eager calls through the
+    entry point and through the op (an int num_items), while saved tensors are recorded, under
+    a forced backend (which reaches only the ops called from Python)."""
+    from memkern.profile import SavedTensorsRecorder
     for dtype in (torch.float32, torch.bfloat16):  # the gradients-in-forward and split paths
         x, w, b, t = _data(5, 7, 11, dtype=dtype)
         for reduction in ("mean", "sum", "none"):
-            node = lce(x, w, t, b, reduction=reduction).grad_fn
-            if reduction == "none":  # the [N] loss viewed as target's shape
-                node = node.next_functions[0][0]
-            assert runs_cpp_autograd(node) == (layer_autograd == "cpp"), node.name()
-    with mk.ops.force("reference"):  # a forced backend keeps the Python Function
-        assert not runs_cpp_autograd(lce(x, w, t, b).grad_fn)
+            for context, items in ((contextlib.nullcontext, None), (contextlib.nullcontext, 3),
+                                   (SavedTensorsRecorder, None),
+                                   (lambda: mk.ops.force("reference"), None)):
+                with context():
+                    node = lce(x, w, t, b, reduction=reduction,
+                               num_items=None if reduction == "none" else items).grad_fn
+                if reduction == "none":  # the [N] loss viewed as target's shape
+                    node = node.next_functions[0][0]
+                assert runs_cpp_autograd(node), node.name()
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 @pytest.mark.parametrize("value", [-1, 37, 10**12])
 def test_out_of_range_target_raises_a_clear_error(where, value):
@@ -68,12 +72,10 @@ def test_out_of_range_target_raises_a_clear_error(where, value):
     the range, before any gradient is written; ignore_index itself is fine anywhere."""
     x, w, b, t = _data(23, 13, 37, ignore=(4,))
     t[{"first": 0, "middle": 11, "last": 22}[where]] = value
-    for reduction, backend in (("mean", None), ("sum", None), ("none", None),
-                               ("mean", "reference")):
-        with mk.ops.force(backend) if backend else contextlib.nullcontext():
-            with pytest.raises(ValueError, match=rf"= {value} is not a class index in \[0, 37\) "
-                                                 r"nor ignore_index=-100"):
-                lce(x, w, t, b, reduction=reduction, chunk_size=5)
+    for reduction in ("mean", "sum", "none"):
+        with pytest.raises(ValueError, match=rf"= {value} is not a class index in \[0, 37\) "
+                                             r"nor ignore_index=-100"):
+            lce(x, w, t, b, reduction=reduction, chunk_size=5)
     t[t == value] = 7
     t[t == -100] = -3
     assert torch.isfinite(lce(x, w, t, b, ignore_index=-3))
@@ -154,8 +156,7 @@ def test_low_precision_matches_unfused(dtype, reduction, sizes):
 
 
 @pytest.mark.parametrize("input_grad", [True, False], ids=["x-trainable", "x-frozen"])
-@pytest.mark.parametrize("backend", ["default", "reference"])
-def test_frozen_weight_with_a_trainable_bias_gives_the_bias_its_gradient(backend, input_grad):
+def test_frozen_weight_with_a_trainable_bias_gives_the_bias_its_gradient(input_grad):
     """bfloat16, the weight frozen (``requires_grad=False``) and the bias trained: db (and dx)
     as the float32 unfused graph from the same inputs gives them."""
     x, w, b, t = _data(203, 19, 131, dtype=torch.bfloat16, ignore=(5,))
@@ -163,8 +164,7 @@ def test_frozen_weight_with_a_trainable_bias_gives_the_bias_its_gradient(backend
     x.requires_grad_(input_grad)
     x32, w32, b32 = (v.detach().float().requires_grad_(v.requires_grad) for v in (x, w, b))
     ref = F.cross_entropy(F.linear(x32, w32, b32), t)
-    with mk.ops.force("reference") if backend == "reference" else contextlib.nullcontext():
-        got = lce(x, w, t, b, chunk_size=97, vocab_block=29)
+    got = lce(x, w, t, b, chunk_size=97, vocab_block=29)
     trained = [(x, x32)] * input_grad + [(b, b32)]
     grads = torch.autograd.grad(got, [v for v, _ in trained])
     expected = torch.autograd.grad(ref, [r for _, r in trained])
@@ -174,6 +174,7 @@ def test_frozen_weight_with_a_trainable_bias_gives_the_bias_its_gradient(backend
         assert rel_err(a, r) < tol, rel_err(a, r)
 
 
+@needs_layer_extension
 def test_float16_weight_gradient_survives_a_small_incoming_gradient():
     """float16, an incoming gradient of 1e-3 (times 1 / 1000 tokens for the mean): folded into
     the float16 logits gradient the factor would underflow it (torch's own float16 unfused
@@ -253,6 +254,7 @@ def test_frozen_weight_and_input_only_paths(dtype):
         assert rel_err(lce(x16, w16, t), F.cross_entropy(F.linear(x64, w64), t)) < tol
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_second_backward_through_the_same_graph_raises(reduction, dtype):
@@ -291,6 +293,11 @@ def test_shape_and_dtype_errors():
         lce(x, w, t[:2])
     with pytest.raises(TypeError, match="int64"):
         lce(x, w, t.int())
+
+
+@needs_layer_extension
+def test_out_of_range_target_error_names_its_index():
+    x, w, b, t = _data(3, 4, 5)
     with pytest.raises(ValueError, match=r"target\[1\] = 9"):
         lce(x, w, torch.tensor([0, 9, 1]))
 
@@ -422,6 +429,7 @@ def test_compiled_matches_eager_and_float64_with_ignored_targets(reduction, dtyp
         assert rel_err(c, a) < tol and rel_err(a, r) < tol and rel_err(c, r) < tol
 
 
+@needs_layer_extension
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_kept_between_forward_and_backward_is_per_token_or_the_weight_gradient(dtype):
     """After the forward, what the graph holds: 16-bit (split) dx and the float32 log-sum-exp
@@ -442,34 +450,37 @@ def test_kept_between_forward_and_backward_is_per_token_or_the_weight_gradient(d
     assert w.grad.dtype == dtype and x.grad.dtype == dtype
 
 
+@needs_layer_extension
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_recorded_saved_bytes_are_what_the_node_keeps(dtype, reduction, bias):
+    """memkern.profile's recorders count what the node keeps for backward, the gradients it
+    computed in forward and hands over included (saved variables, which the saved-tensor hooks
+    see), counted by hand: float32 "mean" dx, dW (and db); split x, the int64 targets, the
+    float32 log-sum-exp and dx; the parameters are not counted."""
+    from memkern.profile import saved_bytes
+    N, H, V = 37, 24, 53
+    module = mk.nn.LinearCrossEntropy(H, V, bias=bias, reduction=reduction, dtype=dtype)
+    x = torch.randn(N, H, dtype=dtype, requires_grad=True)
+    t = torch.randint(0, V, (N,))
+    if dtype == torch.float32 and reduction == "mean":
+        kept = N * H * 4 + V * H * 4 + V * 4 * bias
+    else:
+        kept = 2 * N * H * x.element_size() + N * 8 + N * 4
+    assert saved_bytes(module, x, t) == kept
+
+
 # ----------------------------------------------------------------------------------------------
 # the twins: C++ and Python, bit for bit
 
 
-@pytest.mark.skipif(not mk.compiled.has_cpu, reason="the compiled extension is not built")
+@needs_layer_extension
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_cpp_and_python_autograd_are_bit_identical(reduction, dtype, layer_autograd, monkeypatch):
-    """The C++ node and the Python Function: the same algorithm, the same ATen calls in the same
-    order, so the same loss and gradients bit for bit; the ops' C++ loops (which both call)
-    against the Python loops of memkern.ops.linear_cross_entropy."""
-    if layer_autograd == "python":
-        pytest.skip("compares the two itself")
-    seed = int(torch.randint(0, 2**31, ()))
-
-    def run():
-        torch.manual_seed(seed)
-        x, w, b, t = _data(41, 9, 67, dtype=dtype, ignore=(3, 40), ignore_index=1)
-        loss = lce(x, w, t, b, reduction=reduction, ignore_index=1, label_smoothing=0.1,
-                   softcap=6.0, chunk_size=16, vocab_block=24)
-        loss.backward(torch.full_like(loss, 0.3))
-        return [loss, x.grad, w.grad, b.grad]
-
-    cpp = run()
-    use_python_autograd(monkeypatch)
-    python = run()
-    for i, (a, p) in enumerate(zip(cpp, python)):
-        assert torch.equal(a, p), f"result {i}"
+def test_cpp_and_python_loops_are_bit_identical(dtype):
+    """The loop ops' C++ kernels (which the node runs) against their Python references in
+    memkern.ops.linear_cross_entropy (which memkern.profile.plan runs): the same ATen calls in
+    the same order, so the same results bit for bit."""
     x, w, b, t = _data(41, 9, 67, dtype=dtype, ignore=(3, 40))
     x, w, b = x.detach(), w.detach(), b.detach()
     forward_args = (x, w, b, t, -100, 0.1, 16, True, dtype == torch.float32,

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import memkern as mk
-from memkern.nn.functional import modulated_norm as _modulated_norm
-from memkern.nn.functional.modulated_norm import modulated_layer_norm
-from memkern.ops import _norm_recipe
+from memkern.nn import modulated_norm as _modulated_norm
+from memkern.nn.modulated_norm import modulated_layer_norm
+from memkern.ops import _gemm_layer
 from memkern.profile import SavedTensorsRecorder
 from compare import rel_err
 from conftest import needs_layer_extension, runs_cpp_autograd
@@ -42,10 +42,10 @@ def _grads(fn, inputs, g):
 @pytest.mark.parametrize("path", ["extension", "composition"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_output_and_gradients_are_the_compositions(path, dtype, monkeypatch):
-    if path == "extension" and _modulated_norm.modulated_norm_entry is None:
+    if path == "extension" and _modulated_norm.modulated_norm_layer_entry is None:
         pytest.skip("the compiled extension is not built")
     if path == "composition":  # what runs without the extension (or under autocast)
-        monkeypatch.setattr(_modulated_norm, "modulated_norm_entry", None)
+        monkeypatch.setattr(_modulated_norm, "modulated_norm_layer_entry", None)
     x, scale, shift = _inputs(dtype)
     g = torch.randn(x.shape, dtype=dtype)
     got = _grads(modulated_layer_norm, (x, scale, shift), g)
@@ -103,7 +103,7 @@ def test_consumer_saves_the_recipe_not_the_output(consumer):
     with SavedTensorsRecorder() as rec:
         y = modulated_layer_norm(*leaves[:3], EPS)
         out = layer(y, *leaves[3:])
-    assert getattr(y, "_memkern_recipe").kind == _norm_recipe.MODULATED_LAYER_NORM
+    assert getattr(y, "_memkern_recipe").kind == _gemm_layer.MODULATED_LAYER_NORM
     token_sized = [e for e in rec.entries.values() if e.shape[-1] == d and e.shape[:-1] == (b, t)]
     assert len(token_sized) == 1, rec.entries  # x itself
     g = torch.randn(out.shape, dtype=torch.float64)

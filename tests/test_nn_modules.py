@@ -53,21 +53,6 @@ def _input(shape, dtype, scale=1.0):
     return (torch.randn(shape) * scale).to(dtype).requires_grad_()
 
 
-_CPP_ONLY = ("linear", "conv1d", "dropout", "layer_norm", "rms_norm", "mlp", "swiglu")
-"""The layers whose one autograd is C++ (no Python Function): without the extension they are
-torch's own layers, so they have no "python" case."""
-
-
-def _with_autograds(layers):
-    """Parametrizes ``layer`` over ``layers`` and the ``layer_autograd`` fixture over the
-    implementations each of them has."""
-    return pytest.mark.parametrize(
-        ("layer", "layer_autograd"),
-        [(layer, impl) for layer in layers for impl in ("cpp", "python")
-         if impl == "cpp" or layer.split("-")[0] not in _CPP_ONLY],
-        indirect=["layer_autograd"])
-
-
 # ----------------------------------------------------------------------------------------------
 # Linear
 
@@ -97,8 +82,9 @@ _DOUBLE_BACKWARD_LAYERS = {
     "layer_norm-bf16": lambda: mk.nn.LayerNorm(13).to(torch.bfloat16)}
 
 
-@_with_autograds(list(_DOUBLE_BACKWARD_LAYERS))
-def test_cpp_autograd_refuses_double_backward(layer, layer_autograd):
+@needs_layer_extension
+@pytest.mark.parametrize("layer", list(_DOUBLE_BACKWARD_LAYERS))
+def test_cpp_autograd_refuses_double_backward(layer):
     """The C++ backwards' gradients are not differentiable (Linear's adds into ``.grad`` in
     place; memkern's backward kernels have no autograd): a backward that builds a graph is
     refused with a message, as ``once_differentiable`` refuses the second backward on the
@@ -180,8 +166,9 @@ _GRAD_BUFFER_LAYERS = {
     "swiglu": lambda: mk.nn.SwiGLU(301, 203, recompute="full")}
 
 
-@_with_autograds(list(_GRAD_BUFFER_LAYERS))
-def test_weight_grad_accumulates_into_grad_buffer(layer, layer_autograd):
+@needs_layer_extension
+@pytest.mark.parametrize("layer", list(_GRAD_BUFFER_LAYERS))
+def test_weight_grad_accumulates_into_grad_buffer(layer):
     """With the front end's GradBuffer, weight-gradient GEMMs add into p.grad (beta = 1): no
     op creates a weight-sized tensor during backward, p.grad stays the buffer's view, the
     post-accumulate hooks fire once per backward, and the values are torch's."""
@@ -591,7 +578,7 @@ def test_frozen_weights_only_input_grad():
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 @pytest.mark.parametrize("name", ["Linear", "LayerNorm", "RMSNorm", "MLP", "SwiGLU"])
-def test_nan_and_inf_propagate_like_torch(name, where, layer_autograd):
+def test_nan_and_inf_propagate_like_torch(name, where):
     d = 13
     m = {"Linear": lambda: mk.nn.Linear(d, 7), "LayerNorm": lambda: mk.nn.LayerNorm(d),
          "RMSNorm": lambda: mk.nn.RMSNorm(d), "MLP": lambda: mk.nn.MLP(d, 17, activation="gelu_tanh"),

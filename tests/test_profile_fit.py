@@ -134,3 +134,14 @@ def test_parse_bytes():
     for bad in ("20 parsecs", "-1GiB", "0", "GiB"):
         with pytest.raises(ValueError, match="budget"):
             parse_bytes(bad)
+
+
+def test_the_recompute_of_memkerns_mlp_and_swiglu_modules_is_planned():
+    """fit chooses ``recompute`` for memkern's MLP and SwiGLU modules (each in its own file),
+    and only for modules that have one."""
+    from memkern.profile.fit import _mlps
+
+    block = torch.nn.Module()
+    block.mlp, block.swiglu = mk.nn.MLP(8, 16), mk.nn.SwiGLU(8, 16)
+    block.linear, block.norm = mk.nn.Linear(8, 8), mk.nn.LayerNorm(8)
+    assert _mlps(block) == [block.mlp, block.swiglu]

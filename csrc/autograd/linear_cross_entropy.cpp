@@ -1,21 +1,25 @@
-// memkern's linear cross-entropy in C++, on every device: the ops
-// memkern::linear_cross_entropy_forward / _backward (the twins of forward_impl / backward_impl in
-// memkern/ops/linear_cross_entropy.py, ATen call for ATen call, so both give the same bits) and
-// memkern::linear_cross_entropy_layer, the layer with its autograd (the twin of
-// LinearCrossEntropyFunction in memkern/nn/functional/linear_cross_entropy.py: the same choice
-// of algorithm, the same saved tensors), so that a call costs no Python autograd.Function and no
-// Python loop. The GEMMs are torch's (cuBLAS on a GPU, 16-bit inputs included: every GEMM writes
-// its result once, in the inputs' dtype); the row ops memkern::cross_entropy_rows_ and
-// memkern::cross_entropy_block_grad_ are reached through the dispatcher, which picks the C++ CPU
-// or the CUDA kernel. What is saved and recomputed: the functional's module docstring.
+// memkern's linear cross-entropy in C++, on every device: the kernels of the ops
+// memkern::linear_cross_entropy_forward / _backward (the loops; twins of forward_impl /
+// backward_impl in memkern/ops/linear_cross_entropy.py, ATen call for ATen call, so both give the
+// same bits), and memkern::linear_cross_entropy_layer, the layer with its autograd node — the one
+// autograd of memkern.nn.linear_cross_entropy, for eager calls and torch.compile alike. The node
+// calls the two loop ops through the dispatcher, so that torch.compile traces it into those two
+// opaque ops and memkern.profile.plan can run their references on fake tensors (where the
+// planned device, not the tensors', picks the path). The GEMMs are torch's (cuBLAS on a GPU,
+// 16-bit inputs included: every GEMM writes its result once, in the inputs' dtype); the row ops
+// memkern::cross_entropy_rows_ and memkern::cross_entropy_block_grad_ are reached through the
+// dispatcher, which picks the C++ CPU or the CUDA kernel. Also the layer's Python entries
+// (add_entries). What is saved and recomputed: memkern/nn/linear_cross_entropy.py's docstring.
 #include "linear_cross_entropy.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/extension.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <mutex>
 #include <optional>
@@ -73,7 +77,8 @@ at::ScalarType compute_dtype(const Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// memkern.nn.functional.linear_cross_entropy.splits.
+// memkern.nn.linear_cross_entropy.splits (the Python functional needs it to compute the block
+// sizes under torch.compile, where the sizes may be symbolic).
 bool splits(c10::string_view reduction, const Tensor& x) {
   return reduction == "none" || x.scalar_type() == at::kHalf ||
          x.scalar_type() == at::kBFloat16;
@@ -103,8 +108,45 @@ void block_grad_op(Tensor& logits, const Tensor& lse, const Tensor& target,
           label_smoothing, softcap);
 }
 
+using ForwardOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+// memkern::linear_cross_entropy_forward through the dispatcher (its kernel: forward_chunks),
+// so that torch.compile records it as one op (its fake implementation gives the metadata)
+// instead of the unrolled loop, and memkern.profile.plan runs its reference on fake tensors.
+ForwardOut forward_op(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                      const Tensor& target, int64_t ignore_index, double label_smoothing,
+                      int64_t chunk_size, bool grad_input, bool grad_weight, bool grad_bias,
+                      double softcap) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memkern::linear_cross_entropy_forward", "")
+          .typed<ForwardOut(const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                            const Tensor&, int64_t, double, int64_t, bool, bool, bool, double)>();
+  return op.call(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
+                 grad_input, grad_weight, grad_bias, softcap);
+}
+
+// memkern::linear_cross_entropy_backward through the dispatcher (its kernel: backward_blocks),
+// as forward_op.
+std::tuple<Tensor, Tensor> backward_op(const Tensor& grad_loss, const Tensor& x,
+                                       const Tensor& weight, const std::optional<Tensor>& bias,
+                                       const Tensor& target, const Tensor& lse,
+                                       int64_t ignore_index, double label_smoothing,
+                                       int64_t vocab_block, bool grad_weight, bool grad_bias,
+                                       double softcap) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memkern::linear_cross_entropy_backward", "")
+          .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                            const std::optional<Tensor>&, const Tensor&,
+                                            const Tensor&, int64_t, double, int64_t, bool, bool,
+                                            double)>();
+  return op.call(grad_loss, x, weight, bias, target, lse, ignore_index, label_smoothing,
+                 vocab_block, grad_weight, grad_bias, softcap);
+}
+
 // memkern.ops.linear_cross_entropy.forward_impl.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> forward_chunks(
+ForwardOut forward_chunks(
     const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
     const Tensor& target, int64_t ignore_index, double label_smoothing, int64_t chunk_size,
     bool grad_input, bool grad_weight, bool grad_bias, double softcap) {
@@ -261,9 +303,9 @@ Tensor lce_forward(const Tensor& x, const Tensor& weight, const std::optional<Te
                    int64_t ignore_index, double label_smoothing, int64_t chunk_size,
                    int64_t vocab_block, double softcap) {
   const int64_t chunk = call_sizes(x, weight, reduction, chunk_size, vocab_block).first;
-  const Tensor loss = std::get<0>(forward_chunks(x, weight, bias, target, ignore_index,
-                                                 label_smoothing, chunk, false, false, false,
-                                                 softcap));
+  const Tensor loss = std::get<0>(forward_op(x, weight, bias, target, ignore_index,
+                                             label_smoothing, chunk, false, false, false,
+                                             softcap));
   if (reduction == "none") return in_dtype(loss, x.scalar_type());
   const Tensor total = loss.sum();
   const Divisor d(total, num_items, divisor, reduction, target, ignore_index);
@@ -275,12 +317,13 @@ struct LinearCrossEntropyBackward : public torch::autograd::Node {
   bool reduction_none = false;
   bool need_weight = false, need_bias = false;
   // The gradients computed in forward (dx; and dweight, dbias when accumulated there), handed
-  // over (scaled in place) on the one backward — plain members, not saved variables, so that
-  // autograd gets them without another reference and AccumulateGrad can take them without a
-  // copy.
+  // over (scaled in place) on the one backward. Saved variables, so that saved-tensor hooks
+  // (memkern.profile's recorders and planner) see them as kept for backward; unpacked and
+  // released before the handover, so that autograd gets them without another reference and
+  // AccumulateGrad can take them without a copy.
   std::mutex handover;
   bool pending = false;
-  Tensor grads[3];
+  torch::autograd::SavedVariable grads[3];
   std::optional<Divisor> divisor;  // "mean"/"sum": the loss's, the token count clamped to >= 1
   // The split algorithm's recompute of the weight and bias gradients: its inputs and settings.
   bool recompute = false;
@@ -315,8 +358,9 @@ struct LinearCrossEntropyBackward : public torch::autograd::Node {
     }
     divisor.reset();
     for (int i = 0; i < 3; ++i) {
-      if (!grads[i].defined()) continue;
-      Tensor g = std::move(grads[i]);
+      Tensor g = grads[i].unpack();
+      grads[i].reset_data();
+      if (!g.defined()) continue;
       g.mul_(scale);  // a 0-dim (or [N, 1]) float32 factor: in float32 even for a 16-bit dx
       out[i] = std::move(g);
     }
@@ -324,10 +368,10 @@ struct LinearCrossEntropyBackward : public torch::autograd::Node {
       const Tensor xs = x.unpack(), bs = bias.unpack();
       std::optional<Tensor> b;
       if (bs.defined()) b = bs;
-      auto [dw, db] = backward_blocks(rows, xs, weight.unpack(), b,
-                                      target.unpack(), lse.unpack(), ignore_index,
-                                      label_smoothing, vocab_block, need_weight,
-                                      need_bias && bs.defined(), softcap);
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      auto [dw, db] = backward_op(rows, xs, weight.unpack(), b, target.unpack(), lse.unpack(),
+                                  ignore_index, label_smoothing, vocab_block, need_weight,
+                                  need_bias && bs.defined(), softcap);
       if (need_weight) out[1] = dw;
       if (need_bias && bs.defined()) out[2] = db;
     }
@@ -341,7 +385,7 @@ struct LinearCrossEntropyBackward : public torch::autograd::Node {
     target.reset_data();
     lse.reset_data();
     std::lock_guard<std::mutex> lock(handover);
-    for (Tensor& g : grads) g.reset();
+    for (auto& g : grads) g.reset_data();
     divisor.reset();
   }
 
@@ -370,8 +414,8 @@ Tensor lce_autograd(const Tensor& x, const Tensor& weight, const std::optional<T
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [loss, lse, dx, dw, db] =
-        forward_chunks(x, weight, bias, target, ignore_index, label_smoothing, chunk, need_x,
-                       in_forward_w, in_forward_b, softcap);
+        forward_op(x, weight, bias, target, ignore_index, label_smoothing, chunk, need_x,
+                   in_forward_w, in_forward_b, softcap);
     if (reduction == "none") {
       out = loss;
     } else {
@@ -381,9 +425,9 @@ Tensor lce_autograd(const Tensor& x, const Tensor& weight, const std::optional<T
       if (d.counted) d.tensor = d.tensor.clamp_min(1.0);  // all ignored: gradient 0, not NaN
       if (d.tensor.defined() || d.number.has_value()) node->divisor = std::move(d);
     }
-    if (need_x) node->grads[0] = dx;
-    if (in_forward_w) node->grads[1] = dw;
-    if (in_forward_b) node->grads[2] = db;
+    if (need_x) node->grads[0] = torch::autograd::SavedVariable(dx, /*is_output=*/false);
+    if (in_forward_w) node->grads[1] = torch::autograd::SavedVariable(dw, false);
+    if (in_forward_b) node->grads[2] = torch::autograd::SavedVariable(db, false);
     node->pending = true;
     node->reduction_none = reduction == "none";
     node->need_weight = need_w;
@@ -406,7 +450,64 @@ Tensor lce_autograd(const Tensor& x, const Tensor& weight, const std::optional<T
   return out;
 }
 
+// memkern.nn.linear_cross_entropy's eager call with num_items absent or a tensor, on any device
+// and dtype: memkern::linear_cross_entropy_layer on the flattened inputs, the loss viewed as
+// target's shape for reduction "none"; chunk_size and vocab_block -1 for their defaults (0
+// for the op). None for anything else — including every invalid argument, which the Python
+// function then reports. (A pybind11 function reaches the op through a typed dispatcher handle,
+// without torch.ops' boxing of twelve arguments.)
+std::optional<Tensor> layer_entry(const Tensor& input, const Tensor& weight, const Tensor& target,
+                                  const std::optional<Tensor>& bias, int64_t ignore_index,
+                                  const std::string& reduction, double label_smoothing,
+                                  const std::optional<Tensor>& num_items, double softcap,
+                                  int64_t chunk_size, int64_t vocab_block) {
+  const bool has_items = num_items.has_value() && num_items->defined();
+  const bool has_bias = bias.has_value() && bias->defined();
+  if ((reduction != "mean" && reduction != "sum" && reduction != "none") ||
+      (has_items && (reduction == "none" || num_items->device() != input.device())) ||
+      !(label_smoothing >= 0.0 && label_smoothing <= 1.0) ||
+      !(std::isfinite(softcap) && softcap >= 0.0) || (chunk_size < 1 && chunk_size != -1) ||
+      (vocab_block < 1 && vocab_block != -1) || weight.dim() != 2 || input.dim() < 1 ||
+      input.size(-1) != weight.size(1) ||
+      target.sizes() != input.sizes().slice(0, input.dim() - 1) ||
+      target.scalar_type() != at::kLong || weight.scalar_type() != input.scalar_type() ||
+      (has_bias && bias->scalar_type() != input.scalar_type())) {
+    return std::nullopt;
+  }
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memkern::linear_cross_entropy_layer", "")
+          .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                        const Tensor&, const std::optional<Tensor>&, std::optional<double>,
+                        c10::string_view, int64_t, double, int64_t, int64_t, double)>();
+  const std::optional<Tensor> b =
+      has_bias ? std::optional<Tensor>(bias->contiguous()) : std::nullopt;
+  const Tensor loss =
+      op.call(input.reshape({-1, input.size(-1)}).contiguous(), weight.contiguous(), b,
+              target.reshape({-1}).contiguous(), has_items ? num_items : std::nullopt,
+              std::nullopt, reduction, ignore_index, label_smoothing,
+              std::max<int64_t>(chunk_size, 0), std::max<int64_t>(vocab_block, 0), softcap);
+  return reduction == "none" ? loss.view(target.sizes()) : loss;
+}
+
 }  // namespace
+
+void add_entries(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("linear_cross_entropy_layer", &layer_entry, py::arg("input"), py::arg("weight"),
+        py::arg("target"), py::arg("bias"), py::arg("ignore_index"), py::arg("reduction"),
+        py::arg("label_smoothing"), py::arg("num_items"), py::arg("softcap"),
+        py::arg("chunk_size"), py::arg("vocab_block"),
+        "memkern.nn.linear_cross_entropy's eager call (memkern::linear_cross_entropy_layer), "
+        "or None for a call that function refuses with its error.");
+  // The C++ twin of memkern.ops.linear_cross_entropy.block_sizes (its constants:
+  // constants.cpp).
+  m.def("linear_cross_entropy_block_sizes", &block_sizes, py::arg("n_tokens"),
+        py::arg("n_classes"), py::arg("hidden"), py::arg("element_size"),
+        py::arg("weight_grad"), py::arg("split"),
+        "(tokens per forward chunk, classes per backward block), by the C++ rule.");
+}
+
 }  // namespace memkern::lce
 
 // The schemas are defined in memkern/ops/linear_cross_entropy.py and

@@ -4,6 +4,8 @@
 // two functions).
 #pragma once
 
+#include <pybind11/pybind11.h>
+
 #include <cstdint>
 #include <utility>
 
@@ -18,5 +20,9 @@ constexpr const char* kVocabBlockEnv = "MEMKERN_LCE_VOCAB_BLOCK";
 // (tokens per forward chunk, classes per backward block); see block_sizes' docstring.
 std::pair<int64_t, int64_t> block_sizes(int64_t n_tokens, int64_t n_classes, int64_t hidden,
                                         int64_t element_size, bool weight_grad, bool split);
+
+// Adds the layer's Python entries to the module memkern._C: linear_cross_entropy_layer (the
+// eager call of memkern.nn.linear_cross_entropy) and linear_cross_entropy_block_sizes.
+void add_entries(pybind11::module_& m);
 
 }  // namespace memkern::lce

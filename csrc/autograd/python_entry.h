@@ -104,7 +104,8 @@ pybind11::object with_recipe(at::Tensor y, const at::Tensor& x,
                              const std::optional<at::Tensor>& bias, int64_t kind, int64_t dims,
                              double eps);
 
-// Each adds its entries to the module memkern._C (called by its init, csrc/memkern.cpp).
+// Each adds its entries to the module memkern._C (called by its init, csrc/memkern.cpp; the
+// linear cross-entropy's is lce::add_entries, linear_cross_entropy.h).
 // python_entry.cpp: the NormRecipe class, recomputed_ops.
 void add_shared_entries(pybind11::module_& m);
 void add_norm_entries(pybind11::module_& m);            // norm.cpp

@@ -57,8 +57,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memkern.nn.functional._common import autocast_enabled
-from memkern.nn.functional.linear_cross_entropy import linear_cross_entropy
+from memkern.nn._autocast import autocast_enabled
+from memkern.nn.linear_cross_entropy import linear_cross_entropy
 from memkern.nn.linear import Linear as _MemkernLinear
 
 SOFTCAP_ATTR = "final_logit_softcapping"

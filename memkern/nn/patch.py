@@ -9,7 +9,7 @@ What is swapped (each family can be turned off by its keyword):
   ``LlamaRMSNorm`` formula: float32 statistics, ``weight * normalised.to(input dtype)``);
   diffusers' adaLN-Zero (DiT's ``AdaLayerNormZero``, its ``BasicTransformerBlock``'s MLP
   modulation and ``DiTTransformer2DModel``'s output layer) through memkern's modulated
-  LayerNorm (:mod:`memkern.nn.adaln`).
+  LayerNorm (:mod:`memkern.nn.modulated_norm`).
 * ``dropout``: ``nn.Dropout`` -> :class:`memkern.nn.Dropout`.
 * ``mlp``: MLP blocks run as one memkern MLP with ``recompute``, recognised by structure:
   ``fc -> activation -> proj (-> dropout)`` — ``nn.Sequential(Linear, GELU/ReLU/SiLU, Linear[,
@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from memkern import _fake
-from memkern.nn import adaln as _adaln
+from memkern.nn import modulated_norm as _modulated_norm
 from memkern.nn import dropout as _dropout_mod
 from memkern.nn import hf_attention as _hf_attention
 from memkern.nn import linear as _linear_mod
@@ -60,10 +60,10 @@ from memkern.nn import norm as _norm_mod
 from memkern.nn import split_mlp as _split_mlp
 from memkern.nn.causal_lm_loss import fuse_causal_lm_loss
 from memkern.nn.masked_lm_loss import fuse_masked_lm_loss
-from memkern.nn.functional.linear import linear as _linear
-from memkern.nn.functional.mlp import RECOMPUTE, mlp as _mlp
-from memkern.nn.functional.norm import rms_norm as _rms_norm
-from memkern.nn.functional.swiglu import swiglu as _swiglu
+from memkern.nn.linear import linear as _linear
+from memkern.nn.mlp import RECOMPUTE, mlp as _mlp
+from memkern.nn.norm import rms_norm as _rms_norm
+from memkern.nn.swiglu import swiglu as _swiglu
 
 _MARK = "_memkern_patched"
 
@@ -142,9 +142,9 @@ _FORWARDS = {
     "split_mlp_layer": _split_mlp.layer_forward,
     "split_mlp_intermediate": _split_mlp.intermediate_forward,
     "split_mlp_output": _split_mlp.output_forward,
-    "ada_norm_zero": _adaln.norm_forward,
-    "ada_norm_zero_block": _adaln.block_forward,
-    "ada_norm_zero_model": _adaln.model_forward,
+    "ada_norm_zero": _modulated_norm.norm_forward,
+    "ada_norm_zero_block": _modulated_norm.block_forward,
+    "ada_norm_zero_model": _modulated_norm.model_forward,
 }
 
 # transformers classes recognised by name: class name -> kind of patched forward
@@ -222,14 +222,14 @@ def _ada_norm_zero_kind(m: nn.Module) -> tuple[str, str | None] | None:
     ``AdaLayerNormZero``, its adaLN-Zero ``BasicTransformerBlock`` and
     ``DiTTransformer2DModel``; None for anything else."""
     if _diffusers_class(m, "AdaLayerNormZero"):
-        kind, layout = "ada_norm_zero", _adaln.norm_layout
+        kind, layout = "ada_norm_zero", _modulated_norm.norm_layout
     elif _diffusers_class(m, "BasicTransformerBlock") and getattr(m, "norm_type", None) == "ada_norm_zero":
-        kind, layout = "ada_norm_zero_block", _adaln.block_layout
+        kind, layout = "ada_norm_zero_block", _modulated_norm.block_layout
     elif _diffusers_class(m, "DiTTransformer2DModel"):
-        kind, layout = "ada_norm_zero_model", _adaln.model_layout
+        kind, layout = "ada_norm_zero_model", _modulated_norm.model_layout
     else:
         return None
-    return kind, _adaln.diffusers_version_known() or layout(m)
+    return kind, _modulated_norm.diffusers_version_known() or layout(m)
 
 
 def _activation_kind(act: nn.Module) -> str | None:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memkern.nn.functional.mlp import mlp
+from memkern.nn.mlp import mlp
 from memkern.nn.linear import Linear
 
 _CALL = "_memkern_split_mlp"

@@ -1,7 +1,16 @@
-"""Every memkern kernel as a ``torch.library`` op in the ``memkern`` namespace.
+"""memkern's ops, registered with ``torch.library`` in the ``memkern`` namespace
+(``torch.ops.memkern.<name>`` is the registered op itself). Two kinds, told apart by name:
 
-One Python entry per op checks its arguments and runs the backend chosen by
-:mod:`memkern.backend`; ``torch.ops.memkern.<name>`` is the registered op itself.
+* **kernel ops**, named by their kernel (``adamw_step_``, ``norm_forward``, ``dropout``, ...),
+  each in its kernel family's file: one Python entry per op
+  (:class:`memkern.ops._registry.Op`) checks its arguments and runs the backend chosen by
+  :mod:`memkern.backend`. The training front end's are :data:`ALL`, the layers' fused math
+  :data:`NN_OPS`.
+* **layer ops**, one per layer of :mod:`memkern.nn`, ``<layer>_layer`` in ``<layer>_layer.py``
+  (``linear_layer``, ``norm_layer``, ``mlp_layer``, ...): the layer's whole forward as one op
+  whose autograd is the C++ node of csrc/autograd/<layer>.cpp; here its schema, its fake
+  implementation and its eager entry (``<layer>_layer_entry``). What the GEMM layer ops share:
+  ``_gemm_layer.py``.
 """
 from memkern.backend import force
 from memkern.ops.adamw import adamw_step_
@@ -16,7 +25,7 @@ ALL = (unscale_, l2_norm, adamw_step_, adamw8bit_step_, sgd_step_, sgd8bit_step_
 __all__ = ["ALL", "adamw8bit_step_", "adamw_step_", "force", "l2_norm", "sgd8bit_step_",
            "sgd_step_", "unscale_"]
 
-# The ops behind memkern.nn (the layers' fused math), registered as memkern.ops._registry.Op.
+# The kernel ops behind memkern.nn (the layers' fused math), then the layer ops.
 from memkern.ops.activation import act_backward, act_forward  # noqa: E402
 from memkern.ops.cross_entropy import cross_entropy_block_grad_, cross_entropy_rows_  # noqa: E402
 from memkern.ops.dropout import dropout  # noqa: E402

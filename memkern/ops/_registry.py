@@ -28,6 +28,14 @@ from memkern._extension import compiled
 
 LIBRARY = torch.library.Library("memkern", "DEF")
 
+COMPOSITE_REFERENCES: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
+"""The reference of each op whose compiled kernel is made of other ops (``compiled_kernels=
+"composite"``: the linear cross-entropy's loops), by the op: what :mod:`memkern.profile.plan`
+runs in the op's place when C++ reaches it through the dispatcher (a layer's node), so that the
+plan sees every buffer those ops allocate (the op's fake implementation makes only its outputs)
+and the path the planned device takes (the reference follows :func:`memkern.backend.device_type`;
+the C++ kernel, the tensors' device)."""
+
 
 def eager_entry(name: str) -> Callable[..., Any] | None:
     """A layer op's direct entry point from Python, ``memkern._C.<name>`` (None without the
@@ -92,6 +100,8 @@ class Op:
                       "cpu": self.op if has_cpu else reference,
                       "planned:cpu": self.op if has_cpu and not composite else reference,
                       "planned:cuda": self.op if has_gpu_kernel else reference}
+        if composite:
+            COMPOSITE_REFERENCES[self.op] = reference
         if not has_cpu:
             LIBRARY.impl(name, reference, "CPU")
         # Triton's place on the dispatcher: the CUDA key of an extension built without its CUDA

@@ -1,8 +1,8 @@
-"""``memkern::linear_cross_entropy_layer``: :func:`memkern.nn.functional.linear_cross_entropy`
-as one op whose loops and autograd are C++ (csrc/autograd/linear_cross_entropy.cpp): the same
-algorithm as :mod:`memkern.ops.linear_cross_entropy` (one block of logits at a time, the row
-ops of :mod:`memkern.ops.cross_entropy` through the dispatcher) and the same saved tensors as
-the Python ``autograd.Function``, at the host cost of a C++ autograd node.
+"""``memkern::linear_cross_entropy_layer``: :func:`memkern.nn.linear_cross_entropy` as one op
+whose autograd is C++ (csrc/autograd/linear_cross_entropy.cpp): its node runs the loop ops of
+:mod:`memkern.ops.linear_cross_entropy` (one block of logits at a time, the row ops of
+:mod:`memkern.ops.cross_entropy`) through the dispatcher, so that ``torch.compile`` traces it
+into those two opaque ops, at the host cost of a C++ autograd node.
 
 Arguments: ``x`` ``[N, H]`` and ``weight`` ``[V, H]`` contiguous, one dtype; ``bias``
 optional ``[V]``; ``target`` int64 ``[N]``; ``num_items`` (a device tensor) or ``divisor``
@@ -12,9 +12,13 @@ optional ``[V]``; ``target`` int64 ``[N]``; ``num_items`` (a device tensor) or `
 :func:`memkern.ops.linear_cross_entropy.block_sizes`, computed in C++ by the same rule),
 ``softcap`` as in the functional. Returns the loss in ``x``'s dtype (``[N]`` for "none").
 
+Saved for backward (as saved variables, which saved-tensor hooks see): the gradients the forward
+computed (handed over on the one backward), and for the split algorithm ``x``, the weight, bias,
+target and the per-token log-sum-exp.
+
 Only the compiled extension registers its kernels (``Autograd`` and, below autograd,
-``CompositeExplicitAutograd``), for every device: the functional calls it on the default
-backend, CPU and GPU, every dtype.
+``CompositeExplicitAutograd``), for every device: the functional calls it on every backend,
+CPU and GPU, every dtype; without the extension the functional is torch's loss.
 """
 from __future__ import annotations
 
@@ -37,10 +41,10 @@ def _fake(x, weight, bias, target, num_items, divisor, reduction, ignore_index,
 
 linear_cross_entropy_layer = torch.ops.memkern.linear_cross_entropy_layer.default
 
-# The functional's eager entry point from Python (csrc/python_entries.cpp): ``(input, weight,
-# target, bias, ignore_index, reduction, label_smoothing, num_items, softcap, chunk_size,
-# vocab_block)`` with ``num_items`` None or a tensor, ``softcap`` a number (0: none) and the
-# sizes 0 for their defaults; it checks the arguments and flattens the inputs in C++ and calls
-# the op through a typed dispatcher handle, or returns None when the call is not one the op
-# serves (the functional then takes it).
+# The functional's eager entry point from Python (csrc/autograd/linear_cross_entropy.cpp):
+# ``(input, weight, target, bias, ignore_index, reduction, label_smoothing, num_items, softcap,
+# chunk_size, vocab_block)`` with ``num_items`` None or a tensor, ``softcap`` a number (0: none)
+# and the sizes -1 for their defaults; it checks the arguments and flattens the inputs in C++
+# and calls the op through a typed dispatcher handle, or returns None when the call is not one
+# the op serves (the functional then raises its error, or calls the op through torch.ops).
 linear_cross_entropy_layer_entry = eager_entry("linear_cross_entropy_layer")

@@ -3,7 +3,7 @@ as one op whose autograd is C++ (csrc/autograd/linear.cpp): the weight gradient 
 straight into ``W.grad`` when that exists (csrc/autograd/weight_grad.h), at the host
 cost of ``nn.Linear``'s call.
 
-When ``x`` is a memkern norm's output, the ``norm_*`` arguments (:mod:`._norm_recipe`) say how
+When ``x`` is a memkern norm's output, the ``norm_*`` arguments (:mod:`._gemm_layer`) say how
 to rebuild it, and the op saves those tensors instead of ``x``.
 
 Only the compiled extension registers its kernels (``Autograd`` and, below autograd,
@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from memkern.ops import _norm_recipe
-from memkern.ops._gemm_layer import fake_output
+from memkern.ops._gemm_layer import NORM_RECIPE_SCHEMA, fake_output
 from memkern.ops._registry import LIBRARY, eager_entry
 
 LIBRARY.define(f"linear_layer(Tensor x, Tensor weight, Tensor? bias, bool transposed, "
-               f"{_norm_recipe.SCHEMA}) -> Tensor")
+               f"{NORM_RECIPE_SCHEMA}) -> Tensor")
 
 
 @torch.library.register_fake("memkern::linear_layer", lib=LIBRARY)

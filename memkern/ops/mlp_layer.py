@@ -2,12 +2,12 @@
 autograd is C++ (csrc/autograd/mlp.cpp), the layer's one implementation, at the host cost of
 torch's composition of C++ autograd nodes; the activations run as ``memkern::act_forward`` /
 ``act_backward``. What it saves and recomputes per ``recompute``: the table of
-:mod:`memkern.nn.functional.mlp`.
+:mod:`memkern.nn.mlp`.
 
 Arguments: ``x`` ``[..., in]``; ``fc1_weight`` ``[hidden, in]`` and ``fc2_weight``
 ``[out, hidden]`` (``[in, hidden]`` / ``[hidden, out]`` with ``transposed``), optional biases;
 ``activation`` one of :data:`memkern.ops.activation.KINDS`; ``recompute`` ``"none"``,
-``"activation"`` or ``"full"``; the ``norm_*`` arguments (:mod:`._norm_recipe`) when ``x`` is
+``"activation"`` or ``"full"``; the ``norm_*`` arguments (:mod:`._gemm_layer`) when ``x`` is
 a memkern norm's output. Under autocast the op computes in autocast's dtype (its output has
 that dtype); otherwise every tensor shares ``x``'s dtype (:func:`memkern.nn.functional.mlp`
 checks).
@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from memkern.ops import _norm_recipe
 from memkern.ops.activation import act_forward  # noqa: F401  (defines the op the node runs)
-from memkern.ops._gemm_layer import fake_output, recomputed_ops
+from memkern.ops._gemm_layer import NORM_RECIPE_SCHEMA, fake_output, recomputed_ops
 from memkern.ops._registry import LIBRARY, eager_entry
 
 LIBRARY.define(
     "mlp_layer(Tensor x, Tensor fc1_weight, Tensor? fc1_bias, Tensor fc2_weight, "
-    f"Tensor? fc2_bias, str activation, str recompute, bool transposed, {_norm_recipe.SCHEMA}) "
+    f"Tensor? fc2_bias, str activation, str recompute, bool transposed, {NORM_RECIPE_SCHEMA}) "
     "-> Tensor"
 )
 

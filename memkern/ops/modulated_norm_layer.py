@@ -8,8 +8,8 @@ dimensions between, of ``x``'s dtype; ``eps``.
 
 What is saved for backward: ``x``, its per-row ``mean`` and ``rstd`` (as torch's LayerNorm),
 ``scale`` and ``shift`` (``[batch, features]`` each) — never the normalised input nor the
-output. Its eager entry (:data:`modulated_norm_entry`) leaves the output's recipe
-(:data:`memkern.ops._norm_recipe.MODULATED_LAYER_NORM`): a memkern Linear/MLP consuming the
+output. Its eager entry (:data:`modulated_norm_layer_entry`) leaves the output's recipe
+(:data:`memkern.ops._gemm_layer.MODULATED_LAYER_NORM`): a memkern Linear/MLP consuming the
 output saves ``x``, ``scale`` and ``shift`` instead and rebuilds it in backward.
 
 Only the compiled extension registers its kernels (``Autograd`` and, below autograd,
@@ -31,7 +31,7 @@ def _fake(x, scale, shift, eps):
 
 modulated_norm_layer = torch.ops.memkern.modulated_norm_layer.default
 
-# The eager entry point (:func:`memkern.ops._registry.eager_entry`), ``modulated_norm_entry(x,
+# The eager entry point (:func:`memkern.ops._registry.eager_entry`), ``modulated_norm_layer_entry(x,
 # scale, shift, eps)``: the op, its output carrying its recipe; None when the Python path must
 # take the call (autocast on x's device, mixed dtypes, shapes that do not fit).
-modulated_norm_entry = eager_entry("modulated_norm")
+modulated_norm_layer_entry = eager_entry("modulated_norm")

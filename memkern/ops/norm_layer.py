@@ -11,7 +11,7 @@ dimensions are normalised), ``eps``, ``rms`` (False: LayerNorm, True: RMSNorm).
 
 Only the compiled extension registers its kernels (``Autograd`` and, below autograd,
 ``CompositeExplicitAutograd``); ``torch.compile`` traces the C++ autograd into the ops it
-calls. Without the extension :mod:`memkern.nn.functional.norm` is torch's own norm.
+calls. Without the extension :mod:`memkern.nn.norm` is torch's own norm.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _fake(x, weight, bias, n_norm, eps, rms):
 norm_layer = torch.ops.memkern.norm_layer.default
 
 # memkern.nn.functional's whole eager norm call (:func:`memkern.ops._registry.eager_entry`),
-# ``norm_entry(x, normalized_shape, weight, bias, eps, rms)``: this op (torch's
+# ``norm_layer_entry(x, normalized_shape, weight, bias, eps, rms)``: this op (torch's
 # native_layer_norm called directly where the op would run that), its output carrying the
 # norm's recipe (csrc/autograd/saved_input.h); None for a call the Python path handles.
-norm_entry = eager_entry("norm")
+norm_layer_entry = eager_entry("norm")

@@ -2,11 +2,11 @@
 whose autograd is C++ (csrc/autograd/swiglu.cpp), the layer's one implementation, at the host
 cost of torch's composition of C++ autograd nodes; the gated unit runs as
 ``memkern::swiglu_forward`` / ``swiglu_backward``. What it saves and recomputes per
-``recompute``: the table of :mod:`memkern.nn.functional.swiglu`.
+``recompute``: the table of :mod:`memkern.nn.swiglu`.
 
 Arguments: ``x`` ``[..., in]``; ``gate_weight``, ``up_weight`` ``[hidden, in]`` and
 ``down_weight`` ``[out, hidden]``, each with an optional bias; ``recompute`` ``"none"``,
-``"activation"`` or ``"full"``; the ``norm_*`` arguments (:mod:`._norm_recipe`) when ``x`` is a
+``"activation"`` or ``"full"``; the ``norm_*`` arguments (:mod:`._gemm_layer`) when ``x`` is a
 memkern norm's output. Under autocast the op computes in autocast's dtype (its output has that
 dtype); otherwise every tensor shares ``x``'s dtype (:func:`memkern.nn.functional.swiglu`
 checks).
@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from memkern.ops import _norm_recipe
 from memkern.ops.swiglu import swiglu_forward  # noqa: F401  (defines the op the node runs)
-from memkern.ops._gemm_layer import fake_output, recomputed_ops
+from memkern.ops._gemm_layer import NORM_RECIPE_SCHEMA, fake_output, recomputed_ops
 from memkern.ops._registry import LIBRARY, eager_entry
 
 LIBRARY.define(
     "swiglu_layer(Tensor x, Tensor gate_weight, Tensor? gate_bias, Tensor up_weight, "
     "Tensor? up_bias, Tensor down_weight, Tensor? down_bias, str recompute, "
-    f"{_norm_recipe.SCHEMA}) -> Tensor"
+    f"{NORM_RECIPE_SCHEMA}) -> Tensor"
 )
 
 

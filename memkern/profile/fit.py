@@ -147,7 +147,8 @@ def _mlps(block: nn.Module) -> list[nn.Module]:
     found = []
     for m in block.modules():
         if isinstance(getattr(m, "_memkern_mlp", None), dict) or (
-                type(m).__module__ == "memkern.nn.mlp" and hasattr(m, "recompute")):
+                type(m).__module__ in ("memkern.nn.mlp", "memkern.nn.swiglu")
+                and hasattr(m, "recompute")):
             found.append(m)
     return found
 

@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from memkern import _fake, backend
+from memkern.ops._registry import COMPOSITE_REFERENCES
 from memkern.profile import saved as _saved
 from memkern.profile.memory import MASTER_KEYS, _state_tensors
 from memkern.profile.targets import GEMMS, Target, target as _target
@@ -171,6 +172,7 @@ class _Timeline(TorchDispatchMode):
         self.op: list[str] = []
         self.where: list[str] = []
         self.created: list[tuple[int, str]] = []  # (step, phase) at creation
+        self.creator: list[tuple[str, int] | None] = []  # the node running at creation, if any
         self.saved: dict[int, tuple[int, str]] = {}  # sid -> (event index, saving module)
         self.roles: dict[int, str] = {}
         self._live: dict[int, int] = {}  # id(storage) -> sid
@@ -185,27 +187,84 @@ class _Timeline(TorchDispatchMode):
         self.host = False  # inside on_host(): new storages are host memory
         self.count_flops = False
         self.flops = 0
+        self._node: tuple[str, int] | None = None  # the autograd node running the current op
+        # (first gradient's sid, sum's sid, event count) of a sum autograd's engine may write
+        # over its first operand (_note_accumulation), until the next event
+        self._accumulation: tuple[int, int, int] | None = None
 
     # ---------------------------------------------------------------------------- storages
     def _new(self, nbytes: int, op: str, where: str) -> int:
         sid = len(self.nbytes)
-        if self.host:  # not device memory: no event, size 0 (never counted)
-            self.nbytes.append(0)
-            self.op.append(op)
-            self.where.append(where)
-            self.created.append((self.step, self.phase))
-            return sid
-        self.nbytes.append(nbytes)
         self.op.append(op)
         self.where.append(where)
         self.created.append((self.step, self.phase))
+        self.creator.append(self._node)
+        if self.host:  # not device memory: no event, size 0 (never counted)
+            self.nbytes.append(0)
+            return sid
+        self.nbytes.append(nbytes)
         self.events.append(sid)
         return sid
 
     def _free(self, sid: int) -> None:
+        pending, self._accumulation = self._accumulation, None
+        if (pending is not None and pending[0] == sid and pending[2] == len(self.events)
+                and not self.closed):
+            self._accumulate_in_place(sid, pending[1])
+            return
         if not self.closed and self.nbytes[sid]:
             self.events.append(~sid)
         self._refs.pop(sid, None)
+
+    def _watch(self, storage: torch.UntypedStorage, sid: int) -> None:
+        """Frees ``sid`` when ``storage`` dies."""
+        key = id(storage)
+        self._live[key] = sid
+
+        def died(_ref, key=key, sid=sid):
+            if self._live.get(key) == sid:
+                del self._live[key]
+            if sid in self._refs:
+                self._free(sid)
+
+        self._refs[sid] = weakref.ref(storage, died)
+
+    # ------------------------------------------------------------------ gradient accumulation
+    def _note_accumulation(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """autograd's engine sums two gradients for one input with ``old + new``
+        (``InputBuffer::accumulate``), and writes the sum over ``old`` instead (``old.add_(new)``)
+        when it holds the last reference to a plain dense tensor — never for a fake tensor, a
+        tensor subclass. So on the device the sum takes no block of its own: this notes a
+        backward ``aten.add`` that may be such a sum (same shape and dtype, ``old`` made outside
+        the running node: another node's gradient, or one a fused loss computed in forward), and
+        :meth:`_free` moves the sum into ``old``'s block if ``old`` dies before anything else
+        happens — the engine dropping its last reference. A node's own sum of its own
+        intermediate is never taken for one (kept out-of-place: the plan errs high, not low)."""
+        if kwargs or len(args) != 2 or not all(isinstance(t, torch.Tensor) for t in (*args, out)):
+            return
+        old, new = args
+        if not (old.shape == new.shape == out.shape and old.dtype == new.dtype == out.dtype
+                and old.is_contiguous()):
+            return
+        old_sid, out_sid = self.sid_of(old), self.sid_of(out)
+        if (old_sid is None or out_sid is None or old_sid == out_sid or not self.events
+                or self.events[-1] != out_sid or self.creator[old_sid] == self._node
+                or self.nbytes[old_sid] != self.nbytes[out_sid]):
+            return
+        self._accumulation = (old_sid, out_sid, len(self.events))
+
+    def _accumulate_in_place(self, old_sid: int, sum_sid: int) -> None:
+        """The sum noted by :meth:`_note_accumulation` written over ``old`` (which just died):
+        the sum's allocation undone, its storage tracked as ``old``'s block from here on."""
+        assert self.events[-1] == sum_sid
+        self.events.pop()
+        self.nbytes[sum_sid] = 0
+        self._refs.pop(old_sid, None)
+        storage = self._refs.pop(sum_sid)()
+        if storage is None:  # cannot happen: the sum is the engine's buffer now
+            self.events.append(~old_sid)
+            return
+        self._watch(storage, old_sid)
 
     def sid_of(self, t: torch.Tensor) -> int | None:
         try:
@@ -237,16 +296,7 @@ class _Timeline(TorchDispatchMode):
             if self.nbytes[sid] == nbytes:
                 return
             self._free(sid)  # resized in place: a new block, the old one given back
-        sid = self._new(nbytes, op, where)
-        self._live[key] = sid
-
-        def died(_ref, key=key, sid=sid):
-            if self._live.get(key) == sid:
-                del self._live[key]
-            if sid in self._refs:
-                self._free(sid)
-
-        self._refs[sid] = weakref.ref(storage, died)
+        self._watch(storage, self._new(nbytes, op, where))
 
     def workspace(self, nbytes: int, op: str, where: str, keep: bool = False) -> None:
         sid = self._new(nbytes, op, where)
@@ -307,7 +357,9 @@ class _Timeline(TorchDispatchMode):
     # ---------------------------------------------------------------------------- ops
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self._accumulation = None
         node = _fake.current_autograd_node()
+        self._node = None if node is None else _fake.autograd_node_key(node)
         if node is not None:
             self._backward_ran = True
             phase = "backward"
@@ -324,6 +376,10 @@ class _Timeline(TorchDispatchMode):
                 self._gemm_threads.add(thread)
                 self.workspace(self.target.gemm_workspace, f"cuBLAS workspace ({thread} thread)",
                                where, keep=True)
+        reference = COMPOSITE_REFERENCES.get(func)
+        if reference is not None:  # its ops run here instead, each recorded
+            with self:
+                return reference(*args, **kwargs)
         out = func(*args, **kwargs)
         if self.count_flops:  # torch's FLOP formulas (FlopCounterMode's), without its module
             count = flop_registry.get(func._overloadpacket)  # hooks, which change memory
@@ -334,6 +390,8 @@ class _Timeline(TorchDispatchMode):
                 self._track(t, op, where)
         for nbytes in self.target.workspaces(func, args, kwargs):
             self.workspace(nbytes, op + " workspace", where)
+        if func is torch.ops.aten.add.Tensor and node is not None:
+            self._note_accumulation(args, kwargs, out)
         return out
 
 

@@ -1,5 +1,5 @@
-"""Small helpers of :mod:`memkern.nn.functional`: whether autocast is on, and the dtype a GEMM
-layer computes in (with the error for mixed dtypes without autocast)."""
+"""Autocast as memkern's layers read it: whether autocast is on, and the dtype a GEMM layer
+computes in (with the error for mixed dtypes without autocast)."""
 from __future__ import annotations
 
 import functools

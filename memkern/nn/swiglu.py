@@ -25,14 +25,18 @@ selective-checkpoint region that recomputes the inner ops its node recomputes
 (:data:`memkern.ops.swiglu_layer.RECOMPUTED`, stated by the node); without it the compiler
 would keep them. Without the compiled extension this is torch's ``F.linear`` and ``F.silu``
 (:mod:`memkern.nn.functional`).
+
+:func:`swiglu` is ``memkern.nn.functional.swiglu``; :class:`SwiGLU` the module (Llama's MLP).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from memkern.nn.functional import _common, _saved
-from memkern.nn.functional.mlp import RECOMPUTE
+from memkern.nn import _autocast, _saved
+from memkern.nn.linear import Linear
+from memkern.nn.mlp import RECOMPUTE, check_args
 from memkern.ops.swiglu_layer import RECOMPUTED, swiglu_layer, swiglu_layer_entry
 
 
@@ -56,7 +60,36 @@ def swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
             f"memkern.nn.functional.swiglu: input shape {tuple(x.shape)} does not end with "
             f"gate_proj's in_features={gate_weight.shape[1]}"
         )
-    _common.compute_dtype(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
+    _autocast.compute_dtype(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
     return _saved.compiled_region(swiglu_layer, x, gate_weight, gate_bias, up_weight, up_bias,
                                   down_weight, down_bias, recompute,
                                   recomputed=RECOMPUTED[recompute])
+
+
+class SwiGLU(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``: the Llama MLP.
+
+    ``recompute`` — what is saved for backward (weights aside): ``"none"``: ``x``, ``gate``,
+    ``up`` and ``h``; ``"activation"`` (default): ``x``, ``gate`` and ``up`` (``h`` is recomputed,
+    elementwise); ``"full"``: ``x`` only (both input GEMMs are recomputed too). ``x`` is not stored
+    when it is a memkern norm's output. Submodules ``gate_proj``, ``up_proj``, ``down_proj``.
+    """
+
+    def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None,
+                 bias: bool = False, recompute: str = "activation", device=None, dtype=None) -> None:
+        super().__init__()
+        check_args("silu", recompute, "memkern.nn.SwiGLU")
+        out_features = in_features if out_features is None else out_features
+        self.recompute = recompute
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.gate_proj = Linear(in_features, hidden_features, **kw)
+        self.up_proj = Linear(in_features, hidden_features, **kw)
+        self.down_proj = Linear(hidden_features, out_features, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                      self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias,
+                      recompute=self.recompute)
+
+    def extra_repr(self) -> str:
+        return f"recompute={self.recompute!r}"
