@@ -7,10 +7,10 @@
 #include <string>
 
 #include "autograd/linear_cross_entropy.h"
+#include "autograd/python_entry.h"
 #include "autograd/saved_input.h"
 #include "layer_constants.h"
 #include "math/state8bit.h"
-#include "python_entries.h"
 
 namespace memkern {
 namespace {
@@ -36,7 +36,7 @@ void add_constants(py::module_& m) {
       {"rms_norm", autograd::kRmsNorm},
       {"modulated_layer_norm", autograd::kModulatedLayerNorm}};
   // memkern/nn/functional/_saved.py
-  m.attr("NORM_RECIPE_ATTR") = kNormRecipeAttr;
+  m.attr("NORM_RECIPE_ATTR") = autograd::kNormRecipeAttr;
   // memkern/ops/activation.py, memkern/nn/functional/mlp.py
   m.attr("ACTIVATIONS") = as_tuple(kActivationKinds);
   m.attr("RECOMPUTE") = as_tuple(kRecomputeNames);

@@ -1,5 +1,5 @@
 // Argument checks of the layer ops' compiled kernels (dropout, SwiGLU, the norms), shared by
-// the CPU kernels (csrc/cpu) and the CUDA bindings (csrc/cuda/layer_bindings.cpp). Each message
+// the CPU kernels (csrc/cpu) and the CUDA bindings (csrc/cuda/<layer>_ops.cpp). Each message
 // names the argument, says what was wrong and what to do; the Python entries check the same
 // first (memkern/ops/*.py), so these guard direct calls of torch.ops.memkern.* and the C++
 // autograd layers.

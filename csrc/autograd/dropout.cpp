@@ -6,6 +6,9 @@
 // memkern::dropout on the gradient with that seed, regenerating the forward's mask. memkern::dropout is called through
 // the dispatcher: the C++ CPU kernel, or the CUDA one (csrc/cuda/dropout.cu), which reads the
 // seed on the device — at::randint draws it there, so a call makes no host-device copy.
+//
+// At the end of the file: the layer's eager entry from Python, memkern._C.dropout_layer
+// (python_entry.h).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -14,6 +17,7 @@
 
 #include "../layer_constants.h"
 #include "node.h"
+#include "python_entry.h"
 
 namespace {
 
@@ -83,3 +87,28 @@ TORCH_LIBRARY_IMPL(memkern, Autograd, m) { m.impl("dropout_layer", dropout_layer
 TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
   m.impl("dropout_layer", dropout_layer_forward);
 }
+
+// The layer's eager entry from Python, memkern._C.dropout_layer (python_entry.h).
+namespace memkern::autograd {
+namespace {
+
+namespace py = pybind11;
+using OptTensor = std::optional<at::Tensor>;
+
+// memkern.nn.functional.dropout with a drawn seed: memkern::dropout_layer.
+at::Tensor dropout_layer(const at::Tensor& x, double p) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memkern::dropout_layer", "")
+          .typed<at::Tensor(const at::Tensor&, const OptTensor&, double)>();
+  return op.call(x, std::nullopt, p);
+}
+
+}  // namespace
+
+void add_dropout_entries(py::module_& m) {
+  m.def("dropout_layer", &dropout_layer, py::arg("x"), py::arg("p"),
+        "memkern.nn.functional.dropout's eager call with a drawn seed: memkern::dropout_layer.");
+}
+
+}  // namespace memkern::autograd

@@ -11,13 +11,18 @@
 // (weight_grad.h); the engine casts each gradient to its input's dtype. Device-generic: only
 // ATen ops through the dispatcher, registered for the Autograd dispatch key; torch.compile
 // traces it.
+//
+// At the end of the file: the layer's eager entry from Python, memkern._C.linear_layer
+// (python_entry.h).
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <optional>
 
 #include "gemm.h"
 #include "node.h"
+#include "python_entry.h"
 #include "saved_input.h"
 #include "weight_grad.h"
 
@@ -123,3 +128,53 @@ TORCH_LIBRARY_IMPL(memkern, Autograd, m) { m.impl("linear_layer", linear_autogra
 TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
   m.impl("linear_layer", linear_no_autograd);
 }
+
+// The layer's eager entry from Python, memkern._C.linear_layer (python_entry.h).
+namespace memkern::autograd {
+namespace {
+
+namespace py = pybind11;
+using OptTensor = std::optional<at::Tensor>;
+
+// Whether a Linear call of one dtype without autocast is torch's own linear: when memkern
+// does nothing differently (no recipe to save instead of x, not transposed, no weight.grad to
+// add into).
+bool linear_is_torch_linear(bool has_recipe, bool transposed, bool weight_has_grad) {
+  return !has_recipe && !transposed && !weight_has_grad;
+}
+
+// memkern.nn.functional.linear in eager mode: memkern::linear_layer with x's norm recipe
+// (gemm_input), or torch's own linear (linear_is_torch_linear). None for a call
+// memkern.nn.functional.linear refuses with its error.
+OptTensor linear_layer(py::handle x_obj, const at::Tensor& weight, const OptTensor& bias,
+                       bool transposed) {
+  const auto in = gemm_input(x_obj, {{&weight, &bias}}, transposed ? 0 : 1);
+  if (!in) {
+    return std::nullopt;
+  }
+  const NormRecipe& recipe = in->recipe;
+  if (!autocast_on(in->x.device().type()) &&
+      linear_is_torch_linear(recipe.kind != kNoNorm, transposed,
+                             weight.grad().defined())) {
+    return at::linear(in->x, weight, bias);
+  }
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memkern::linear_layer", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
+                            const OptTensor&, const OptTensor&, const OptTensor&, int64_t,
+                            int64_t, double)>();
+  return op.call(in->x, weight, bias, transposed, recipe.x, recipe.weight, recipe.bias,
+                 recipe.kind, recipe.dims, recipe.eps);
+}
+
+}  // namespace
+
+void add_linear_entries(py::module_& m) {
+  m.def("linear_layer", &linear_layer, py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("transposed"),
+        "memkern.nn.functional.linear's eager call: memkern::linear_layer with x's norm recipe (or "
+        "torch's linear), or None for a call that function refuses with its error.");
+}
+
+}  // namespace memkern::autograd

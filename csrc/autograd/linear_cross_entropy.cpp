@@ -27,6 +27,7 @@
 #include <tuple>
 
 #include "node.h"
+#include "python_entry.h"
 
 namespace memkern::lce {
 namespace {
@@ -470,8 +471,7 @@ std::optional<Tensor> layer_entry(const Tensor& input, const Tensor& weight, con
       (vocab_block < 1 && vocab_block != -1) || weight.dim() != 2 || input.dim() < 1 ||
       input.size(-1) != weight.size(1) ||
       target.sizes() != input.sizes().slice(0, input.dim() - 1) ||
-      target.scalar_type() != at::kLong || weight.scalar_type() != input.scalar_type() ||
-      (has_bias && bias->scalar_type() != input.scalar_type())) {
+      target.scalar_type() != at::kLong || !autograd::one_dtype(input, weight, bias)) {
     return std::nullopt;
   }
   static const auto op =

@@ -12,6 +12,9 @@
 // act_backward through the dispatcher; weight gradients are added straight into .grad when
 // that gives exactly what autograd would (weight_grad.h); the engine casts each gradient to its
 // input's dtype.
+//
+// At the end of the file: the layer's eager entry from Python, memkern._C.mlp_layer
+// (python_entry.h).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -22,6 +25,7 @@
 #include "../layer_constants.h"
 #include "gemm.h"
 #include "node.h"
+#include "python_entry.h"
 #include "recomputed_ops.h"
 #include "saved_input.h"
 #include "weight_grad.h"
@@ -210,3 +214,45 @@ TORCH_LIBRARY_IMPL(memkern, Autograd, m) { m.impl("mlp_layer", mlp_autograd); }
 TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
   m.impl("mlp_layer", mlp_no_autograd);
 }
+
+// The layer's eager entry from Python, memkern._C.mlp_layer (python_entry.h).
+namespace memkern::autograd {
+namespace {
+
+namespace py = pybind11;
+using OptTensor = std::optional<at::Tensor>;
+
+// memkern.nn.functional.mlp in eager mode: memkern::mlp_layer with x's norm recipe, or None
+// for a call that function refuses with its error (gemm_input).
+OptTensor mlp_layer(py::handle x_obj, const at::Tensor& fc1_weight, const OptTensor& fc1_bias,
+              const at::Tensor& fc2_weight, const OptTensor& fc2_bias,
+              const std::string& activation, const std::string& recompute, bool transposed) {
+  const auto in =
+      gemm_input(x_obj, {{&fc1_weight, &fc1_bias}, {&fc2_weight, &fc2_bias}}, transposed ? 0 : 1);
+  if (!in) {
+    return std::nullopt;
+  }
+  const NormRecipe& recipe = in->recipe;
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memkern::mlp_layer", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                            const at::Tensor&, const OptTensor&, c10::string_view,
+                            c10::string_view, bool, const OptTensor&, const OptTensor&,
+                            const OptTensor&, int64_t, int64_t, double)>();
+  return op.call(in->x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, recompute,
+                 transposed, recipe.x, recipe.weight, recipe.bias, recipe.kind, recipe.dims,
+                 recipe.eps);
+}
+
+}  // namespace
+
+void add_mlp_entries(py::module_& m) {
+  m.def("mlp_layer", &mlp_layer, py::arg("x"), py::arg("fc1_weight"), py::arg("fc1_bias"),
+        py::arg("fc2_weight"), py::arg("fc2_bias"), py::arg("activation"), py::arg("recompute"),
+        py::arg("transposed"),
+        "memkern.nn.functional.mlp's eager call: memkern::mlp_layer with x's norm recipe, or "
+        "None for a call that function refuses with its error.");
+}
+
+}  // namespace memkern::autograd

@@ -11,7 +11,11 @@
 // dy * normalised (rebuilt from x and the statistics), dx = native_layer_norm_backward of
 // dy * (1 + scale). Only ATen ops through the dispatcher: any device, and torch.compile traces
 // it.
+//
+// At the end of the file: the layer's eager entry from Python, memkern._C.modulated_norm
+// (python_entry.h).
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <string>
@@ -19,6 +23,7 @@
 #include <vector>
 
 #include "node.h"
+#include "python_entry.h"
 #include "saved_input.h"
 
 namespace {
@@ -121,3 +126,40 @@ TORCH_LIBRARY_IMPL(memkern, Autograd, m) {
 TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
   m.impl("modulated_norm_layer", modulated_norm_forward);
 }
+
+// The layer's eager entry from Python, memkern._C.modulated_norm (python_entry.h).
+namespace memkern::autograd {
+namespace {
+
+namespace py = pybind11;
+using OptTensor = std::optional<at::Tensor>;
+
+// memkern.nn.functional.modulated_layer_norm in eager mode: memkern::modulated_norm_layer, its
+// output carrying its recipe (kModulatedLayerNorm: x, scale, shift) like a norm's. None for a
+// call the Python path takes: autocast on x's device (the op has none: torch's composition
+// runs), mixed dtypes or shapes that do not fit (the Python path raises).
+py::object modulated_norm(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
+                          double eps) {
+  if (x.dim() < 2 || scale.dim() != 2 || scale.sizes() != shift.sizes() ||
+      scale.size(0) != x.size(0) || scale.size(1) != x.size(-1) || !one_dtype(x, scale, shift) ||
+      autocast_on(x.device().type())) {
+    return py::none();
+  }
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memkern::modulated_norm_layer", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  return with_recipe(op.call(x, scale, shift, eps), x, scale, shift,
+                     kModulatedLayerNorm, 1, eps);
+}
+
+}  // namespace
+
+void add_modulated_norm_entries(py::module_& m) {
+  m.def("modulated_norm", &modulated_norm, py::arg("x"), py::arg("scale"), py::arg("shift"),
+        py::arg("eps"),
+        "memkern.nn.functional.modulated_layer_norm's eager call: memkern::modulated_norm_layer, "
+        "its output carrying its recipe, or None when the Python path must take the call.");
+}
+
+}  // namespace memkern::autograd

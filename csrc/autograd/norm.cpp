@@ -11,6 +11,8 @@
 // csrc/cuda/norm.cu). Under autocast the norm computes in x's dtype and its output has that
 // dtype: memkern's ops have no autocast kernel, and native_layer_norm runs with autocast
 // excluded (CUDA autocast would run it on, and save, a float32 copy of a 16-bit x).
+//
+// At the end of the file: the layer's eager entry from Python, memkern._C.norm (python_entry.h).
 #include "norm.h"
 
 #include <ATen/ATen.h>
@@ -23,6 +25,7 @@
 #include <tuple>
 
 #include "node.h"
+#include "python_entry.h"
 
 namespace {
 
@@ -177,3 +180,73 @@ TORCH_LIBRARY_IMPL(memkern, Autograd, m) { m.impl("norm_layer", norm_layer_autog
 TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
   m.impl("norm_layer", norm_layer_forward);
 }
+
+// The layer's eager entry from Python, memkern._C.norm (python_entry.h).
+namespace memkern::autograd {
+namespace {
+
+namespace py = pybind11;
+using OptTensor = std::optional<at::Tensor>;
+
+// memkern::norm_layer.
+at::Tensor norm_layer(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                      int64_t n_norm, double eps, bool rms) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memkern::norm_layer", "")
+          .typed<at::Tensor(const at::Tensor&, const OptTensor&, const OptTensor&, int64_t,
+                            double, bool)>();
+  return op.call(x, weight, bias, n_norm, eps, rms);
+}
+
+bool shape_is(const OptTensor& t, at::IntArrayRef shape) {
+  return !t.has_value() || !t->defined() || t->sizes() == shape;
+}
+
+// memkern.nn.functional.layer_norm / rms_norm in eager mode: memkern::norm_layer — called as
+// torch's native_layer_norm directly where the op would run that (norm_is_native_layer_norm;
+// one dispatch less) — its output carrying the norm's recipe (a WeakNormRecipe in its
+// _memkern_recipe attribute) when it requires grad, so its consumers save the norm's input
+// instead. None for a call the Python path handles: normalized_shape not a tuple of ints,
+// shapes that do not match (the Python path raises).
+py::object norm(py::handle x_obj, py::handle normalized_shape, const OptTensor& weight,
+                const OptTensor& bias, double eps, bool rms) {
+  const at::Tensor* x = as_tensor(x_obj);
+  if (x == nullptr || !PyTuple_Check(normalized_shape.ptr())) {
+    return py::none();
+  }
+  const Py_ssize_t dims = PyTuple_GET_SIZE(normalized_shape.ptr());
+  if (dims > x->dim()) {
+    return py::none();
+  }
+  c10::SmallVector<int64_t, 4> shape;
+  for (Py_ssize_t i = 0; i < dims; ++i) {
+    PyObject* size = PyTuple_GET_ITEM(normalized_shape.ptr(), i);
+    shape.push_back(PyLong_Check(size) ? PyLong_AsLongLong(size) : -1);
+  }
+  if (PyErr_Occurred()) {
+    PyErr_Clear();  // a size beyond int64: the Python path reports the shape
+    return py::none();
+  }
+  if (x->sizes().slice(x->dim() - dims) != at::IntArrayRef(shape) || !shape_is(weight, shape) ||
+      !shape_is(bias, shape)) {
+    return py::none();
+  }
+  const bool native = norm_is_native_layer_norm(*x, weight, bias, rms);
+  at::Tensor y = native ? native_layer_norm(*x, weight, bias, dims, eps)
+                        : norm_layer(*x, weight, bias, dims, eps, rms);
+  const int64_t kind = native ? kNativeLayerNorm
+                              : rms ? kRmsNorm : kLayerNorm;
+  return with_recipe(std::move(y), *x, weight, bias, kind, dims, eps);
+}
+
+}  // namespace
+
+void add_norm_entries(py::module_& m) {
+  m.def("norm", &norm, py::arg("x"), py::arg("normalized_shape"), py::arg("weight"),
+        py::arg("bias"), py::arg("eps"), py::arg("rms"),
+        "memkern.nn.functional.layer_norm / rms_norm's eager call: memkern::norm_layer, its "
+        "output carrying the norm's recipe, or None when the Python path must take the call.");
+}
+
+}  // namespace memkern::autograd

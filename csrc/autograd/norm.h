@@ -1,6 +1,6 @@
 // memkern's LayerNorm/RMSNorm (norm.cpp): the one choice between torch's native_layer_norm and
-// memkern::norm_forward, which the op memkern::norm_layer makes and the norm's eager entry
-// (python_entries.cpp) makes too, to skip the op's dispatch and to name the recipe it leaves;
+// memkern::norm_forward, which the op memkern::norm_layer makes and the norm's eager entry (both
+// in norm.cpp) makes too, to skip the op's dispatch and to name the recipe it leaves;
 // and the two computations, which a consumer of the norm's output also runs to rebuild it
 // (saved_input.cpp).
 #pragma once

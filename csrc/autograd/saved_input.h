@@ -4,7 +4,7 @@
 // it normalises and its eps, from which backward rebuilds the output bit for bit. The
 // modulated LayerNorm of adaLN (modulated_norm.cpp) leaves one too: its per-sample scale and
 // shift take the parameters' places. The layer ops take it as their norm_* arguments
-// (memkern/ops/_norm_recipe.py); in eager mode the layers' entry points (python_entries.cpp)
+// (memkern/ops/_norm_recipe.py); in eager mode the layers' entry points (python_entry.h)
 // find it on the input, as the WeakNormRecipe the norm's entry left there, and check it is
 // still valid. (Under torch.compile tensors carry no recipe: there
 // memkern/nn/functional/_saved.py's compiled_region has the norm recomputed.)
@@ -54,7 +54,7 @@ at::Tensor modulate(const at::Tensor& normed, const at::Tensor& scale, const at:
 at::Tensor rebuild_norm_output(const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& bias, int64_t kind, int64_t dims, double eps);
 
-// A norm output's recipe as the norm leaves it for its consumers (python_entries.cpp attaches
+// A norm output's recipe as the norm leaves it for its consumers (python_entry.cpp attaches
 // it to the output):
 // weak references to the norm's tensors, which never keep them alive, and their version
 // counters at the norm's call.

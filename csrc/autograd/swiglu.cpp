@@ -12,6 +12,9 @@
 // swiglu_backward through the dispatcher; weight gradients are added straight into .grad when
 // that gives exactly what autograd would (weight_grad.h); the engine casts each gradient to its
 // input's dtype.
+//
+// At the end of the file: the layer's eager entry from Python, memkern._C.swiglu_layer
+// (python_entry.h).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -22,6 +25,7 @@
 #include "../layer_constants.h"
 #include "gemm.h"
 #include "node.h"
+#include "python_entry.h"
 #include "recomputed_ops.h"
 #include "saved_input.h"
 #include "weight_grad.h"
@@ -223,3 +227,46 @@ TORCH_LIBRARY_IMPL(memkern, Autograd, m) { m.impl("swiglu_layer", swiglu_autogra
 TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
   m.impl("swiglu_layer", swiglu_no_autograd);
 }
+
+// The layer's eager entry from Python, memkern._C.swiglu_layer (python_entry.h).
+namespace memkern::autograd {
+namespace {
+
+namespace py = pybind11;
+using OptTensor = std::optional<at::Tensor>;
+
+// memkern.nn.functional.swiglu in eager mode: memkern::swiglu_layer with x's norm recipe, or
+// None for a call that function refuses with its error (gemm_input).
+OptTensor swiglu_layer(py::handle x_obj, const at::Tensor& gate_weight, const OptTensor& gate_bias,
+                 const at::Tensor& up_weight, const OptTensor& up_bias,
+                 const at::Tensor& down_weight, const OptTensor& down_bias,
+                 const std::string& recompute) {
+  const auto in = gemm_input(
+      x_obj, {{&gate_weight, &gate_bias}, {&up_weight, &up_bias}, {&down_weight, &down_bias}}, 1);
+  if (!in) {
+    return std::nullopt;
+  }
+  const NormRecipe& recipe = in->recipe;
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memkern::swiglu_layer", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                            const at::Tensor&, const OptTensor&, const at::Tensor&,
+                            const OptTensor&, c10::string_view, const OptTensor&,
+                            const OptTensor&, const OptTensor&, int64_t, int64_t, double)>();
+  return op.call(in->x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
+                 recompute, recipe.x, recipe.weight, recipe.bias, recipe.kind, recipe.dims,
+                 recipe.eps);
+}
+
+}  // namespace
+
+void add_swiglu_entries(py::module_& m) {
+  m.def("swiglu_layer", &swiglu_layer, py::arg("x"), py::arg("gate_weight"), py::arg("gate_bias"),
+        py::arg("up_weight"), py::arg("up_bias"), py::arg("down_weight"), py::arg("down_bias"),
+        py::arg("recompute"),
+        "memkern.nn.functional.swiglu's eager call: memkern::swiglu_layer with x's norm "
+        "recipe, or None for a call that function refuses with its error.");
+}
+
+}  // namespace memkern::autograd

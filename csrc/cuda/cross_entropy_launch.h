@@ -1,4 +1,4 @@
-// Host-side launchers of the cross-entropy CUDA kernels (kernels/cross_entropy.cuh): plain C++
+// Host-side launchers of the cross-entropy CUDA kernels (cross_entropy.cu): plain C++
 // over raw device pointers, no torch; cross_entropy_ops.cpp checks the tensors and calls them.
 // Contracts: memkern/ops/cross_entropy.py. `Acc` buffers (row_scale, loss, lse) are float32,
 // float64 for float64 logits. Nothing here synchronises with the host: targets are read by the

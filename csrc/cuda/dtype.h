@@ -1,5 +1,5 @@
-// The element type of a buffer handed to memkern's torch-free CUDA launchers (flat_ops.h,
-// layer_ops.h); the torch bindings map at::ScalarType onto it.
+// The element type of a buffer handed to memkern's torch-free CUDA launchers (flat_ops.h and
+// the layers' <layer>_launch.h); the torch bindings map at::ScalarType onto it.
 #pragma once
 
 namespace memkern {

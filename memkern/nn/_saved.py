@@ -1,7 +1,7 @@
 """Saving activations for backward — and not saving the ones that are cheap to recompute.
 
 A memkern norm's output carries a *recipe* (a ``memkern._C.NormRecipe``, left by the norm's
-C++ entry, csrc/python_entries.cpp): how to rebuild it from tensors that are saved anyway (its
+C++ entry, csrc/autograd/norm.cpp): how to rebuild it from tensors that are saved anyway (its
 input, its weight and bias). When another memkern layer saves that output — the Linear or MLP
 right after the norm saves its input for the weight gradient — it saves the recipe's tensors
 instead, which share storage with what the norm already saved, and rebuilds the normalised
@@ -32,7 +32,7 @@ from memkern._extension import check_same_in_cpp
 
 _ATTR = "_memkern_recipe"
 """The attribute of a norm's output holding its recipe; the C++ entry points set and read it
-too (kNormRecipeAttr, csrc/python_entries.h)."""
+too (kNormRecipeAttr, csrc/autograd/python_entry.h)."""
 check_same_in_cpp(__name__, {"NORM_RECIPE_ATTR": _ATTR})
 
 

@@ -39,11 +39,12 @@ the C++ kernel, the tensors' device)."""
 
 def eager_entry(name: str) -> Callable[..., Any] | None:
     """A layer op's direct entry point from Python, ``memkern._C.<name>`` (None without the
-    extension). The entries (csrc/python_entries.cpp) reach the op through a typed dispatcher
-    handle: a ``torch.ops`` call converts every argument to a boxed value against the schema,
-    which for a small layer costs more host time than the layer's own dispatch. Each also
-    checks in C++ whether the op serves the call, returning None when not (the Python path
-    then takes it); eager mode only, as ``torch.compile`` traces ``torch.ops``."""
+    extension). The entries (each in its layer's csrc/autograd/<layer>.cpp) reach the op through
+    a typed dispatcher handle: a ``torch.ops`` call converts every argument to a boxed value
+    against the schema, which for a small layer costs more host time than the layer's own
+    dispatch. Each also checks in C++ whether the op serves the call, returning None when not
+    (the Python path then takes it); eager mode only, as ``torch.compile`` traces
+    ``torch.ops``."""
     if not compiled.has_cpu:
         return None
     from memkern import _C

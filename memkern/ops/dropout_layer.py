@@ -26,6 +26,6 @@ def _fake(x, seed, p):
 
 dropout_layer = torch.ops.memkern.dropout_layer.default
 
-# The op's eager entry point from Python for a drawn seed, ``(x, p)`` (csrc/python_entries.cpp):
+# The op's eager entry point from Python for a drawn seed, ``(x, p)`` (csrc/autograd/dropout.cpp):
 # the call through a typed dispatcher handle instead of the boxed torch.ops path.
 dropout_layer_entry = eager_entry("dropout_layer")

@@ -29,7 +29,7 @@ def _fake(x, weight, bias, transposed, *norm_recipe):
 
 linear_layer = torch.ops.memkern.linear_layer.default
 
-# The op's eager entry point from Python (csrc/python_entries.cpp): the same arguments but the
+# The op's eager entry point from Python (csrc/autograd/linear.cpp): the same arguments but the
 # norm_* ones, which it takes from the recipe a memkern norm left on x, the call through a
 # typed dispatcher handle instead of the boxed torch.ops path. It returns
 # torch.nn.functional.linear's result when memkern would do nothing differently (one dtype, no

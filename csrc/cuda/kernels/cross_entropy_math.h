@@ -1,8 +1,8 @@
-// The per-row math of memkern's cross-entropy kernels, compiled for the host and the device:
-// the CUDA kernels (cross_entropy.cuh) and the CPU kernels (csrc/cpu/cross_entropy.cpp) both
+// The per-row math of memkern's cross-entropy kernels, compiled for the host and the device: the
+// CUDA kernels (csrc/cuda/cross_entropy.cu) and the CPU kernels (csrc/cpu/cross_entropy.cpp) both
 // include it, so the CPU test suite runs the very tile loop, rescaling and formulas a GPU runs.
-// Contracts: memkern/ops/cross_entropy.py. Torch-free (plain C++ and CUDA), so CI can compile
-// it with nvcc alone.
+// Contracts: memkern/ops/cross_entropy.py. Torch-free (plain C++ and CUDA), so CI can compile it
+// with nvcc alone.
 //
 // A row of V logits is walked in tiles: an optional head tile (the values before the first
 // 16-byte boundary, so that every later tile is one aligned vector load on the GPU), then tiles

@@ -1,6 +1,6 @@
 // The mask of memkern::dropout (contract: memkern/ops/dropout.py), shared by the CPU kernel
-// (csrc/cpu/dropout.cpp) and the CUDA kernel (dropout.cuh): element i of n is kept when word
-// i / n4 of Philox4x32-10 counter i % n4 (n4 = ceil(n / 4)) under key seed is >= threshold.
+// (csrc/cpu/dropout.cpp) and the CUDA kernel (csrc/cuda/dropout.cu): element i of n is kept when
+// word i / n4 of Philox4x32-10 counter i % n4 (n4 = ceil(n / 4)) under key seed is >= threshold.
 // Integer math only, so both produce the reference's masks bit for bit.
 #pragma once
 

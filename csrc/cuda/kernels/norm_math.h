@@ -1,9 +1,9 @@
-// The per-row math of memkern::norm_forward / norm_backward (LayerNorm and RMSNorm over rows of
-// D elements; contract: memkern/ops/norm.py), shared by the CPU kernels (csrc/cpu/norm.cpp) and
-// the CUDA kernels (norm.cuh). Each kernel sums a row its own way (vector lanes on the CPU, a
+// The per-row math of memkern::norm_forward / norm_backward (LayerNorm and RMSNorm over rows of D
+// elements; contract: memkern/ops/norm.py), shared by the CPU kernels (csrc/cpu/norm.cpp) and the
+// CUDA kernels (csrc/cuda/norm.cu). Each kernel sums a row its own way (vector lanes on the CPU, a
 // block reduction on the GPU) and hands the sums to these functions, which turn them into the
-// statistics and each element's output. acc_t is the math type: float for float32 and 16-bit
-// inputs (rounded once by the caller), double for float64.
+// statistics and each element's output. acc_t is the math type: float for float32 and 16-bit inputs
+// (rounded once by the caller), double for float64.
 #pragma once
 
 #include "../../math/host_device.h"

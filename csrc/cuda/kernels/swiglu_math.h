@@ -1,7 +1,7 @@
 // The elementwise math of memkern::swiglu_forward / swiglu_backward (contract and formulas:
 // memkern/ops/swiglu.py), shared by the CPU kernels (csrc/cpu/swiglu.cpp) and the CUDA kernels
-// (swiglu.cuh). acc_t is the math type: float for float32 and 16-bit inputs (rounded once by
-// the caller), double for float64.
+// (csrc/cuda/swiglu.cu). acc_t is the math type: float for float32 and 16-bit inputs (rounded once
+// by the caller), double for float64.
 #pragma once
 
 #include "../../math/host_device.h"

@@ -1,9 +1,7 @@
-// The CUDA kernels of memkern's layer ops — dropout, swiglu_forward / swiglu_backward,
-// norm_forward / norm_backward — registered for the CUDA dispatch key, so a layer call on a GPU
-// goes C++ autograd → dispatcher → these launches with no Python in between. This file checks
-// the tensors (the checks the CPU kernels make: ../layer_checks.h), allocates the outputs with
-// torch's caching allocator, and calls the torch-free launchers of layer_ops.h on the current
-// stream. (act_forward / act_backward run torch's own kernels: csrc/any_device/activation.cpp.)
+// The CUDA kernels of memkern::norm_forward / norm_backward (LayerNorm, RMSNorm), registered for
+// the CUDA dispatch key: check the tensors (the CPU kernels' checks: ../layer_checks.h), bring
+// the weight and bias to a dtype the kernels take, allocate the outputs with torch's caching
+// allocator and call the torch-free launchers of norm_launch.h on the current stream.
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -12,84 +10,20 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "../layer_checks.h"
-#include "layer_ops.h"
+#include "norm_launch.h"
+#include "ops_common.h"
 
 namespace {
 
 using memkern::DType;
+using memkern::cuda_ops::check_launch;
+using memkern::cuda_ops::layer_dtype;
+using memkern::cuda_ops::stream;
+using memkern::cuda_ops::check_cuda;
 using OptTensor = std::optional<at::Tensor>;
-
-DType layer_dtype(const char* op, const char* name, const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return DType::f32;
-    case at::kBFloat16:
-      return DType::bf16;
-    case at::kHalf:
-      return DType::f16;
-    case at::kDouble:
-      return DType::f64;
-    default:
-      TORCH_CHECK(false, "memkern.", op, ": ", name, " has dtype ", t.scalar_type(),
-                  "; expected float32, bfloat16, float16 or float64");
-  }
-}
-
-void check_cuda(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.is_cuda(), "memkern.", op, ": ", name, " is on ", t.device(),
-              "; the CUDA kernel needs CUDA tensors");
-}
-
-void check_launch(const char* op, cudaError_t status) {
-  TORCH_CHECK(status == cudaSuccess, "memkern.", op, ": CUDA kernel launch failed: ",
-              cudaGetErrorString(status));
-}
-
-cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
-
-at::Tensor dropout_cuda(const at::Tensor& x, const at::Tensor& seed, double p) {
-  constexpr const char* op = "dropout";
-  memkern::check_dropout_args(x, seed, p);
-  const DType dtype = layer_dtype(op, "x", x);
-  const c10::cuda::CUDAGuard device_guard(x.device());
-  at::Tensor y = at::empty_like(x);
-  check_launch(op, memkern::layer_ops::dropout(x.const_data_ptr(), y.data_ptr(), dtype,
-                                               x.numel(), seed.const_data_ptr<int64_t>(), p,
-                                               stream()));
-  return y;
-}
-
-at::Tensor swiglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up) {
-  constexpr const char* op = "swiglu_forward";
-  memkern::check_like_gate(op, "up", up, gate);
-  const DType dtype = layer_dtype(op, "gate", gate);
-  const c10::cuda::CUDAGuard device_guard(gate.device());
-  const at::Tensor a = gate.contiguous(), b = up.contiguous();
-  at::Tensor h = at::empty_like(a);
-  check_launch(op, memkern::layer_ops::swiglu_forward(a.const_data_ptr(), b.const_data_ptr(),
-                                                      h.data_ptr(), dtype, a.numel(), stream()));
-  return h;
-}
-
-std::tuple<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& grad,
-                                                        const at::Tensor& gate,
-                                                        const at::Tensor& up) {
-  constexpr const char* op = "swiglu_backward";
-  memkern::check_like_gate(op, "up", up, gate);
-  memkern::check_like_gate(op, "grad", grad, gate);
-  const DType dtype = layer_dtype(op, "gate", gate);
-  const c10::cuda::CUDAGuard device_guard(gate.device());
-  const at::Tensor g = grad.contiguous(), a = gate.contiguous(), b = up.contiguous();
-  at::Tensor grad_gate = at::empty_like(a), grad_up = at::empty_like(b);
-  check_launch(op, memkern::layer_ops::swiglu_backward(
-                       g.const_data_ptr(), a.const_data_ptr(), b.const_data_ptr(),
-                       grad_gate.data_ptr(), grad_up.data_ptr(), dtype, a.numel(), stream()));
-  return {grad_gate, grad_up};
-}
 
 // The norms' weight and bias as the kernels take them: contiguous, of x's dtype or the math
 // type (another dtype, or a weight and bias of different dtypes, are converted to the math
@@ -180,11 +114,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward_cuda(
 
 }  // namespace
 
-// The schemas are defined in memkern/ops/{dropout,swiglu,norm}.py.
+// The schemas are defined in memkern/ops/norm.py.
 TORCH_LIBRARY_IMPL(memkern, CUDA, m) {
-  m.impl("dropout", TORCH_FN(dropout_cuda));
-  m.impl("swiglu_forward", TORCH_FN(swiglu_forward_cuda));
-  m.impl("swiglu_backward", TORCH_FN(swiglu_backward_cuda));
   m.impl("norm_forward", TORCH_FN(norm_forward_cuda));
   m.impl("norm_backward", TORCH_FN(norm_backward_cuda));
 }
