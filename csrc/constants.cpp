@@ -29,15 +29,15 @@ py::tuple as_tuple(const std::array<const char*, N>& names) {
 }  // namespace
 
 void add_constants(py::module_& m) {
-  // memkern/ops/_norm_recipe.py
+  // memkern/ops/_gemm_layer.py
   m.attr("NORM_KINDS") = std::map<std::string, int64_t>{
       {"native_layer_norm", autograd::kNativeLayerNorm},
       {"layer_norm", autograd::kLayerNorm},
       {"rms_norm", autograd::kRmsNorm},
       {"modulated_layer_norm", autograd::kModulatedLayerNorm}};
-  // memkern/nn/functional/_saved.py
+  // memkern/nn/_saved.py
   m.attr("NORM_RECIPE_ATTR") = autograd::kNormRecipeAttr;
-  // memkern/ops/activation.py, memkern/nn/functional/mlp.py
+  // memkern/ops/activation.py, memkern/nn/mlp.py
   m.attr("ACTIVATIONS") = as_tuple(kActivationKinds);
   m.attr("RECOMPUTE") = as_tuple(kRecomputeNames);
   // memkern/kernels/state8bit.py

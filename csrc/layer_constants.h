@@ -28,7 +28,7 @@ std::string quoted_tuple(const std::array<const char*, N>& names) {
 inline constexpr std::array<const char*, 4> kActivationKinds{"gelu", "gelu_tanh", "relu", "silu"};
 
 // What a GEMM layer (csrc/autograd/mlp.cpp, swiglu.cpp) keeps for backward, by recompute
-// (RECOMPUTE of memkern/nn/functional/mlp.py), in this order: "none" keeps every
+// (RECOMPUTE of memkern/nn/mlp.py), in this order: "none" keeps every
 // intermediate, "activation" recomputes the elementwise unit, "full" the input GEMMs too.
 enum Recompute : int64_t { kNone = 0, kActivation = 1, kFull = 2 };
 inline constexpr std::array<const char*, 3> kRecomputeNames{"none", "activation", "full"};

@@ -4,10 +4,10 @@
 // it normalises and its eps, from which backward rebuilds the output bit for bit. The
 // modulated LayerNorm of adaLN (modulated_norm.cpp) leaves one too: its per-sample scale and
 // shift take the parameters' places. The layer ops take it as their norm_* arguments
-// (memkern/ops/_norm_recipe.py); in eager mode the layers' entry points (python_entry.h)
+// (memkern/ops/_gemm_layer.py); in eager mode the layers' entry points (python_entry.h)
 // find it on the input, as the WeakNormRecipe the norm's entry left there, and check it is
 // still valid. (Under torch.compile tensors carry no recipe: there
-// memkern/nn/functional/_saved.py's compiled_region has the norm recomputed.)
+// memkern/nn/_saved.py's compiled_region has the norm recomputed.)
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,7 +18,7 @@
 
 namespace memkern::autograd {
 
-// The norm_kind argument; the values of memkern/ops/_norm_recipe.py.
+// The norm_kind argument; the values of memkern/ops/_gemm_layer.py.
 enum NormKind : int64_t {
   kNoNorm = 0,           // the input is saved itself
   kNativeLayerNorm = 1,  // at::native_layer_norm (torch's LayerNorm)
