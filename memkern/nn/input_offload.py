@@ -24,10 +24,11 @@ block k's backward         its forward is recomputed from that tensor (``torch.u
 
 The chain's last block keeps its input on the device (no block runs after it, and its backward
 comes first); the first block's backward brings nothing back. The output head's input (the last
-block's output) is never copied. So besides what the running block makes, the policy holds at
-most two block inputs on the device at any moment (``x_k`` and ``x_{k+1}`` in forward; the copy
-in use and the one arriving in backward), where "full" holds all of them; each arriving copy
-takes the block of memory the copy before the last one gave back.
+block's output) is never copied. So besides what the running block makes (its output included),
+the policy holds at most two block inputs on the device at any moment (``x_k`` and ``x_{k+1}``
+while block k+1 runs forward; the copy in use and the one arriving in backward), where "full"
+holds all of them; each arriving copy takes the block of memory the copy before the last one
+gave back.
 
 Host memory: each module under the policy has its own buffers (:class:`HostBuffers`): one per
 call of it alive at once (one, unless the module runs again before the first call's backward),
