@@ -261,6 +261,23 @@ def test_retained_graph_fetches_again_and_shared_module():
     assert _equal(results["full-host"][1:1 + half], results["full-host"][1 + half:])
 
 
+def test_backward_through_part_of_the_chain():
+    """Gradients for the input of block 3 only: blocks 3 and 4 run backward; block 2's input,
+    brought back when block 3's backward started, is let go unused with the graph."""
+    x, w = _data()
+    results = {}
+    for policy in ("full", "full-host"):
+        blocks = _blocks(policy)
+        torch.manual_seed(7)
+        h, inputs = x * 1.0, []
+        for b in blocks:
+            inputs.append(h)
+            h = b(h)
+        results[policy] = torch.autograd.grad((h * w).sum(), [inputs[3], *blocks[3:].parameters()])
+        del h, inputs
+    assert _equal(results["full-host"], results["full"])
+
+
 def test_input_strides_come_back():
     """A permuted (dense, not contiguous) input is recomputed from a tensor of its strides."""
     log = []

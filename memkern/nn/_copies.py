@@ -6,6 +6,9 @@
 * ``start(dst, src)``: ``dst.copy_(src)``, started after the work queued so far on the current
   stream; returns what :meth:`wait` takes to know it is done.
 * ``wait(done)``: the current stream's next work runs after that copy.
+* ``let_go(t)``: ``t``, which a started copy may still read or write, is about to be let go
+  without the current stream having waited for that copy: its memory is not reused before the
+  copies started so far are done.
 
 On a CUDA device the copy runs on a side stream (one per device) and ``done`` is an event; on
 any other device (the CPU, and the CPU stand-in of a planned step) it runs at once and ``done`` is
@@ -56,6 +59,9 @@ class _StreamCopies:
         if done is not None:
             torch.cuda.current_stream(self.stream.device).wait_event(done)
 
+    def let_go(self, t: torch.Tensor) -> None:
+        t.record_stream(self.stream)
+
 
 class _InlineCopies:
     """Copies that are done when :meth:`start` returns (one stream of work: the CPU's)."""
@@ -66,6 +72,10 @@ class _InlineCopies:
 
     @staticmethod
     def wait(done: None) -> None:
+        pass
+
+    @staticmethod
+    def let_go(t: torch.Tensor) -> None:
         pass
 
 

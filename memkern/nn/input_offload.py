@@ -32,8 +32,9 @@ gave back.
 
 Host memory: each module under the policy has its own buffers (:class:`HostBuffers`): one per
 call of it alive at once (one, unless the module runs again before the first call's backward),
-made by :func:`allocate_host_buffer` with exactly the bytes of the largest input it has held,
-kept from step to step (page-locked once on CUDA). The last block's module never makes one: a
+made by :func:`memkern._host.empty` with exactly the bytes of the largest input it has held,
+kept from step to step (on CUDA page-locked once, at that size: torch's pinned caching allocator
+would round it up to a power of two). The last block's module never makes one: a
 chain of L blocks whose inputs are B bytes each holds (L - 1)·B bytes of host memory.
 
 The block's input is its first positional argument, one tensor (it comes back with its strides
@@ -53,30 +54,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from memkern import _fake
+from memkern import _fake, _host
 from memkern.nn._copies import copies_for, dense
 
 POLICY = "full-host"
-_CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 _local = threading.local()  # .tail: weakref to the chain's last call (see run)
-
-
-def _unregister(address: int) -> None:
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))
-
-
-def allocate_host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """``nbytes`` bytes of host memory (a uint8 tensor) to copy tensors of ``device`` into,
-    sized exactly. For a CUDA device it is page-locked with ``cudaHostRegister`` (and unlocked
-    when its storage dies): torch's pinned caching allocator would round the request up to a
-    power of two. Every host buffer of the "full-host" policy comes from here."""
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    if device.type == "cuda" and nbytes and not _fake.is_fake(buf):
-        address = buf.data_ptr()
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
-            address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
-        weakref.finalize(buf.untyped_storage(), _unregister, address)
-    return buf
 
 
 class _HostBuffer:
@@ -120,7 +102,9 @@ class HostBuffers:
             for b in self.free:
                 b.free()
             self.free = []
-            buf = _HostBuffer(allocate_host_buffer(nbytes, device))
+            pinned = _host.pin_for(device)  # at exactly its size: no power-of-two rounding
+            buf = _HostBuffer(_host.empty(nbytes, torch.uint8, pinned=pinned, exact=pinned,
+                                          holds="activations"))
         self.held.append(buf)
         return buf
 
@@ -211,7 +195,7 @@ class _BlockInput:
 
     def __del__(self) -> None:
         if self.device is not None and self.to_device is not None:
-            self.copies.wait(self.to_device)  # fetched, never used: order its memory's reuse
+            self.copies.let_go(self.device)  # fetched, never used
         if self.host is not None:
             self.buffers.give_back(self.host)
 
