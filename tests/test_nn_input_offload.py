@@ -278,6 +278,20 @@ def test_backward_through_part_of_the_chain():
     assert _equal(results["full-host"], results["full"])
 
 
+def test_inside_an_outer_checkpoint():
+    """Blocks under "full-host" inside a module under "full" (recomputed inside its backward)."""
+    x, w = _data()
+    results = {}
+    for policy in ("full", "full-host"):
+        blocks = _blocks(policy, n=4)
+        outer = mk.checkpoint(nn.Sequential(*blocks[:2]), "full")
+        torch.manual_seed(7)
+        h = blocks[3](blocks[2](outer(x * 1.0)))
+        loss = (h * w).sum()
+        results[policy] = [loss, *torch.autograd.grad(loss, [x, *blocks.parameters()])]
+    assert _equal(results["full-host"], results["full"])
+
+
 def test_input_strides_come_back():
     """A permuted (dense, not contiguous) input is recomputed from a tensor of its strides."""
     log = []

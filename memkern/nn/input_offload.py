@@ -139,7 +139,8 @@ class _BlockInput:
         self.backward_started = False
 
     def pack(self, t: torch.Tensor) -> Any:
-        """The saved-tensor hook: the block's input is packed into this object, once."""
+        """The saved-tensor hook: the block's input is packed into this object, once. (autograd
+        keeps the hooks as long as the graph: they must not hold the input themselves.)"""
         if t is self.device and not self.packed:
             self.packed = True
             return self
@@ -238,7 +239,6 @@ def run(forward: Callable[[], Any], args: Sequence[Any], buffers: HostBuffers) -
             f"first, or use policy 'full'")
     previous = _tail()
     call = _BlockInput(x, buffers, previous)
-    del x  # from here on only `call` holds it (autograd keeps the hooks as long as the graph)
     if previous is not None:
         previous.offload()
     try:
