@@ -166,6 +166,25 @@ def test_labels_none_in_train_mode_returns_the_unpatched_logits(family):
     assert torch.equal(out.logits, want.logits)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_forward_that_raises_leaves_the_model_as_it_was(family):
+    """A fused call whose forward raises (a token id outside the vocabulary, after the call
+    opened): the output layer is back in its seat and the config as it was (Gemma 2's
+    soft-cap), so the next calls give the unpatched model's logits and loss."""
+    model, ref = _pair(family, linear=False, norm=False, mlp=False, dropout=False)
+    ids, labels = _batch()
+    bad = ids.clone()
+    bad[1, 3] = VOCAB + 7
+    config = model.config.to_dict()
+    with pytest.raises(IndexError):
+        model(input_ids=bad, labels=labels)
+    assert model.config.to_dict() == config
+    assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    out, want = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    assert out.logits is None
+    assert rel_err(out.loss.detach(), want.loss.detach()) < TOL
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_state_dict_parameters_and_tying_unchanged(family):
     torch.manual_seed(0)
