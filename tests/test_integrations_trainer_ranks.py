@@ -7,7 +7,7 @@ differ between the ranks, clipping and a warm-up schedule, fp32).
 One launch trains 6 steps at W=2 (ZeRO-1, torchrun) and saves a checkpoint at step 3; a second
 resumes it at W=2 (ZeRO-2, accelerate launch), a third in one process: every logged loss equals
 plain Trainer's. The torchrun and accelerate commands of docs/distributed.md run as written.
-Each launch runs under a timeout that reports every rank's output (tests/multiprocess.py).
+Each launch runs under a timeout that reports every rank's output (tests/launch_ranks.py).
 
 ``MemkernTrainer(fsdp2=True)`` (FSDP2 + memkern's FusedAdamW on the patched model): 2 ranks under
 torchrun save at step 3; resumed at 1 rank (torchrun): every logged loss equals plain
@@ -27,7 +27,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from memkern.optim.grad_buffer import ALIGN  # noqa: E402
-from multiprocess import REPO, free_port, run_launcher  # noqa: E402
+from launch_ranks import REPO, free_port, run_launcher  # noqa: E402
 from test_integrations_transformers import one_thread  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "tests", "scripts", "trainer_ranks.py")
