@@ -253,8 +253,9 @@ class MemkernTrainerMixin:
             return self.optimizer
         optim = _argument(args, "optim")
         if optim not in ALGORITHMS:
-            raise ValueError(f"memkern {type(self).__name__}: TrainingArguments.optim={optim!r} has "
-                             f"no memkern equivalent; use one of {sorted(ALGORITHMS)}")
+            raise ValueError(f"memkern {type(self).__name__}: TrainingArguments.optim="
+                             f"{optim!r} has no memkern equivalent; use one of "
+                             f"{sorted(ALGORITHMS)}")
         algorithm = ALGORITHMS[optim]
         hyper = ({"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
                  if algorithm == "adamw" else {})
