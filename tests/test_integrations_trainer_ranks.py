@@ -9,7 +9,7 @@ resumes it at W=2 (ZeRO-2, accelerate launch), a third in one process: every log
 plain Trainer's. In the first launch rank 1 lingers after writing its files of the first
 checkpoint (``--late-rank``) and watches for rank 0's completion marker, which must not come
 before it is done. The torchrun and accelerate commands of docs/distributed.md run as written.
-Each launch runs under a timeout that reports every rank's output (tests/multiprocess.py).
+Each launch runs under a timeout that reports every rank's output (tests/launch_ranks.py).
 
 ``MemkernTrainer(fsdp2=True)`` (FSDP2 + memkern's FusedAdamW on the patched model): 2 ranks under
 torchrun save at step 3; resumed at 1 rank (torchrun): every logged loss equals plain
@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from memkern.optim.grad_buffer import ALIGN  # noqa: E402
-from multiprocess import REPO, free_port, run_launcher  # noqa: E402
+from launch_ranks import REPO, free_port, run_launcher  # noqa: E402
 from test_integrations_transformers import one_thread  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "tests", "scripts", "trainer_ranks.py")

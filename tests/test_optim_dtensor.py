@@ -8,7 +8,7 @@ rank's shard (the quantization blocks start at the shard's start); ``torch.nn.ut
 clip_grad_norm_`` on the full tensors; a checkpoint saved through ``torch.distributed.
 checkpoint`` at one world size and loaded at another against the uninterrupted run. Gradients
 are drawn per step from a seeded generator (the same full gradient on every rank), so the
-optimizer is all that differs between the runs. Launched through tests/multiprocess.py.
+optimizer is all that differs between the runs. Launched through tests/launch_ranks.py.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import memkern as mk
-import multiprocess
+import launch_ranks
 from compare import params_rel_err
 
 ALGORITHMS = {"adamw": (mk.optim.FusedAdamW, dict(lr=3e-2, weight_decay=0.1)),
@@ -322,7 +322,7 @@ def scenario_checkpoint_load(rank, world, seed, out):
 
 
 if __name__ == "__main__":
-    multiprocess.serve(globals())
+    launch_ranks.serve(globals())
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -331,11 +331,11 @@ def runs(tmp_path_factory):
     """W=1 saves, W=2 runs everything and loads W=1's checkpoint and saves its own, which a
     second W=1 launch loads."""
     out = str(tmp_path_factory.mktemp("dtensor"))
-    seed = multiprocess.fresh_seed()
-    first = multiprocess.launch(__file__, 1, ["checkpoint_save"], out, seed)
-    two = multiprocess.launch(__file__, 2, ["step", "step_bf16", "found_inf", "clip_2d", "errors",
+    seed = launch_ranks.fresh_seed()
+    first = launch_ranks.launch(__file__, 1, ["checkpoint_save"], out, seed)
+    two = launch_ranks.launch(__file__, 2, ["step", "step_bf16", "found_inf", "clip_2d", "errors",
                                             "checkpoint_save", "checkpoint_load"], out, seed)
-    last = multiprocess.launch(__file__, 1, ["checkpoint_load"], out, seed)
+    last = launch_ranks.launch(__file__, 1, ["checkpoint_load"], out, seed)
     return {1: dict(first, **last), 2: two}
 
 
