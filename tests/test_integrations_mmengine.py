@@ -330,3 +330,65 @@ def test_adam_without_weight_decay_is_adamw(tmp_path):
     assert params_rel_err(got, expected) < FP32_TOLERANCE
 
 
+
+
+CONFIG_FILE = """
+custom_imports = dict(imports=['memkern.integrations.mmengine'], allow_failed_imports=False)
+model = dict(type='memkern_test_toy')
+work_dir = {work_dir!r}
+train_dataloader = dict(dataset=dict(type='memkern_test_ones'), batch_size=2,
+                        sampler=dict(type='DefaultSampler', shuffle=False),
+                        collate_fn=dict(type='default_collate'))
+train_cfg = dict(by_epoch=True, max_epochs=1)
+optim_wrapper = dict(type='MemkernOptimWrapper', optimizer=dict(type='SGD', lr=0.01),
+                     accumulative_counts=4)
+custom_hooks = [dict(type='MemkernPatchHook')]
+log_level = 'ERROR'
+"""
+
+RUN_CONFIG = """
+import sys
+import torch
+from mmengine.config import Config
+from mmengine.model import BaseModel
+from mmengine.registry import DATASETS, MODELS
+from mmengine.runner import Runner
+
+
+@MODELS.register_module('memkern_test_toy')
+class ToyModel(BaseModel):  # the seed's
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(1, 1)
+
+    def forward(self, img, label, mode):
+        return dict(loss=(self.linear(img) - label).pow(2))
+
+
+DATASETS.register_module('memkern_test_ones',
+                         module=lambda: [(torch.ones(1), torch.ones(1))] * 50)
+runner = Runner.from_cfg(Config.fromfile(sys.argv[1]))
+assert 'memkern.integrations.mmengine' in sys.modules  # imported by the config
+runner.train()
+print(type(runner.optim_wrapper).__name__, type(runner.optim_wrapper.optimizer).__name__,
+      type(runner.model.linear).__module__)
+"""
+
+
+def test_a_config_file_imports_the_integration(tmp_path):
+    """In a config file, ``custom_imports`` registers the wrapper and the hook: a fresh
+    interpreter that never imported memkern trains the seed's model through them."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "config.py"
+    config.write_text(CONFIG_FILE.format(work_dir=str(tmp_path / "work")))
+    script = tmp_path / "run.py"
+    script.write_text(RUN_CONFIG)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script), str(config)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-3:] == ["MemkernOptimWrapper", "ShardedOptimizer",
+                                        "memkern.nn.linear"]
