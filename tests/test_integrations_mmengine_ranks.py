@@ -6,7 +6,7 @@ layers, and ``MemkernOptimWrapper`` refused on it in one line.
 
 Oracle: MMEngine's ``Runner`` in one process with MMEngine's own ``OptimWrapper`` and torch's
 ``AdamW``, on the global batch (the two ranks' micro-batches together), unpatched. Both ranks
-launch once and run every scenario (tests/multiprocess.py).
+launch once and run every scenario (tests/launch_ranks.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import multiprocess
+import launch_ranks
 from compare import params_rel_err
 
 pytest.importorskip("mmengine")
@@ -165,9 +165,9 @@ def one_process_loop(seed: int) -> list[torch.Tensor]:
 # ----------------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    seed = multiprocess.fresh_seed()
+    seed = launch_ranks.fresh_seed()
     out = str(tmp_path_factory.mktemp("mmengine-ranks"))
-    results = multiprocess.launch(__file__, WORLD, ["zero", "ddp", "fsdp1"], out, seed)
+    results = launch_ranks.launch(__file__, WORLD, ["zero", "ddp", "fsdp1"], out, seed)
     results["seed"] = seed
     torch.manual_seed(seed)
     one = run(seed, make_model(seed), out, "OptimWrapper", batch=WORLD * BATCH, launcher="none")
@@ -206,4 +206,4 @@ def test_fsdp1_trains_memkerns_layers_and_refuses_the_memkern_wrapper(ranks):
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    multiprocess.serve(globals())
+    launch_ranks.serve(globals())
