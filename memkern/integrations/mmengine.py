@@ -143,10 +143,10 @@ class MemkernOptimWrapper(OptimWrapper):
             forward under ``torch.autocast`` of that dtype, so float32 inputs and buffers mix
             with the 16-bit weights; what ``AmpOptimWrapper(dtype=...)`` does with float32
             weights and autocast, without the float32 weights on the device.
-        loss_scale: None (no scaling), ``'dynamic'``, a number (a static scale) or a dict of
+        loss_scale: ``'auto'`` (``'dynamic'`` with ``dtype='float16'``, else None), None (no
+            scaling), ``'dynamic'``, a number (a static scale) or a dict of
             :class:`memkern.LossScaler` arguments (``init_scale``, ``growth_factor``,
-            ``backoff_factor``, ``growth_interval``: ``GradScaler``'s names). Default:
-            ``'dynamic'`` with ``dtype='float16'``, else None. One inf check and one scale
+            ``backoff_factor``, ``growth_interval``: ``GradScaler``'s names). One inf check and one scale
             update per window; a window with inf/NaN gradients is skipped, as
             ``AmpOptimWrapper`` skips it.
         state_precision, offload, zero_stage, grad_dtype, bucket_size_mb: memkern's
@@ -161,7 +161,7 @@ class MemkernOptimWrapper(OptimWrapper):
 
     def __init__(self, optimizer: torch.optim.Optimizer, accumulative_counts: int = 1,
                  clip_grad: dict | None = None, dtype: str | None = None,
-                 loss_scale: Any = "default", state_precision: str = "32bit",
+                 loss_scale: Any = "auto", state_precision: str = "32bit",
                  offload: str | None = None, zero_stage: int = 1,
                  grad_dtype: str | torch.dtype | None = None, bucket_size_mb: float = 25) -> None:
         if not (isinstance(accumulative_counts, int) and accumulative_counts >= 1):
@@ -171,7 +171,7 @@ class MemkernOptimWrapper(OptimWrapper):
             raise ValueError(f"{NAME}: dtype must be None, 'bfloat16' or 'float16', got "
                              f"{dtype!r}")
         self.cast_dtype = _DTYPES.get(dtype)
-        if loss_scale == "default":
+        if loss_scale == "auto":
             loss_scale = "dynamic" if self.cast_dtype is torch.float16 else None
         if isinstance(loss_scale, dict):
             from memkern.amp.loss_scaler import LossScaler
