@@ -33,7 +33,9 @@ from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper
 from mmengine.registry import HOOKS, MODEL_WRAPPERS, OPTIM_WRAPPERS
 from torch import nn
+from torch.distributed.fsdp._common_utils import _is_fsdp_flattened  # (see _is_fsdp1_parameter)
 
+from memkern.amp.loss_scaler import LossScaler
 from memkern.nn.patch import patch as patch_model
 from memkern.nn.patch import patch_report
 from memkern.optim.sharded import ShardedOptimizer
@@ -55,8 +57,6 @@ def _is_fsdp1_parameter(p: torch.Tensor) -> bool:
     """Whether ``p`` is a parameter FSDP1 (``FullyShardedDataParallel``) flattened. torch marks
     them with a private attribute and has no public query; this is the one place that reads
     it."""
-    from torch.distributed.fsdp._common_utils import _is_fsdp_flattened
-
     return _is_fsdp_flattened(p)
 
 
@@ -78,7 +78,8 @@ def _param_groups(optimizer: torch.optim.Optimizer, state_precision: str
                 raise ValueError(f"{NAME}: {option}={group[option]!r} (param group {index}) is "
                                  f"not supported by memkern's {algorithm} step; leave it at "
                                  f"{unused!r}")
-        if kind is torch.optim.Adam and group["weight_decay"] != 0:
+        if (kind is torch.optim.Adam and group["weight_decay"] != 0
+                and not group.get("decoupled_weight_decay", False)):
             raise ValueError(
                 f"{NAME}: Adam with weight_decay={group['weight_decay']} (param group {index}) "
                 "adds the decay to the gradient, which memkern's AdamW does not; use "
@@ -138,16 +139,16 @@ class MemkernOptimWrapper(OptimWrapper):
         clip_grad: ``dict(max_norm=...)``: clip the window's gradient to this total L2 norm,
             inside the fused step (``type='value'`` and other norms are refused). The norm
             before clipping is logged as ``train/grad_norm``, as ``OptimWrapper`` does.
-        dtype: None, ``'bfloat16'`` or ``'float16'``: the parameters are cast to it in place
-            (the optimizer keeps float32 master weights) and ``optim_context`` runs the
-            forward under ``torch.autocast`` of that dtype, so float32 inputs and buffers mix
-            with the 16-bit weights; what ``AmpOptimWrapper(dtype=...)`` does with float32
-            weights and autocast, without the float32 weights on the device.
+        dtype: None, ``'bfloat16'`` or ``'float16'``: the parameters the optimizer steps are
+            cast to it in place (it keeps their float32 master weights) and ``optim_context``
+            runs the forward under ``torch.autocast`` of that dtype, so float32 inputs and
+            buffers mix with the 16-bit weights; what ``AmpOptimWrapper(dtype=...)`` does with
+            float32 weights and autocast, without the float32 weights on the device.
         loss_scale: ``'auto'`` (``'dynamic'`` with ``dtype='float16'``, else None), None (no
             scaling), ``'dynamic'``, a number (a static scale) or a dict of
             :class:`memkern.LossScaler` arguments (``init_scale``, ``growth_factor``,
-            ``backoff_factor``, ``growth_interval``: ``GradScaler``'s names). One inf check and one scale
-            update per window; a window with inf/NaN gradients is skipped, as
+            ``backoff_factor``, ``growth_interval``: ``GradScaler``'s names). One inf check and
+            one scale update per window; a window with inf/NaN gradients is skipped, as
             ``AmpOptimWrapper`` skips it.
         state_precision, offload, zero_stage, grad_dtype, bucket_size_mb: memkern's
             options, passed to ``ShardedOptimizer`` (``'8bit'`` state, ``offload='cpu'``,
@@ -174,8 +175,6 @@ class MemkernOptimWrapper(OptimWrapper):
         if loss_scale == "auto":
             loss_scale = "dynamic" if self.cast_dtype is torch.float16 else None
         if isinstance(loss_scale, dict):
-            from memkern.amp.loss_scaler import LossScaler
-
             loss_scale = LossScaler(**loss_scale)
         flattened = [p for g in optimizer.param_groups for p in g["params"]
                      if _is_fsdp1_parameter(p)]
