@@ -375,6 +375,7 @@ print(type(runner.optim_wrapper).__name__, type(runner.optim_wrapper.optimizer).
 """
 
 
+@pytest.mark.slow
 def test_a_config_file_imports_the_integration(tmp_path):
     """In a config file, ``custom_imports`` registers the wrapper and the hook: a fresh
     interpreter that never imported memkern trains the seed's model through them."""

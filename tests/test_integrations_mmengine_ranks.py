@@ -174,6 +174,7 @@ def ranks(tmp_path_factory):
     return results, weights(one)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_through_the_wrapper_equals_one_process(ranks, stage):
     results, one_process = ranks
@@ -181,6 +182,7 @@ def test_zero_through_the_wrapper_equals_one_process(ranks, stage):
         assert params_rel_err(results["zero"][rank][stage], one_process) < TOLERANCE
 
 
+@pytest.mark.slow
 def test_under_ddp_the_gradients_are_reduced_once(ranks):
     """DDP reduced no bucket (every forward ran in its no_sync()): the optimizer's
     reduction was the only one, and the result is the one-process run's."""
@@ -190,6 +192,7 @@ def test_under_ddp_the_gradients_are_reduced_once(ranks):
         assert params_rel_err(results["ddp"][rank]["weights"], one_process) < TOLERANCE
 
 
+@pytest.mark.slow
 def test_fsdp1_trains_memkerns_layers_and_refuses_the_memkern_wrapper(ranks):
     """memkern's layers under FSDP1 train as the plain model in one process; the optimizer
     wrapper refuses FSDP1's flattened parameters in one line pointing to FSDP2."""
