@@ -59,20 +59,22 @@ def _names() -> str:
     return f"memkern-test-{uuid.uuid4().hex[:12]}"
 
 
-def _seed_run(tmp_path, wrapper: str, **optim_wrapper) -> list[torch.Tensor]:
+def _seed_run(tmp_path, wrapper: str, optimizer: dict | None = None,
+              **optim_wrapper) -> list[torch.Tensor]:
     torch.manual_seed(0)
     train_dataset = [(torch.ones(1, 1), torch.ones(1, 1))] * 50
     runner = Runner(model=ToyModel(), work_dir=str(tmp_path / _names()),
                     experiment_name=_names(),
                     train_dataloader=DataLoader(train_dataset, batch_size=2),
                     train_cfg=dict(by_epoch=True, max_epochs=1),
-                    optim_wrapper=dict(type=wrapper, optimizer=dict(type='SGD', lr=0.01),
+                    optim_wrapper=dict(type=wrapper,
+                                       optimizer=optimizer or dict(type='SGD', lr=0.01),
                                        **optim_wrapper),
                     cfg=dict(model_wrapper_cfg=dict(type='MMFullyShardedDataParallel',
                                                     cpu_offload=True)),
                     log_level="ERROR")
     runner.train()
-    return [p.detach().clone() for p in runner.model.parameters()]
+    return _weights(runner)
 
 
 @pytest.mark.parametrize("accumulative_counts", [4, None], ids=["accumulation", "fsdp-page"])
@@ -86,6 +88,29 @@ def test_seed_examples_end_at_mmengines_weights(tmp_path, accumulative_counts):
     for g, e in zip(got, expected):
         assert torch.equal(g, e), (got, expected)
     assert not torch.equal(expected[0], torch.zeros(1, 1))
+
+
+SEED_VARIANTS = {
+    # name: (MMEngine's wrapper, the options both get, memkern's own, tolerance)
+    "adamw-clip": ("OptimWrapper", {}, {}, 1e-6),
+    # 16-bit: memkern's weights start as the float32 initial weights rounded to 16 bits (at most
+    # half an ulp: 2**-11 of the value in float16, 2**-8 in bfloat16), AMP's stay float32;
+    # test_16bit_weights_as_amp_optim_wrapper starts both from representable weights (1e-6).
+    "float16": ("CpuAmpOptimWrapper", {"dtype": "float16"}, {"grad_dtype": "float32"}, 1e-3),
+    "bfloat16": ("CpuAmpOptimWrapper", {"dtype": "bfloat16"}, {}, 4e-3),
+}
+
+
+@pytest.mark.parametrize("variant", SEED_VARIANTS)
+def test_seed_accumulation_example_with_adamw_clipping_and_16_bits(tmp_path, variant):
+    """The page's accumulation example with AdamW and clipping (it bites: max_norm 0.1), in
+    float32, float16 with dynamic loss scaling and bfloat16, against MMEngine's wrapper."""
+    reference, both, ours, tolerance = SEED_VARIANTS[variant]
+    common = dict(optimizer=dict(type="AdamW", lr=0.01), accumulative_counts=4,
+                  clip_grad=dict(max_norm=0.1), **both)
+    expected = _seed_run(tmp_path, reference, **common)
+    got = _seed_run(tmp_path, "MemkernOptimWrapper", **common, **ours)
+    assert params_rel_err(got, expected) < tolerance
 
 
 # -------------------------------------------------------------------------- a real model
