@@ -160,9 +160,15 @@ def scenario_step_bf16(rank, world, seed, out):
     return results
 
 
+GRIDS = {"(1, W)": lambda world: (1, world), "(W, 1)": lambda world: (world, 1)}
+"""2-D meshes of W ranks, each with a dimension of one rank: an inf on one rank must reach the
+others over whichever dimension holds them."""
+
+
 def scenario_found_inf(rank, world, seed, out):
     """An inf in the last rank's shard only: through the found_inf argument, and through
-    ShardedGradScaler (unscale_, clipping, step, update)."""
+    ShardedGradScaler (unscale_, clipping, step, update), on a 1-D mesh; through the
+    found_inf argument on the 2-D meshes of GRIDS."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     mesh = init_device_mesh("cpu", (world,))
@@ -192,6 +198,22 @@ def scenario_found_inf(rank, world, seed, out):
         results[how]["unchanged"] = all(torch.equal(p.full_tensor(), b)
                                         for p, b in zip(params, before))
         results[how]["steps"] = [float(s["step"]) for s in opt.state.values()]
+    for shape, dims in GRIDS.items():  # the flag agreed over every dimension of the mesh
+        grid = init_device_mesh("cpu", dims(world), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(seed)
+        params = [torch.nn.Parameter(distribute_tensor(torch.randn(13, 11), grid,
+                                                       (Shard(0), Shard(1)))),
+                  torch.nn.Parameter(distribute_tensor(torch.randn(13), grid,
+                                                       (Shard(0), Replicate())))]
+        opt = mk.optim.FusedAdamW(params, lr=0.1)
+        before = [p.full_tensor().clone() for p in params]
+        give_grads(params, full_grads(params, seed, 0))
+        found_inf = torch.tensor(float(rank == world - 1))
+        opt.step(found_inf=found_inf)
+        results[shape] = dict(found_inf=float(found_inf),
+                              unchanged=all(torch.equal(p.full_tensor(), b)
+                                            for p, b in zip(params, before)),
+                              steps=[float(s["step"]) for s in opt.state.values()])
     return results
 
 
@@ -346,11 +368,12 @@ def test_bf16_shards_with_float32_masters_equal_the_full_tensors(runs, algorithm
 
 
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank(runs):
-    for result in runs[2]["found_inf"]:
-        assert result["found_inf"]["found_inf"] == 1.0
-        for how in ("found_inf", "scaler"):
-            assert result[how]["unchanged"], how
-            assert set(result[how]["steps"]) == {0.0}, how
+    for rank, result in enumerate(runs[2]["found_inf"]):
+        for how in ("found_inf", *GRIDS):
+            assert result[how]["found_inf"] == 1.0, (how, rank)
+        for how in ("found_inf", "scaler", *GRIDS):
+            assert result[how]["unchanged"], (how, rank)
+            assert set(result[how]["steps"]) == {0.0}, (how, rank)
         assert result["scaler"]["scale"] == 2.0**7  # backed off on every rank
 
 
