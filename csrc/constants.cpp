@@ -9,6 +9,7 @@
 #include "autograd/linear_cross_entropy.h"
 #include "autograd/python_entry.h"
 #include "autograd/saved_input.h"
+#include "cuda/kernels/cross_entropy_math.h"
 #include "layer_constants.h"
 #include "math/state8bit.h"
 
@@ -52,6 +53,13 @@ void add_constants(py::module_& m) {
   m.attr("LCE_CLASS_ALIGN") = lce::kClassAlign;
   m.attr("LCE_CHUNK_ENV") = lce::kChunkEnv;
   m.attr("LCE_VOCAB_BLOCK_ENV") = lce::kVocabBlockEnv;
+  // memkern/ops/cross_entropy.py (the rows op's per-row statistics)
+  m.attr("CE_ROW_ENTROPY") = cross_entropy::kRowEntropy;
+  m.attr("CE_ROW_IS_TOP1") = cross_entropy::kRowIsTop1;
+  m.attr("CE_ROW_MEAN_LOGIT") = cross_entropy::kRowMeanLogit;
+  m.attr("CE_ENTROPY_ROW") = cross_entropy::kEntropyRow;
+  m.attr("CE_IS_TOP1_ROW") = cross_entropy::kIsTop1Row;
+  m.attr("CE_MEAN_LOGIT_ROW") = cross_entropy::kMeanLogitRow;
 }
 
 }  // namespace memkern

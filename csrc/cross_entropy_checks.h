@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "cuda/kernels/cross_entropy_math.h"
+
 namespace memkern::cross_entropy_checks {
 
 // The float type of the rows' results: float64 for float64 logits, else float32.
@@ -65,6 +67,27 @@ inline void block(const char* op, int64_t class_offset, int64_t width, int64_t n
               ") but num_classes=", num_classes, "; the block must lie within the classes");
 }
 
+// The per-row statistics asked of the rows op: `outputs` a mask of the kRow* bits, and then
+// `stats` a float32 (float64) [3, n] tensor on the logits' device whose rows are contiguous.
+inline void row_stats(const char* op, int64_t outputs, const std::optional<at::Tensor>& stats,
+                      const at::Tensor& z) {
+  namespace ce = memkern::cross_entropy;
+  const int64_t all = ce::kRowEntropy | ce::kRowIsTop1 | ce::kRowMeanLogit;
+  TORCH_CHECK(outputs >= 0 && (outputs & ~all) == 0, op, ": outputs=", outputs,
+              " must be a mask of ROW_ENTROPY, ROW_IS_TOP1 and ROW_MEAN_LOGIT");
+  const bool given = stats.has_value() && stats->defined();
+  TORCH_CHECK(given == (outputs != 0), op, ": pass stats exactly when outputs is not 0 (got ",
+              given ? "stats" : "no stats", " with outputs=", outputs, ")");
+  if (!given) return;
+  const auto acc = acc_dtype(z);
+  TORCH_CHECK(stats->scalar_type() == acc && stats->dim() == 2 && stats->size(0) == 3 &&
+                  stats->size(1) == z.size(0) && stats->stride(1) == 1 &&
+                  stats->device() == z.device(),
+              op, ": stats must be a ", acc, " tensor of shape (3, ", z.size(0), ") on ",
+              z.device(), " with contiguous rows, got ", stats->scalar_type(), " of shape ",
+              stats->sizes(), " and strides ", stats->strides(), " on ", stats->device());
+}
+
 constexpr const char* kRowsOp = "memkern.ops.cross_entropy_rows_";
 constexpr const char* kBlockGradOp = "memkern.ops.cross_entropy_block_grad_";
 
@@ -81,16 +104,29 @@ inline bool rows_op(const at::Tensor& z, const at::Tensor& t,
   return scaled;
 }
 
-// Every tensor and setting of cross_entropy_block_grad_ (but the targets' range).
-inline void block_grad_op(const at::Tensor& z, const at::Tensor& lse, const at::Tensor& t,
+// Every tensor and setting of cross_entropy_block_grad_ (but the targets' range); returns
+// whether the entropy's term is asked (entropy and entropy_scale both given).
+inline bool block_grad_op(const at::Tensor& z, const at::Tensor& lse, const at::Tensor& t,
                           const at::Tensor& row_scale, int64_t class_offset, int64_t num_classes,
-                          double label_smoothing, double softcap) {
+                          double label_smoothing, double softcap,
+                          const std::optional<at::Tensor>& entropy,
+                          const std::optional<at::Tensor>& entropy_scale) {
   logits(kBlockGradOp, z);
   target(kBlockGradOp, t, z);
   rows(kBlockGradOp, "lse", lse, z, true);
   rows(kBlockGradOp, "row_scale", row_scale, z, false);
   settings(kBlockGradOp, label_smoothing, softcap);
   block(kBlockGradOp, class_offset, z.size(1), num_classes);
+  const bool has_entropy = entropy.has_value() && entropy->defined();
+  const bool has_scale = entropy_scale.has_value() && entropy_scale->defined();
+  TORCH_CHECK(has_entropy == has_scale, kBlockGradOp,
+              ": entropy and entropy_scale go together (the entropy's gradient term needs "
+              "both); got only ", has_entropy ? "entropy" : "entropy_scale");
+  if (has_entropy) {
+    rows(kBlockGradOp, "entropy", *entropy, z, true);
+    rows(kBlockGradOp, "entropy_scale", *entropy_scale, z, false);
+  }
+  return has_entropy;
 }
 
 }  // namespace memkern::cross_entropy_checks

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from memkern import backend, ops
+from memkern.ops import cross_entropy as ops_ce
 from compare import rel_err
 
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch."))
@@ -360,3 +361,206 @@ def test_triton_rows_over_several_tiles(device, dtype, smoothing):
     for r in (3, 4):
         assert torch.equal(out[r].isnan(), grad[r].isnan()), r
     assert torch.equal(out[6], torch.zeros_like(out[6]))
+
+
+# ----------------------------------------------------------------------------------------------
+# per-row statistics (outputs/stats) and the entropy's gradient term
+
+EVERY_STAT = ops_ce.ROW_ENTROPY | ops_ce.ROW_IS_TOP1 | ops_ce.ROW_MEAN_LOGIT
+STAT_TOL = {torch.float64: 1e-13, torch.float32: 3e-6, torch.bfloat16: 3e-6, torch.float16: 3e-6}
+"""Against float64 on the very logits: the statistics are float32 math whatever the logits'
+dtype (no gradient rounded to 16 bits)."""
+
+
+def _stats_oracle(z, t, ignore_index, cap):
+    """Entropy (torch.special.entr of the float64 softmax: 0 log 0 = 0), argmax == target,
+    mean of the (capped) logits, 0 for ignored rows — the rows of ``stats``."""
+    z64 = z.double()
+    capped = cap * torch.tanh(z64 / cap) if cap else z64
+    valid = t != ignore_index
+    entropy = torch.special.entr(torch.softmax(capped, 1)).sum(1)
+    top1 = (capped.argmax(1) == t).double()
+    return [torch.where(valid, s, 0.0) for s in (entropy, top1, capped.mean(1))]
+
+
+def _assert_stats(stats, want, rows, tol):
+    """Row by row: within ``tol`` (relative, or absolute below 1), NaN where the oracle is, the
+    same infinity; is-top-1 exactly."""
+    for k in (ops_ce.ENTROPY_ROW, ops_ce.MEAN_LOGIT_ROW):
+        for r in rows:
+            got, ref = stats[k, r].double().cpu(), want[k][r]
+            if torch.isnan(ref) or torch.isinf(ref):
+                assert torch.equal(got.isnan(), ref.isnan()) and (got.isnan() or got == ref), (k, r)
+            else:
+                assert abs(got - ref) <= tol * max(1.0, abs(ref)), (k, r, got, ref)
+    assert torch.equal(stats[ops_ce.IS_TOP1_ROW, rows].double().cpu(),
+                       want[ops_ce.IS_TOP1_ROW][rows])
+
+
+def _statistic_rows(z, t, tile):
+    """_special_rows, targets on its extremes, and ties for the maximum: the target at the
+    first of two equal maxima (top-1) and at the second (not: argmax takes the first)."""
+    V = z.shape[1]
+    special = _special_rows(z, tile)
+    t[1] = V - 3  # at the late maximum
+    t[2] = V - 3  # at the +inf
+    t[3] = V // 2 + tile  # at the NaN: argmax's choice in a row with one
+    t[6] = 0  # at the maximum in the head tile
+    z[8, 5] = z[8, V - 2] = 40.0  # a tie: the target at the second, in a later tile
+    t[8] = V - 2
+    z[9, V - 7] = z[9, V - 2] = 40.0  # a tie in later tiles: the target at the first
+    t[9] = V - 7
+    z[10, V - 1] = float("nan")  # a NaN after the target at the maximum: argmax is the NaN
+    z[10, V // 3] = 30.0
+    t[10] = V // 3
+    return special + [8, 9, 10]
+
+
+@pytest.mark.parametrize("cap", [0.0, 7.0], ids=["nocap", "softcap"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend_name,device", KERNELS)
+@pytest.mark.parametrize("V", [203, 1031, pytest.param(50257, marks=pytest.mark.cuda)])
+def test_row_statistics_match_float64_torch(V, backend_name, device, dtype, cap):
+    """Entropy, is-top-1 and mean logit of each row with the loss and gradient (rows sized for
+    >= 3 tiles per lane, the extremes and ties in later tiles), against float64 torch; then
+    each statistic alone, the other rows of ``stats`` untouched, the loss unchanged."""
+    if device != "cuda" and V == 50257:
+        pytest.skip("GPU-sized rows")
+    if backend_name == "triton" and dtype == torch.float64:
+        pytest.skip("the Triton kernel takes 16/32-bit logits")
+    z = (torch.randn(13, V, device=device) * 3).to(dtype)
+    t = torch.randint(0, V, (13,), device=device)
+    t[[0, 7, 12]] = -7
+    special = _statistic_rows(z, t, 16 // z.element_size())
+    want = _stats_oracle(z.cpu(), t.cpu(), -7, cap)
+    acc = _acc(dtype)
+    stats = torch.full((3, 13), 7.0, dtype=acc, device=device)
+    out = z.clone()
+    loss, _ = _rows(backend_name, out, t, torch.ones(13, dtype=acc, device=device), -7, 0.0,
+                    True, cap, EVERY_STAT, stats)
+    _assert_stats(stats, want, list(range(13)), STAT_TOL[dtype])
+    assert torch.equal(stats[:, [0, 7, 12]], torch.zeros(3, 3, dtype=acc, device=device))
+    assert stats[ops_ce.IS_TOP1_ROW, [1, 2, 3, 6, 9]].tolist() == [1.0] * 5
+    assert stats[ops_ce.IS_TOP1_ROW, [8, 10]].tolist() == [0.0] * 2
+    loss_ref, _, _ = _oracle(z, t, -7, 0.0, torch.ones(13, dtype=acc, device=device), cap)
+    ordinary = [r for r in range(13) if r not in special]
+    assert rel_err(loss[ordinary], loss_ref[ordinary]) < TOL[dtype]
+    for bit, k in ((ops_ce.ROW_ENTROPY, ops_ce.ENTROPY_ROW),
+                   (ops_ce.ROW_IS_TOP1, ops_ce.IS_TOP1_ROW),
+                   (ops_ce.ROW_MEAN_LOGIT, ops_ce.MEAN_LOGIT_ROW)):
+        alone = torch.full((3, 13), 7.0, dtype=acc, device=device)
+        _rows(backend_name, z.clone(), t, None, -7, 0.0, False, cap, bit, alone)
+        assert torch.equal(alone[k].isnan(), stats[k].isnan())
+        assert torch.equal(alone[k].nan_to_num(), stats[k].nan_to_num()), bit
+        others = [j for j in range(3) if j != k]
+        assert (alone[others] == 7.0).all(), bit
+
+
+def _entropy_grad_oracle(z, t, lse_scale, entropy_scale, cap):
+    """The gradient of lse_scale * CE + entropy_scale * entropy per row, in float64 autograd,
+    the cap's derivative as 1 / cosh^2; a row's -inf logits (p = 0 without a cap) are left
+    out of its softmax (they add nothing to either) and get 0."""
+    z64 = z.double()
+    grad = torch.zeros_like(z64)
+    for r in range(z.shape[0]):
+        keep = z64[r] > -math.inf if not cap else torch.ones_like(z64[r], dtype=torch.bool)
+        zr = z64[r, keep]
+        capped = (cap * torch.tanh(zr / cap) if cap else zr.clone()).requires_grad_()
+        logp = torch.log_softmax(capped, 0)
+        columns = keep.nonzero()[:, 0]
+        hit = (columns == t[r]).nonzero()
+        loss = -logp[hit[0, 0]] if len(hit) else capped.sum() * 0
+        entropy = -(logp.exp() * logp).sum()
+        (g,) = torch.autograd.grad(lse_scale[r].double() * loss
+                                   + entropy_scale[r].double() * entropy, capped)
+        if cap:
+            g = g * torch.cosh(zr / cap).pow(-2)
+        grad[r, keep] = g
+    return grad
+
+
+@pytest.mark.parametrize("cap", [0.0, 5.0], ids=["nocap", "softcap"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend_name,device", KERNELS + [
+    pytest.param("triton", "cpu", marks=needs_triton, id="triton-interpreted")])
+def test_block_grad_with_the_entropy_term_matches_float64(backend_name, device, dtype, cap):
+    """The gradient of ``row_scale * loss + entropy_scale * entropy`` (the entropy's term:
+    -p (log p + entropy)) written block by block (widths 100, 100, 63 of 263 classes) from the
+    rows' lse and entropy, against float64 autograd; a row with -inf logits (p = 0: no NaN),
+    an ignored row, the maximum and the target in the last block."""
+    if backend_name == "triton" and dtype == torch.float64:
+        pytest.skip("the Triton kernel takes 16/32-bit logits")
+    V = 263
+    z = (torch.randn(9, V, device=device) * 3).to(dtype)
+    t = torch.tensor([0, 99, 100, 199, 200, 262, -1, 150, 250], device=device)
+    z[4, :120] = float("-inf")  # the first blocks' logits -inf
+    z[8, 240] = 20.0  # the maximum in the last block
+    acc = _acc(dtype)
+    scale = torch.randn(9, dtype=acc, device=device)
+    entropy_scale = torch.randn(9, dtype=acc, device=device)
+    stats = torch.zeros(3, 9, dtype=acc, device=device)
+    with backend.force("reference"):  # lse and entropy of the very rounded logits
+        _, lse = ops.cross_entropy_rows_(z.clone(), t, None, -1, 0.0, False, cap,
+                                         ops_ce.ROW_ENTROPY, stats)
+    entropy = stats[ops_ce.ENTROPY_ROW].contiguous()
+    want = _entropy_grad_oracle(z.cpu(), t.cpu(), scale.cpu(), entropy_scale.cpu(), cap)
+    want[6] = 0.0
+    got = torch.empty_like(z)
+    c0 = 0
+    for w in (100, 100, 63):
+        block = z[:, c0:c0 + w].contiguous()
+        with backend.force(backend_name):
+            ops.cross_entropy_block_grad_(block, lse, t, scale, c0, V, -1, 0.0, cap, entropy,
+                                          entropy_scale)
+        got[:, c0:c0 + w] = block
+        c0 += w
+    assert _close(got.cpu(), want, TOL[dtype] * (3 if backend_name == "triton" else 1))
+    assert torch.equal(got[4, :120].cpu(), torch.zeros(120, dtype=dtype))
+    assert not got.isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_triton, id="interpreted"),
+                                    pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")])
+def test_triton_row_statistics_over_several_tiles(device, dtype):
+    """The Triton rows kernel's statistics over three tiles of MAX_BLOCK_V classes (the
+    moment rescaled twice; is-top-1's second read of the columns before a late target)."""
+    from memkern.kernels.cross_entropy import MAX_BLOCK_V
+
+    V = 2 * MAX_BLOCK_V + 77
+    z = (torch.randn(13, V) * 3).to(dtype)
+    t = torch.randint(0, V, (13,))
+    t[[0, 7, 12]] = -7
+    _statistic_rows(z, t, MAX_BLOCK_V)
+    want = _stats_oracle(z, t, -7, 0.0)
+    stats = torch.zeros(3, 13, device=device)
+    _rows("triton", z.to(device), t.to(device), None, -7, 0.0, False, 0.0, EVERY_STAT, stats)
+    _assert_stats(stats, want, list(range(13)), 3 * STAT_TOL[dtype])
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: ops.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 2]), None, -100, 0.0,
+                                     True, 0.0, 8, torch.zeros(3, 2)), "outputs=8 must be a mask"),
+    (lambda: ops.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 2]), None, -100, 0.0,
+                                     True, 0.0, 1), "pass stats exactly when outputs is not 0"),
+    (lambda: ops.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 2]), None, -100, 0.0,
+                                     True, 0.0, 1, torch.zeros(2, 3)),
+     r"stats must be a torch.float32 tensor of shape \(3, 2\)"),
+    (lambda: ops.cross_entropy_block_grad_(torch.randn(2, 5), torch.zeros(2), torch.tensor([1, 2]),
+                                           torch.ones(2), 0, 5, -100, 0.0, 0.0, torch.zeros(2)),
+     "entropy and entropy_scale go together"),
+])
+def test_statistics_errors_name_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@needs_cpu_kernels
+def test_cpu_kernels_check_direct_statistics_calls():
+    with pytest.raises(RuntimeError, match="pass stats exactly when outputs is not 0"):
+        torch.ops.memkern.cross_entropy_rows_(torch.randn(2, 5), torch.tensor([1, 2]), None,
+                                              -100, 0.0, True, 0.0, 2)
+    with pytest.raises(RuntimeError, match="entropy and entropy_scale go together"):
+        torch.ops.memkern.cross_entropy_block_grad_(torch.randn(2, 5), torch.zeros(2),
+                                                    torch.tensor([1, 2]), torch.ones(2), 0, 5,
+                                                    -100, 0.0, 0.0, None, torch.ones(2))

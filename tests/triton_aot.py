@@ -210,13 +210,21 @@ def _cross_entropy_cases() -> Iterator[tuple]:
     from memkern.kernels import _nn_common
     from memkern.kernels.cross_entropy import MAX_BLOCK_V
 
-    def case(dtype, V, scale, grad, softcap):
-        return (torch.empty(7, V, dtype=dtype), torch.zeros(7, dtype=torch.int64),
-                torch.empty(7) if scale else None, -100, 0.1, grad, softcap)
+    from memkern.ops.cross_entropy import ROW_ENTROPY, ROW_IS_TOP1, ROW_MEAN_LOGIT
 
-    flags = {"scale": (True, False), "grad": (True, False), "softcap": (0.0, 2.5)}
+    def case(dtype, V, scale, grad, softcap, outputs=0):
+        return (torch.empty(7, V, dtype=dtype), torch.zeros(7, dtype=torch.int64),
+                torch.empty(7) if scale else None, -100, 0.1, grad, softcap, outputs,
+                torch.empty(3, 7) if outputs else None)
+
+    every = ROW_ENTROPY | ROW_IS_TOP1 | ROW_MEAN_LOGIT
+    # the per-row statistics: every mask of the three (each a constexpr), paired with the rest
+    flags = {"outputs": tuple(range(every + 1)), "scale": (True, False), "grad": (True, False),
+             "softcap": (0.0, 2.5)}
     for c in _covering({"dtype": _nn_common.DTYPES}, flags):
-        yield case(c["dtype"], 1000, c["scale"], c["grad"], c["softcap"])
+        yield case(c["dtype"], 1000, c["scale"], c["grad"], c["softcap"], c["outputs"])
+    for dtype in _nn_common.DTYPES:  # all three statistics in every dtype
+        yield case(dtype, 1000, False, True, 0.0, every)
     for V in _powers_of_two(MAX_BLOCK_V):  # BLOCK_V = min(next_power_of_2(V), MAX_BLOCK_V)
         yield case(_nn_common.DTYPES[0], V, True, True, 0.0)
 
@@ -226,12 +234,16 @@ def _cross_entropy_block_cases() -> Iterator[tuple]:
     from memkern.kernels import _nn_common
     from memkern.kernels.cross_entropy import MAX_BLOCK_V
 
-    def case(dtype, width, softcap):
+    def case(dtype, width, softcap, entropy=False):
         return (torch.empty(7, width, dtype=dtype), torch.empty(7), torch.zeros(7, dtype=torch.int64),
-                torch.empty(1).expand(7), 3, width + 5, -100, 0.1, softcap)
+                torch.empty(1).expand(7), 3, width + 5, -100, 0.1, softcap,
+                torch.empty(7) if entropy else None, torch.empty(7) if entropy else None)
 
-    for c in _covering({"dtype": _nn_common.DTYPES}, {"softcap": (0.0, 2.5)}):
-        yield case(c["dtype"], 1000, c["softcap"])
+    for c in _covering({"dtype": _nn_common.DTYPES},
+                       {"softcap": (0.0, 2.5), "entropy": (False, True)}):
+        yield case(c["dtype"], 1000, c["softcap"], c["entropy"])
+    for dtype in _nn_common.DTYPES:  # the entropy's term in every dtype
+        yield case(dtype, 1000, 0.0, True)
     for width in _powers_of_two(MAX_BLOCK_V):  # BLOCK = min(next_power_of_2(width), MAX_BLOCK_V)
         yield case(_nn_common.DTYPES[0], width, 0.0)
 

@@ -26,6 +26,7 @@
 #include <string>
 #include <tuple>
 
+#include "../cuda/kernels/cross_entropy_math.h"
 #include "node.h"
 #include "python_entry.h"
 
@@ -86,30 +87,35 @@ bool splits(c10::string_view reduction, const Tensor& x) {
 }
 
 std::tuple<Tensor, Tensor> rows_op(Tensor& logits, const Tensor& target, int64_t ignore_index,
-                                   double label_smoothing, bool compute_grad, double softcap) {
+                                   double label_smoothing, bool compute_grad, double softcap,
+                                   int64_t outputs, const std::optional<Tensor>& stats) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("memkern::cross_entropy_rows_", "")
           .typed<std::tuple<Tensor, Tensor>(Tensor&, const Tensor&,
                                             const std::optional<Tensor>&, int64_t, double, bool,
-                                            double)>();
+                                            double, int64_t, const std::optional<Tensor>&)>();
   return op.call(logits, target, std::nullopt, ignore_index, label_smoothing, compute_grad,
-                 softcap);
+                 softcap, outputs, stats);
 }
 
 void block_grad_op(Tensor& logits, const Tensor& lse, const Tensor& target,
                    const Tensor& row_scale, int64_t class_offset, int64_t num_classes,
-                   int64_t ignore_index, double label_smoothing, double softcap) {
+                   int64_t ignore_index, double label_smoothing, double softcap,
+                   const std::optional<Tensor>& entropy,
+                   const std::optional<Tensor>& entropy_scale) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("memkern::cross_entropy_block_grad_", "")
           .typed<void(Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
-                      int64_t, double, double)>();
+                      int64_t, double, double, const std::optional<Tensor>&,
+                      const std::optional<Tensor>&)>();
   op.call(logits, lse, target, row_scale, class_offset, num_classes, ignore_index,
-          label_smoothing, softcap);
+          label_smoothing, softcap, entropy, entropy_scale);
 }
 
-using ForwardOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+using ForwardOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+using BackwardOut = std::tuple<Tensor, Tensor, Tensor>;
 
 // memkern::linear_cross_entropy_forward through the dispatcher (its kernel: forward_chunks),
 // so that torch.compile records it as one op (its fake implementation gives the metadata)
@@ -117,40 +123,42 @@ using ForwardOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 ForwardOut forward_op(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
                       const Tensor& target, int64_t ignore_index, double label_smoothing,
                       int64_t chunk_size, bool grad_input, bool grad_weight, bool grad_bias,
-                      double softcap) {
+                      double softcap, int64_t outputs = 0) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("memkern::linear_cross_entropy_forward", "")
           .typed<ForwardOut(const Tensor&, const Tensor&, const std::optional<Tensor>&,
-                            const Tensor&, int64_t, double, int64_t, bool, bool, bool, double)>();
+                            const Tensor&, int64_t, double, int64_t, bool, bool, bool, double,
+                            int64_t)>();
   return op.call(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
-                 grad_input, grad_weight, grad_bias, softcap);
+                 grad_input, grad_weight, grad_bias, softcap, outputs);
 }
 
 // memkern::linear_cross_entropy_backward through the dispatcher (its kernel: backward_blocks),
 // as forward_op.
-std::tuple<Tensor, Tensor> backward_op(const Tensor& grad_loss, const Tensor& x,
-                                       const Tensor& weight, const std::optional<Tensor>& bias,
-                                       const Tensor& target, const Tensor& lse,
-                                       int64_t ignore_index, double label_smoothing,
-                                       int64_t vocab_block, bool grad_weight, bool grad_bias,
-                                       double softcap) {
+BackwardOut backward_op(const Tensor& grad_loss, const Tensor& x, const Tensor& weight,
+                        const std::optional<Tensor>& bias, const Tensor& target,
+                        const Tensor& lse, int64_t ignore_index, double label_smoothing,
+                        int64_t vocab_block, bool grad_weight, bool grad_bias, double softcap,
+                        const std::optional<Tensor>& entropy,
+                        const std::optional<Tensor>& grad_entropy, bool grad_input) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("memkern::linear_cross_entropy_backward", "")
-          .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                            const std::optional<Tensor>&, const Tensor&,
-                                            const Tensor&, int64_t, double, int64_t, bool, bool,
-                                            double)>();
+          .typed<BackwardOut(const Tensor&, const Tensor&, const Tensor&,
+                             const std::optional<Tensor>&, const Tensor&, const Tensor&, int64_t,
+                             double, int64_t, bool, bool, double, const std::optional<Tensor>&,
+                             const std::optional<Tensor>&, bool)>();
   return op.call(grad_loss, x, weight, bias, target, lse, ignore_index, label_smoothing,
-                 vocab_block, grad_weight, grad_bias, softcap);
+                 vocab_block, grad_weight, grad_bias, softcap, entropy, grad_entropy,
+                 grad_input);
 }
 
 // memkern.ops.linear_cross_entropy.forward_impl.
 ForwardOut forward_chunks(
     const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
     const Tensor& target, int64_t ignore_index, double label_smoothing, int64_t chunk_size,
-    bool grad_input, bool grad_weight, bool grad_bias, double softcap) {
+    bool grad_input, bool grad_weight, bool grad_bias, double softcap, int64_t outputs) {
   const int64_t N = x.size(0), V = weight.size(0);
   const auto cd = compute_dtype(x);
   const bool has_bias = bias.has_value() && bias->defined();
@@ -161,6 +169,8 @@ ForwardOut forward_chunks(
   Tensor dx = grad_input ? at::empty_like(x) : at::empty({0}, x.options());
   Tensor dw = grad_weight ? at::empty_like(weight) : at::empty({0}, weight.options());
   Tensor db = grad_bias ? at::empty({V}, weight.options()) : at::empty({0}, weight.options());
+  const Tensor stats = outputs != 0 ? at::zeros({3, N}, x.options().dtype(cd))
+                                    : at::empty({0}, x.options().dtype(cd));
   if (grad_bias) db.zero_();
   if (grad_weight && N == 0) dw.zero_();
   const int64_t chunk = std::max<int64_t>(1, std::min(chunk_size, N));
@@ -175,8 +185,11 @@ ForwardOut forward_chunks(
     } else {
       at::mm_out(z, xc, wt);
     }
+    std::optional<Tensor> rows_stats;
+    if (outputs != 0) rows_stats = stats.narrow(1, start, rows);
     auto [rows_loss, rows_lse] = rows_op(z, target.narrow(0, start, rows), ignore_index,
-                                         label_smoothing, compute_grad, softcap);
+                                         label_smoothing, compute_grad, softcap, outputs,
+                                         rows_stats);
     if (rows == N) {  // one chunk for all tokens: no copy
       loss = rows_loss;
       lse = rows_lse;
@@ -197,7 +210,7 @@ ForwardOut forward_chunks(
     }
     if (grad_bias) db.add_(z.sum(0, false, cd));
   }
-  return {loss, lse, dx, dw, db};
+  return {loss, lse, dx, dw, db, stats};
 }
 
 // memkern.ops.linear_cross_entropy._float_gemm: a @ b in float32 from float16 a, b.
@@ -207,22 +220,32 @@ Tensor float_gemm(const Tensor& a, const Tensor& b) {
 }
 
 // memkern.ops.linear_cross_entropy.backward_impl.
-std::tuple<Tensor, Tensor> backward_blocks(const Tensor& grad_loss, const Tensor& x,
-                                           const Tensor& weight,
-                                           const std::optional<Tensor>& bias,
-                                           const Tensor& target, const Tensor& lse,
-                                           int64_t ignore_index, double label_smoothing,
-                                           int64_t vocab_block, bool grad_weight, bool grad_bias,
-                                           double softcap) {
+BackwardOut backward_blocks(const Tensor& grad_loss, const Tensor& x, const Tensor& weight,
+                            const std::optional<Tensor>& bias, const Tensor& target,
+                            const Tensor& lse, int64_t ignore_index, double label_smoothing,
+                            int64_t vocab_block, bool grad_weight, bool grad_bias, double softcap,
+                            const std::optional<Tensor>& entropy,
+                            const std::optional<Tensor>& grad_entropy, bool grad_input) {
   const int64_t N = x.size(0), V = weight.size(0);
   const bool has_bias = bias.has_value() && bias->defined();
+  const bool has_entropy = entropy.has_value() && entropy->defined();
   grad_bias = grad_bias && has_bias;
   Tensor dw = grad_weight ? at::empty_like(weight) : at::empty({0}, weight.options());
   Tensor db = grad_bias ? at::empty_like(*bias) : at::empty({0}, weight.options());
-  if (!(grad_weight || grad_bias)) return {dw, db};
-  // float16 and one factor: applied to each block's float32 dW, db; else folded into dZ
-  const bool scale_after = grad_loss.dim() == 0 && x.scalar_type() == at::kHalf;
+  Tensor dx = grad_input ? at::empty_like(x) : at::empty({0}, x.options());
+  if (!(grad_weight || grad_bias || grad_input)) return {dw, db, dx};
+  // float16 and one factor (no entropy's term): applied to each block's float32 dW, db (and
+  // to dx's float32 sum); else folded into dZ
+  const bool scale_after =
+      grad_loss.dim() == 0 && x.scalar_type() == at::kHalf && !has_entropy;
   const Tensor row_scale = (scale_after ? at::ones_like(grad_loss) : grad_loss).expand({N});
+  std::optional<Tensor> entropy_scale;
+  if (has_entropy) entropy_scale = grad_entropy->expand({N});
+  // dx sums a GEMM per block: in float32 for 16-bit inputs, rounded once at the end
+  const bool wide = x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble;
+  Tensor dx_sum;
+  if (grad_input) dx_sum = wide ? dx : at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  if (grad_input && V == 0) dx.zero_();
   const int64_t width = std::max<int64_t>(1, std::min(vocab_block, V));
   const Tensor block = at::empty({N * width}, x.options());  // a narrower last block: contiguous
   for (int64_t c0 = 0; c0 < V; c0 += width) {
@@ -234,7 +257,22 @@ std::tuple<Tensor, Tensor> backward_blocks(const Tensor& grad_loss, const Tensor
     } else {
       at::mm_out(z, x, wt);
     }
-    block_grad_op(z, lse, target, row_scale, c0, V, ignore_index, label_smoothing, softcap);
+    block_grad_op(z, lse, target, row_scale, c0, V, ignore_index, label_smoothing, softcap,
+                  entropy, entropy_scale);
+    if (grad_input) {
+      const Tensor wc = weight.narrow(0, c0, cols);
+      if (wide) {
+        if (c0 == 0) {
+          at::mm_out(dx, z, wc);
+        } else {
+          dx.addmm_(z, wc);
+        }
+      } else if (c0 == 0) {
+        dx_sum.copy_(float_gemm(z, wc));
+      } else {
+        dx_sum.add_(float_gemm(z, wc));
+      }
+    }
     if (grad_weight) {
       Tensor dwc = dw.narrow(0, c0, cols);
       if (scale_after) {
@@ -252,7 +290,11 @@ std::tuple<Tensor, Tensor> backward_blocks(const Tensor& grad_loss, const Tensor
       }
     }
   }
-  return {dw, db};
+  if (grad_input && !wide) {
+    if (scale_after) dx_sum.mul_(grad_loss);
+    dx.copy_(dx_sum);
+  }
+  return {dw, db, dx};
 }
 
 Tensor in_dtype(const Tensor& t, at::ScalarType dtype) {
@@ -313,10 +355,14 @@ Tensor lce_forward(const Tensor& x, const Tensor& weight, const std::optional<Te
   return in_dtype(d.divide(total), x.scalar_type());
 }
 
-// The backward of one call; its inputs (next edges) are x, weight, bias.
+// The backward of one call; its inputs (next edges) are x, weight, bias. Its outputs: the loss
+// (per token for reduction "none"; the per-token log-probability -loss for the log-prob layer,
+// `negated`), then with `entropy_output` the per-token entropy.
 struct LinearCrossEntropyBackward : public torch::autograd::Node {
   bool reduction_none = false;
-  bool need_weight = false, need_bias = false;
+  bool negated = false;
+  bool entropy_output = false;
+  bool need_input = false, need_weight = false, need_bias = false;
   // The gradients computed in forward (dx; and dweight, dbias when accumulated there), handed
   // over (scaled in place) on the one backward. Saved variables, so that saved-tensor hooks
   // (memkern.profile's recorders and planner) see them as kept for backward; unpacked and
@@ -329,6 +375,7 @@ struct LinearCrossEntropyBackward : public torch::autograd::Node {
   // The split algorithm's recompute of the weight and bias gradients: its inputs and settings.
   bool recompute = false;
   torch::autograd::SavedVariable x, weight, bias, target, lse;
+  torch::autograd::SavedVariable entropy;  // entropy_output: its values (not the output)
   int64_t ignore_index = 0;
   double label_smoothing = 0.0;
   int64_t vocab_block = 1;
@@ -345,9 +392,12 @@ struct LinearCrossEntropyBackward : public torch::autograd::Node {
     pending = false;
     variable_list out(3);
     const Tensor& grad_loss = grad_outputs[0];
+    const Tensor grad_entropy = entropy_output ? grad_outputs[1] : Tensor();
+    if (grad_entropy.defined()) return with_entropy(grad_loss, grad_entropy);
     if (!grad_loss.defined()) return out;
     // the incoming gradient in float32 (float64): per token for "none", else one number
     Tensor scale = grad_loss.to(c10::promoteTypes(grad_loss.scalar_type(), at::kFloat));
+    if (negated) scale = scale.neg();
     Tensor rows;
     if (reduction_none) {
       rows = scale.reshape({-1});
@@ -370,13 +420,52 @@ struct LinearCrossEntropyBackward : public torch::autograd::Node {
       std::optional<Tensor> b;
       if (bs.defined()) b = bs;
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      auto [dw, db] = backward_op(rows, xs, weight.unpack(), b, target.unpack(), lse.unpack(),
-                                  ignore_index, label_smoothing, vocab_block, need_weight,
-                                  need_bias && bs.defined(), softcap);
+      auto [dw, db, dx] = backward_op(rows, xs, weight.unpack(), b, target.unpack(),
+                                      lse.unpack(), ignore_index, label_smoothing, vocab_block,
+                                      need_weight, need_bias && bs.defined(), softcap,
+                                      std::nullopt, std::nullopt, false);
       if (need_weight) out[1] = dw;
       if (need_bias && bs.defined()) out[2] = db;
     }
     return out;
+  }
+
+  // The entropy has a gradient: every gradient from the blocks of classes, each block's logits
+  // gradient weighted for both outputs (the forward's dx, of the log-probabilities alone, is
+  // dropped). An undefined grad_loss is 0.
+  variable_list with_entropy(const Tensor& grad_loss, const Tensor& grad_entropy) {
+    const Tensor xs = x.unpack(), bs = bias.unpack(), h = entropy.unpack();
+    const auto cd = h.scalar_type();
+    Tensor rows = grad_loss.defined() ? grad_loss.to(cd).reshape({-1}) : at::zeros_like(h);
+    if (negated) rows = rows.neg();
+    for (auto& g : grads) g.reset_data();
+    std::optional<Tensor> b;
+    if (bs.defined()) b = bs;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [dw, db, dx] = backward_op(rows, xs, weight.unpack(), b, target.unpack(), lse.unpack(),
+                                    ignore_index, label_smoothing, vocab_block, need_weight,
+                                    need_bias && bs.defined(), softcap, h,
+                                    grad_entropy.to(cd).reshape({-1}), need_input);
+    variable_list out(3);
+    if (need_input) out[0] = dx;
+    if (need_weight) out[1] = dw;
+    if (need_bias && bs.defined()) out[2] = db;
+    return out;
+  }
+
+  // What a backward by blocks of classes needs.
+  void save_inputs(const Tensor& x_, const Tensor& weight_, const Tensor& bias_,
+                   const Tensor& target_, const Tensor& lse_, int64_t ignore_index_,
+                   double label_smoothing_, int64_t vocab_block_, double softcap_) {
+    x = torch::autograd::SavedVariable(x_, /*is_output=*/false);
+    weight = torch::autograd::SavedVariable(weight_, false);
+    bias = torch::autograd::SavedVariable(bias_, false);
+    target = torch::autograd::SavedVariable(target_, false);
+    lse = torch::autograd::SavedVariable(lse_, false);
+    ignore_index = ignore_index_;
+    label_smoothing = label_smoothing_;
+    vocab_block = vocab_block_;
+    softcap = softcap_;
   }
 
   void release_variables() override {
@@ -385,6 +474,7 @@ struct LinearCrossEntropyBackward : public torch::autograd::Node {
     bias.reset_data();
     target.reset_data();
     lse.reset_data();
+    entropy.reset_data();
     std::lock_guard<std::mutex> lock(handover);
     for (auto& g : grads) g.reset_data();
     divisor.reset();
@@ -414,7 +504,7 @@ Tensor lce_autograd(const Tensor& x, const Tensor& weight, const std::optional<T
   Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [loss, lse, dx, dw, db] =
+    auto [loss, lse, dx, dw, db, stats] =
         forward_op(x, weight, bias, target, ignore_index, label_smoothing, chunk, need_x,
                    in_forward_w, in_forward_b, softcap);
     if (reduction == "none") {
@@ -431,24 +521,93 @@ Tensor lce_autograd(const Tensor& x, const Tensor& weight, const std::optional<T
     if (in_forward_b) node->grads[2] = torch::autograd::SavedVariable(db, false);
     node->pending = true;
     node->reduction_none = reduction == "none";
+    node->need_input = need_x;
     node->need_weight = need_w;
     node->need_bias = need_b;
     node->recompute = split && (need_w || need_b);
     if (node->recompute) {
-      node->x = torch::autograd::SavedVariable(x, /*is_output=*/false);
-      node->weight = torch::autograd::SavedVariable(weight, false);
-      node->bias = torch::autograd::SavedVariable(b, false);
-      node->target = torch::autograd::SavedVariable(target, false);
-      node->lse = torch::autograd::SavedVariable(lse, false);
-      node->ignore_index = ignore_index;
-      node->label_smoothing = label_smoothing;
-      node->vocab_block = vocab;
-      node->softcap = softcap;
+      node->save_inputs(x, weight, b, target, lse, ignore_index, label_smoothing, vocab,
+                        softcap);
     }
     out = in_dtype(out, x.scalar_type());
   }
   torch::autograd::set_history(out, node);
   return out;
+}
+
+using LogProbOut = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+// The log-prob layer's outputs from the forward loop's: -loss, then the statistics `outputs`
+// asks for (empty [0] tensors for the others): the entropy (a copy: the node keeps the loop's
+// values), is-top-1 as bool, the mean logit.
+LogProbOut log_prob_outputs(const Tensor& loss, const Tensor& stats, int64_t outputs) {
+  namespace ce = memkern::cross_entropy;
+  const Tensor none = at::empty({0}, loss.options());
+  return {loss.neg(),
+          (outputs & ce::kRowEntropy) != 0 ? stats.select(0, ce::kEntropyRow).clone() : none,
+          (outputs & ce::kRowIsTop1) != 0 ? stats.select(0, ce::kIsTop1Row).ne(0)
+                                          : none.to(at::kBool),
+          (outputs & ce::kRowMeanLogit) != 0 ? stats.select(0, ce::kMeanLogitRow).clone()
+                                             : none};
+}
+
+// Below autograd: the outputs only.
+LogProbOut log_prob_forward(const Tensor& x, const Tensor& weight,
+                            const std::optional<Tensor>& bias, const Tensor& target,
+                            int64_t outputs, int64_t ignore_index, int64_t chunk_size,
+                            int64_t vocab_block, double softcap) {
+  const int64_t chunk = call_sizes(x, weight, "none", chunk_size, vocab_block).first;
+  const ForwardOut out = forward_op(x, weight, bias, target, ignore_index, 0.0, chunk, false,
+                                    false, false, softcap, outputs);
+  return log_prob_outputs(std::get<0>(out), std::get<5>(out), outputs);
+}
+
+// memkern::linear_log_prob_layer with autograd: the split algorithm of reduction "none" (the
+// forward's dx of the log-probabilities; the weight and bias gradients by blocks of classes in
+// backward), the node's first output negated; with the entropy asked, its gradient too (see
+// LinearCrossEntropyBackward::with_entropy).
+LogProbOut log_prob_autograd(const Tensor& x, const Tensor& weight,
+                             const std::optional<Tensor>& bias, const Tensor& target,
+                             int64_t outputs, int64_t ignore_index, int64_t chunk_size,
+                             int64_t vocab_block, double softcap) {
+  const Tensor b = bias.value_or(Tensor());
+  if (!torch::autograd::compute_requires_grad(x, weight, b)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return log_prob_forward(x, weight, bias, target, outputs, ignore_index, chunk_size,
+                            vocab_block, softcap);
+  }
+  const auto [chunk, vocab] = call_sizes(x, weight, "none", chunk_size, vocab_block);
+  auto node = memkern::autograd::make_node<LinearCrossEntropyBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(x, weight, b));
+  const bool need_x = x.requires_grad(), need_w = weight.requires_grad();
+  const bool need_b = b.defined() && b.requires_grad();
+  LogProbOut result;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [loss, lse, dx, dw, db, stats] = forward_op(x, weight, bias, target, ignore_index, 0.0,
+                                                     chunk, need_x, false, false, softcap,
+                                                     outputs);
+    result = log_prob_outputs(loss, stats, outputs);
+    if (need_x) node->grads[0] = torch::autograd::SavedVariable(dx, /*is_output=*/false);
+    node->pending = true;
+    node->reduction_none = true;
+    node->negated = true;
+    node->entropy_output = (outputs & memkern::cross_entropy::kRowEntropy) != 0;
+    node->need_input = need_x;
+    node->need_weight = need_w;
+    node->need_bias = need_b;
+    node->recompute = need_w || need_b;
+    if (node->recompute || node->entropy_output) {
+      node->save_inputs(x, weight, b, target, lse, ignore_index, 0.0, vocab, softcap);
+    }
+    if (node->entropy_output) {
+      node->entropy = torch::autograd::SavedVariable(
+          stats.select(0, memkern::cross_entropy::kEntropyRow), false);
+    }
+  }
+  torch::autograd::set_history(std::get<0>(result), node);
+  if (node->entropy_output) torch::autograd::set_history(std::get<1>(result), node);
+  return result;
 }
 
 // memkern.nn.linear_cross_entropy's eager call with num_items absent or a tensor, on any device
@@ -514,9 +673,11 @@ void add_entries(pybind11::module_& m) {
 // memkern/ops/linear_cross_entropy_layer.py.
 TORCH_LIBRARY_IMPL(memkern, Autograd, m) {
   m.impl("linear_cross_entropy_layer", memkern::lce::lce_autograd);
+  m.impl("linear_log_prob_layer", memkern::lce::log_prob_autograd);
 }
 TORCH_LIBRARY_IMPL(memkern, CompositeExplicitAutograd, m) {
   m.impl("linear_cross_entropy_layer", memkern::lce::lce_forward);
+  m.impl("linear_log_prob_layer", memkern::lce::log_prob_forward);
   m.impl("linear_cross_entropy_forward", memkern::lce::forward_chunks);
   m.impl("linear_cross_entropy_backward", memkern::lce::backward_blocks);
 }

@@ -3,7 +3,9 @@
 // a row's tiles, its merge across lanes, the loss, the gradient element. The CPU takes 8 lanes
 // per row (independent accumulators, so the exponentials of neighbouring tiles overlap); a GPU
 // takes one lane per thread. The target range check reads the targets here, so it costs no
-// extra ops and no host read. Contracts: memkern/ops/cross_entropy.py.
+// extra ops and no host read. The per-row statistics (entropy, is-top-1, mean logit) come
+// from the same pass, the entropy's running sum kept only when asked (a template flag).
+// Contracts: memkern/ops/cross_entropy.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -42,26 +44,27 @@ inline acc_t logit(scalar_t v, acc_t cap, acc_t* slope) {
   }
 }
 
-// The online softmax normaliser of one row, over kLanes lanes merged in order at the end: the
+// The online softmax normaliser of one row (with Entropy, its moment too), over kLanes lanes
+// merged in order at the end: the
 // head tile (when the row starts unaligned) goes to lane 0, then full tile b of the rest to
 // lane b % kLanes — a loop over the lanes for each round of kLanes tiles, which the compiler
 // vectorises across the lanes (their state kept as three arrays) — and the tail tile to the
 // next lane in turn.
-template <bool Capped, typename scalar_t, typename acc_t>
+template <bool Capped, bool Entropy, typename scalar_t, typename acc_t>
 MEMKERN_VECTOR_CLONES ce::Online<acc_t> row_normaliser(const scalar_t* row, int64_t V, acc_t cap) {
   constexpr int Tile = kTile<scalar_t>;
   const ce::RowTiles<Tile> tiles{V, ce::head_of(reinterpret_cast<uintptr_t>(row),
                                                 sizeof(scalar_t), V)};
-  acc_t max[kLanes], sum[kLanes], total[kLanes];
+  acc_t max[kLanes], sum[kLanes], total[kLanes], moment[kLanes];
   for (int l = 0; l < kLanes; ++l) {
     const ce::Online<acc_t> start = ce::online_start<acc_t>();
-    max[l] = start.max, sum[l] = start.sum, total[l] = start.total;
+    max[l] = start.max, sum[l] = start.sum, total[l] = start.total, moment[l] = start.moment;
   }
   acc_t slope;
   const auto add = [&](int l, const acc_t (&z)[Tile], int k) {
-    ce::Online<acc_t> lane{max[l], sum[l], total[l]};
-    ce::online_add(lane, z, k);
-    max[l] = lane.max, sum[l] = lane.sum, total[l] = lane.total;
+    ce::Online<acc_t> lane{max[l], sum[l], total[l], moment[l]};
+    ce::online_add<Entropy>(lane, z, k);
+    max[l] = lane.max, sum[l] = lane.sum, total[l] = lane.total, moment[l] = lane.moment;
   };
   const auto add_tile = [&](int64_t tile, int l) {
     const scalar_t* first = row + tiles.first(tile);
@@ -83,9 +86,23 @@ MEMKERN_VECTOR_CLONES ce::Online<acc_t> row_normaliser(const scalar_t* row, int6
     }
   }
   for (int l = 0; i < tiles.count(); ++i, ++l) add_tile(i, l);
-  ce::Online<acc_t> row_stats{max[0], sum[0], total[0]};
-  for (int l = 1; l < kLanes; ++l) ce::online_merge(row_stats, {max[l], sum[l], total[l]});
+  ce::Online<acc_t> row_stats{max[0], sum[0], total[0], moment[0]};
+  for (int l = 1; l < kLanes; ++l) {
+    ce::online_merge<Entropy>(row_stats, {max[l], sum[l], total[l], moment[l]});
+  }
   return row_stats;
+}
+
+// Whether the target column t is the row's first maximum (torch.argmax's choice): it is at the
+// maximum, and no earlier column is (read only for a target at the maximum).
+template <bool Capped, typename scalar_t, typename acc_t>
+bool first_max_at(const scalar_t* row, int64_t t, acc_t max, acc_t cap) {
+  acc_t slope;
+  if (!ce::at_max(logit<Capped>(row[t], cap, &slope), max)) return false;
+  for (int64_t c = 0; c < t; ++c) {
+    if (ce::at_max(logit<Capped>(row[c], cap, &slope), max)) return false;
+  }
+  return true;
 }
 
 // What the two ops share: the row settings of one call.
@@ -100,35 +117,69 @@ struct RowMath {
   acc_t spread() const { return eps / static_cast<acc_t>(num_classes); }
 };
 
+// The entropy's part of a row's gradient (cross_entropy_block_grad_ with entropy given): the
+// row's entropy and its factor.
+template <typename acc_t>
+struct EntropyTerm {
+  acc_t entropy;
+  acc_t scale;
+};
+
 // Columns [0, n) of a row whose column c is class `offset + c`: the gradient written over the
-// logits, from the row's normaliser (max, log_sum) — or (lse, 0) for a saved log-sum-exp.
-template <bool Capped, typename scalar_t, typename acc_t>
+// logits, from the row's normaliser (max, log_sum) — or (lse, 0) for a saved log-sum-exp; with
+// Entropy, plus the entropy's term.
+template <bool Capped, bool Entropy, typename scalar_t, typename acc_t>
 MEMKERN_VECTOR_CLONES void write_grad_row(scalar_t* row, int64_t n, int64_t offset,
                                           int64_t target, acc_t max, acc_t log_sum, acc_t scale,
-                                          const RowMath<acc_t>& math) {
+                                          const RowMath<acc_t>& math, EntropyTerm<acc_t> term) {
   const acc_t keep = math.keep(), spread = math.spread(), cap = math.cap;
   for (int64_t c = 0; c < n; ++c) {
     acc_t slope;
     const acc_t z = logit<Capped>(row[c], cap, &slope);
     const acc_t hit = offset + c == target ? keep : acc_t(0);
-    row[c] = narrow<scalar_t>(
-        ce::grad_value(ce::log_prob(z, max, log_sum), hit, spread, scale, slope));
+    const acc_t logp = ce::log_prob(z, max, log_sum);
+    if constexpr (Entropy) {
+      row[c] = narrow<scalar_t>(ce::grad_value_entropy(logp, hit, spread, scale, slope,
+                                                       term.entropy, term.scale));
+    } else {
+      row[c] = narrow<scalar_t>(ce::grad_value(logp, hit, spread, scale, slope));
+    }
   }
 }
 
-// The row functions with the cap flag chosen once per call.
+// The row functions with the cap and entropy flags chosen once per row.
 template <typename scalar_t, typename acc_t>
-ce::Online<acc_t> normaliser(const scalar_t* row, int64_t V, acc_t cap) {
-  return cap > acc_t(0) ? row_normaliser<true>(row, V, cap) : row_normaliser<false>(row, V, cap);
+ce::Online<acc_t> normaliser(const scalar_t* row, int64_t V, acc_t cap, bool entropy) {
+  if (cap > acc_t(0)) {
+    return entropy ? row_normaliser<true, true>(row, V, cap)
+                   : row_normaliser<true, false>(row, V, cap);
+  }
+  return entropy ? row_normaliser<false, true>(row, V, cap)
+                 : row_normaliser<false, false>(row, V, cap);
 }
 
 template <typename scalar_t, typename acc_t>
+bool first_max(const scalar_t* row, int64_t t, acc_t max, acc_t cap) {
+  return cap > acc_t(0) ? first_max_at<true>(row, t, max, cap)
+                        : first_max_at<false>(row, t, max, cap);
+}
+
+// `term` nullptr: the gradient without the entropy's term.
+template <typename scalar_t, typename acc_t>
 void write_grad(scalar_t* row, int64_t n, int64_t offset, int64_t target, acc_t max,
-                acc_t log_sum, acc_t scale, const RowMath<acc_t>& math) {
+                acc_t log_sum, acc_t scale, const RowMath<acc_t>& math,
+                const EntropyTerm<acc_t>* term = nullptr) {
+  const EntropyTerm<acc_t> none{acc_t(0), acc_t(0)};
   if (math.cap > acc_t(0)) {
-    write_grad_row<true>(row, n, offset, target, max, log_sum, scale, math);
+    if (term != nullptr) {
+      write_grad_row<true, true>(row, n, offset, target, max, log_sum, scale, math, *term);
+    } else {
+      write_grad_row<true, false>(row, n, offset, target, max, log_sum, scale, math, none);
+    }
+  } else if (term != nullptr) {
+    write_grad_row<false, true>(row, n, offset, target, max, log_sum, scale, math, *term);
   } else {
-    write_grad_row<false>(row, n, offset, target, max, log_sum, scale, math);
+    write_grad_row<false, false>(row, n, offset, target, max, log_sum, scale, math, none);
   }
 }
 
@@ -160,8 +211,10 @@ void dispatch_logits(const at::Tensor& logits, const F& f) {
 
 std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_cpu(
     at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& row_scale,
-    int64_t ignore_index, double label_smoothing, bool compute_grad, double softcap) {
+    int64_t ignore_index, double label_smoothing, bool compute_grad, double softcap,
+    int64_t outputs, const std::optional<at::Tensor>& stats) {
   const bool scaled = checks::rows_op(logits, target, row_scale, label_smoothing, softcap);
+  checks::row_stats(checks::kRowsOp, outputs, stats, logits);
   const int64_t n = logits.size(0), V = logits.size(1);
   const auto acc = checks::acc_dtype(logits);
   const int64_t* t = target.const_data_ptr<int64_t>();
@@ -176,21 +229,35 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_cpu(
     const acc_t* rs = scaled ? row_scale->const_data_ptr<acc_t>() : nullptr;
     acc_t* loss_out = loss.data_ptr<acc_t>();
     acc_t* lse_out = lse.data_ptr<acc_t>();
+    acc_t* stats_out = outputs != 0 ? stats->data_ptr<acc_t>() : nullptr;
+    const int64_t stride = outputs != 0 ? stats->stride(0) : 0;
+    const bool entropy = (outputs & ce::kRowEntropy) != 0;
+    const bool top1 = (outputs & ce::kRowIsTop1) != 0;
+    const bool mean = (outputs & ce::kRowMeanLogit) != 0;
     const RowMath<acc_t> math{V, ignore_index, acc_t(label_smoothing), acc_t(softcap)};
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* row = z + r * V;
         if (t[r] == ignore_index) {
           loss_out[r] = lse_out[r] = acc_t(0);
+          if (entropy) stats_out[ce::kEntropyRow * stride + r] = acc_t(0);
+          if (top1) stats_out[ce::kIsTop1Row * stride + r] = acc_t(0);
+          if (mean) stats_out[ce::kMeanLogitRow * stride + r] = acc_t(0);
           if (compute_grad) zero_row(row, V);
           continue;
         }
-        const ce::Online<acc_t> stats = normaliser(row, V, math.cap);
+        const ce::Online<acc_t> stats = normaliser(row, V, math.cap, entropy);
         const acc_t row_lse = ce::online_lse(stats);
         acc_t slope;
         const acc_t z_t = ce::capped(widen(row[t[r]]), math.cap, &slope);
         loss_out[r] = ce::row_loss(row_lse, true, z_t, stats.total, V, math.eps);
         lse_out[r] = row_lse;
+        if (entropy) stats_out[ce::kEntropyRow * stride + r] = ce::online_entropy(stats);
+        if (top1) {
+          stats_out[ce::kIsTop1Row * stride + r] =
+              first_max(row, t[r], stats.max, math.cap) ? acc_t(1) : acc_t(0);
+        }
+        if (mean) stats_out[ce::kMeanLogitRow * stride + r] = stats.total / static_cast<acc_t>(V);
         if (compute_grad) {
           write_grad(row, V, 0, t[r], stats.max, ce::log_of(stats.sum),
                          rs == nullptr ? acc_t(1) : rs[r], math);
@@ -204,9 +271,12 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_cpu(
 void cross_entropy_block_grad_cpu(at::Tensor& logits, const at::Tensor& lse,
                                   const at::Tensor& target, const at::Tensor& row_scale,
                                   int64_t class_offset, int64_t num_classes,
-                                  int64_t ignore_index, double label_smoothing, double softcap) {
-  checks::block_grad_op(logits, lse, target, row_scale, class_offset, num_classes,
-                        label_smoothing, softcap);
+                                  int64_t ignore_index, double label_smoothing, double softcap,
+                                  const std::optional<at::Tensor>& entropy,
+                                  const std::optional<at::Tensor>& entropy_scale) {
+  const bool with_entropy = checks::block_grad_op(logits, lse, target, row_scale, class_offset,
+                                                  num_classes, label_smoothing, softcap,
+                                                  entropy, entropy_scale);
   const int64_t n = logits.size(0), width = logits.size(1);
   const int64_t* t = target.const_data_ptr<int64_t>();
   check_targets(checks::kBlockGradOp, t, n, num_classes, ignore_index);
@@ -218,12 +288,19 @@ void cross_entropy_block_grad_cpu(at::Tensor& logits, const at::Tensor& lse,
     const acc_t* l = lse.const_data_ptr<acc_t>();
     const acc_t* rs = row_scale.const_data_ptr<acc_t>();
     const int64_t rs_stride = row_scale.stride(0);
+    const acc_t* h = with_entropy ? entropy->const_data_ptr<acc_t>() : nullptr;
+    const acc_t* hs = with_entropy ? entropy_scale->const_data_ptr<acc_t>() : nullptr;
+    const int64_t hs_stride = with_entropy ? entropy_scale->stride(0) : 0;
     const RowMath<acc_t> math{num_classes, ignore_index, acc_t(label_smoothing), acc_t(softcap)};
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* row = z + r * width;
         if (t[r] == ignore_index) {
           zero_row(row, width);
+        } else if (with_entropy) {
+          const EntropyTerm<acc_t> term{h[r], hs[r * hs_stride]};
+          write_grad(row, width, class_offset, t[r], l[r], acc_t(0), rs[r * rs_stride], math,
+                     &term);
         } else {
           write_grad(row, width, class_offset, t[r], l[r], acc_t(0), rs[r * rs_stride], math);
         }

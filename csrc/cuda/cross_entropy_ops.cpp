@@ -37,8 +37,10 @@ void check_launch(const char* op, cudaError_t status) {
 
 std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_cuda(
     at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& row_scale,
-    int64_t ignore_index, double label_smoothing, bool compute_grad, double softcap) {
+    int64_t ignore_index, double label_smoothing, bool compute_grad, double softcap,
+    int64_t outputs, const std::optional<at::Tensor>& stats) {
   const bool scaled = checks::rows_op(logits, target, row_scale, label_smoothing, softcap);
+  checks::row_stats(checks::kRowsOp, outputs, stats, logits);
   const c10::cuda::CUDAGuard device_guard(logits.device());
   const int64_t n = logits.size(0);
   const at::TensorOptions acc = logits.options().dtype(checks::acc_dtype(logits));
@@ -48,7 +50,10 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_rows_cuda(
                             target.const_data_ptr<int64_t>(),
                             scaled ? row_scale->const_data_ptr() : nullptr, loss.data_ptr(),
                             lse.data_ptr(), ignore_index, label_smoothing, softcap,
-                            compute_grad, c10::cuda::getCurrentCUDAStream()));
+                            compute_grad, static_cast<int>(outputs),
+                            outputs != 0 ? stats->data_ptr() : nullptr,
+                            outputs != 0 ? stats->stride(0) : 0,
+                            c10::cuda::getCurrentCUDAStream()));
   return {loss, lse};
 }
 
@@ -56,16 +61,22 @@ void cross_entropy_block_grad_cuda(at::Tensor& logits, const at::Tensor& lse,
                                    const at::Tensor& target, const at::Tensor& row_scale,
                                    int64_t class_offset, int64_t num_classes,
                                    int64_t ignore_index, double label_smoothing,
-                                   double softcap) {
-  checks::block_grad_op(logits, lse, target, row_scale, class_offset, num_classes,
-                        label_smoothing, softcap);
+                                   double softcap, const std::optional<at::Tensor>& entropy,
+                                   const std::optional<at::Tensor>& entropy_scale) {
+  const bool with_entropy = checks::block_grad_op(logits, lse, target, row_scale, class_offset,
+                                                  num_classes, label_smoothing, softcap,
+                                                  entropy, entropy_scale);
   const c10::cuda::CUDAGuard device_guard(logits.device());
   check_launch(checks::kBlockGradOp,
                launch::block_grad(logits.data_ptr(), logits_type(logits), logits.size(0),
                                   logits.size(1), lse.const_data_ptr(),
                                   target.const_data_ptr<int64_t>(), row_scale.const_data_ptr(),
                                   row_scale.stride(0), class_offset, num_classes, ignore_index,
-                                  label_smoothing, softcap, c10::cuda::getCurrentCUDAStream()));
+                                  label_smoothing, softcap,
+                                  with_entropy ? entropy->const_data_ptr() : nullptr,
+                                  with_entropy ? entropy_scale->const_data_ptr() : nullptr,
+                                  with_entropy ? entropy_scale->stride(0) : 0,
+                                  c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace

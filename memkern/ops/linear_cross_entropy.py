@@ -26,21 +26,29 @@ Arguments
                     block (>= 1). :func:`block_sizes` gives the defaults.
 
 ``linear_cross_entropy_forward(x, weight, bias, target, ignore_index, label_smoothing,
-chunk_size, grad_input, grad_weight, grad_bias, softcap=0.0) -> (loss, lse, dx, dweight,
-dbias)``: float32 (float64) ``[N]`` per-token loss and log-sum-exp (both 0 at ignored tokens);
-the gradients of ``loss.sum()``: ``dx`` in ``x``'s dtype, ``dweight``/``dbias`` accumulated in
-the weight's dtype, which must then be float32/float64 (16-bit weights take their gradient from
-the backward op); each empty (``[0]``) when not requested.
+chunk_size, grad_input, grad_weight, grad_bias, softcap=0.0, outputs=0) -> (loss, lse, dx,
+dweight, dbias, stats)``: float32 (float64) ``[N]`` per-token loss and log-sum-exp (both 0 at
+ignored tokens); the gradients of ``loss.sum()``: ``dx`` in ``x``'s dtype, ``dweight``/``dbias``
+accumulated in the weight's dtype, which must then be float32/float64 (16-bit weights take their
+gradient from the backward op); each empty (``[0]``) when not requested. ``outputs`` (a mask of
+:data:`memkern.ops.cross_entropy.ROW_ENTROPY`, ``ROW_IS_TOP1``, ``ROW_MEAN_LOGIT``): the
+per-token statistics of the rows op, in ``stats``, float32 (float64) ``[3, N]`` (zeros where
+not asked), or ``[0]`` for none.
 
 ``linear_cross_entropy_backward(grad_loss, x, weight, bias, target, lse, ignore_index,
-label_smoothing, vocab_block, grad_weight, grad_bias, softcap=0.0) -> (dweight, dbias)``: the
-weight and bias gradients of ``(grad_loss * loss).sum()``, in the weight's / bias's dtype;
-``lse`` is the forward's. ``grad_loss`` is float32 (float64): ``[N]``, one factor per token
-(any stride), or ``[]``, one factor for every token (``mean``/``sum``). It is folded into each
-block's logits gradient — except a single factor with float16 inputs, which is applied to each
-block's weight and bias gradients in float32 before their one rounding to float16: a float16
-logits gradient times a small factor (``1 / tokens``) would underflow (bfloat16 has float32's
-range).
+label_smoothing, vocab_block, grad_weight, grad_bias, softcap=0.0, entropy=None,
+grad_entropy=None, grad_input=False) -> (dweight, dbias, dx)``: the weight and bias gradients
+of ``(grad_loss * loss).sum()``, in the weight's / bias's dtype; ``lse`` is the forward's.
+``grad_loss`` is float32 (float64): ``[N]``, one factor per token (any stride), or ``[]``, one
+factor for every token (``mean``/``sum``). It is folded into each block's logits gradient —
+except a single factor with float16 inputs, which is applied to each block's weight and bias
+gradients in float32 before their one rounding to float16: a float16 logits gradient times a
+small factor (``1 / tokens``) would underflow (bfloat16 has float32's range). With ``entropy``
+(the forward's per-token entropy, ``[N]``) and ``grad_entropy`` (``[N]`` or ``[]``), the
+gradients of ``(grad_loss * loss + grad_entropy * entropy).sum()``: each block's logits
+gradient gets the entropy's term too. ``grad_input``: also ``dx``, in ``x``'s dtype,
+accumulated across the blocks of classes (in float32 for 16-bit inputs; one more GEMM per
+block); else ``[0]``.
 
 Both run as one C++ implementation on every device when the extension is built
 (csrc/autograd/linear_cross_entropy.cpp, the twin of the loops below; the GEMMs are torch's, the
@@ -56,7 +64,8 @@ from memkern import backend
 from memkern._extension import check_same_in_cpp
 from memkern.ops import _checks
 from memkern.ops._registry import Op
-from memkern.ops.cross_entropy import cross_entropy_block_grad_, cross_entropy_rows_
+from memkern.ops.cross_entropy import (ROW_ENTROPY, ROW_IS_TOP1, ROW_MEAN_LOGIT,
+                                       cross_entropy_block_grad_, cross_entropy_rows_)
 
 MIN_BLOCK_BYTES = 8 << 20
 """The smallest logits block :func:`block_sizes` picks (small inputs still get few chunks)."""
@@ -151,10 +160,13 @@ def _check(x, weight, bias, target, ignore_index, label_smoothing, size, *, op, 
 
 
 def _check_forward(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
-                   grad_input, grad_weight, grad_bias, softcap=0.0):
+                   grad_input, grad_weight, grad_bias, softcap=0.0, outputs=0):
     op = "linear_cross_entropy_forward"
     device = _check(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, op=op,
                     softcap=softcap)
+    if not isinstance(outputs, int) or outputs & ~(ROW_ENTROPY | ROW_IS_TOP1 | ROW_MEAN_LOGIT):
+        raise ValueError(f"memkern.ops.{op}: outputs={outputs!r} must be a mask of ROW_ENTROPY, "
+                         "ROW_IS_TOP1 and ROW_MEAN_LOGIT (memkern.ops.cross_entropy)")
     if (grad_weight or grad_bias) and x.dtype not in (torch.float32, torch.float64):
         raise ValueError(
             f"memkern.ops.{op}: grad_weight/grad_bias accumulate across chunks in the weight's "
@@ -165,13 +177,21 @@ def _check_forward(x, weight, bias, target, ignore_index, label_smoothing, chunk
 
 
 def _check_backward(grad_loss, x, weight, bias, target, lse, ignore_index, label_smoothing,
-                    vocab_block, grad_weight, grad_bias, softcap=0.0):
+                    vocab_block, grad_weight, grad_bias, softcap=0.0, entropy=None,
+                    grad_entropy=None, grad_input=False):
     op = "linear_cross_entropy_backward"
     device = _check(x, weight, bias, target, ignore_index, label_smoothing, vocab_block, op=op,
                     softcap=softcap)
     cd = _checks.compute_dtype(x.dtype)
-    for name, t, shapes in (("grad_loss", grad_loss, ((x.shape[0],), ())),
-                            ("lse", lse, ((x.shape[0],),))):
+    if (entropy is None) != (grad_entropy is None):
+        raise ValueError(f"memkern.ops.{op}: entropy and grad_entropy go together (the "
+                         "entropy's gradient needs both); got only "
+                         + ("entropy" if entropy is not None else "grad_entropy"))
+    tensors = [("grad_loss", grad_loss, ((x.shape[0],), ())), ("lse", lse, ((x.shape[0],),))]
+    if entropy is not None:
+        tensors += [("entropy", entropy, ((x.shape[0],),)),
+                    ("grad_entropy", grad_entropy, ((x.shape[0],), ()))]
+    for name, t, shapes in tensors:
         if not isinstance(t, torch.Tensor) or t.dtype != cd or tuple(t.shape) not in shapes:
             got = (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
                    else repr(t))
@@ -181,40 +201,44 @@ def _check_backward(grad_loss, x, weight, bias, target, lse, ignore_index, label
     return device
 
 
-def _forward_outputs(x, weight, bias, grad_input, grad_weight, grad_bias):
+def _forward_outputs(x, weight, bias, grad_input, grad_weight, grad_bias, outputs):
     cd = _checks.compute_dtype(x.dtype)
     N = x.shape[0]
     dx = torch.empty_like(x) if grad_input else x.new_empty((0,))
     dw = torch.empty_like(weight) if grad_weight else weight.new_empty((0,))
     db = (weight.new_empty((weight.shape[0],)) if (grad_bias and bias is not None)
           else weight.new_empty((0,)))
-    return x.new_empty((N,), dtype=cd), x.new_empty((N,), dtype=cd), dx, dw, db
+    stats = x.new_zeros((3, N), dtype=cd) if outputs else x.new_empty((0,), dtype=cd)
+    return x.new_empty((N,), dtype=cd), x.new_empty((N,), dtype=cd), dx, dw, db, stats
 
 
-def _backward_outputs(weight, bias, grad_weight, grad_bias):
+def _backward_outputs(x, weight, bias, grad_weight, grad_bias, grad_input):
     dw = torch.empty_like(weight) if grad_weight else weight.new_empty((0,))
     db = torch.empty_like(bias) if (grad_bias and bias is not None) else weight.new_empty((0,))
-    return dw, db
+    dx = torch.empty_like(x) if grad_input else x.new_empty((0,))
+    return dw, db, dx
 
 
 def _fake_forward(x, weight, bias, target, ignore_index, label_smoothing, chunk_size, gi, gw, gb,
-                  softcap=0.0):
-    return _forward_outputs(x, weight, bias, gi, gw, gb)
+                  softcap=0.0, outputs=0):
+    return _forward_outputs(x, weight, bias, gi, gw, gb, outputs)
 
 
 def _fake_backward(grad_loss, x, weight, bias, target, lse, ignore_index, label_smoothing,
-                   vocab_block, gw, gb, softcap=0.0):
-    return _backward_outputs(weight, bias, gw, gb)
+                   vocab_block, gw, gb, softcap=0.0, entropy=None, grad_entropy=None,
+                   grad_input=False):
+    return _backward_outputs(x, weight, bias, gw, gb, grad_input)
 
 
 def forward_impl(x, weight, bias, target, ignore_index, label_smoothing, chunk_size,
-                 grad_input, grad_weight, grad_bias, softcap=0.0):
+                 grad_input, grad_weight, grad_bias, softcap=0.0, outputs=0):
     """The forward chunk loop (csrc/autograd/linear_cross_entropy.cpp: ``forward_chunks``)."""
     N, V = x.shape[0], weight.shape[0]
     cd = _checks.compute_dtype(x.dtype)
     grad_bias = grad_bias and bias is not None
     compute_grad = grad_input or grad_weight or grad_bias
-    loss, lse, dx, dw, db = _forward_outputs(x, weight, bias, grad_input, grad_weight, grad_bias)
+    loss, lse, dx, dw, db, stats = _forward_outputs(x, weight, bias, grad_input, grad_weight,
+                                                    grad_bias, outputs)
     if grad_bias:
         db.zero_()
     if grad_weight and N == 0:
@@ -231,7 +255,9 @@ def forward_impl(x, weight, bias, target, ignore_index, label_smoothing, chunk_s
         else:
             torch.mm(xc, wt, out=z)
         rows_loss, rows_lse = cross_entropy_rows_(z, target[start:stop], None, ignore_index,
-                                                  label_smoothing, compute_grad, softcap)
+                                                  label_smoothing, compute_grad, softcap,
+                                                  outputs, stats[:, start:stop] if outputs
+                                                  else None)
         if stop - start == N:  # one chunk for all tokens: no copy
             loss, lse = rows_loss, rows_lse
         else:
@@ -246,7 +272,7 @@ def forward_impl(x, weight, bias, target, ignore_index, label_smoothing, chunk_s
                 dw.addmm_(z.t(), xc)
         if grad_bias:
             db.add_(z.sum(0, dtype=cd))
-    return loss, lse, dx, dw, db
+    return loss, lse, dx, dw, db, stats
 
 
 def _float_gemm(a, b):
@@ -258,17 +284,25 @@ def _float_gemm(a, b):
 
 
 def backward_impl(grad_loss, x, weight, bias, target, lse, ignore_index, label_smoothing,
-                  vocab_block, grad_weight, grad_bias, softcap=0.0):
+                  vocab_block, grad_weight, grad_bias, softcap=0.0, entropy=None,
+                  grad_entropy=None, grad_input=False):
     """The backward block loop (csrc/autograd/linear_cross_entropy.cpp: ``backward_blocks``)."""
     N, V = x.shape[0], weight.shape[0]
     grad_bias = grad_bias and bias is not None
-    dw, db = _backward_outputs(weight, bias, grad_weight, grad_bias)
-    if not (grad_weight or grad_bias):
-        return dw, db
-    # float16 and one factor: applied to each block's float32 dW, db; else folded into dZ
-    scale_after = grad_loss.dim() == 0 and x.dtype == torch.float16
+    dw, db, dx = _backward_outputs(x, weight, bias, grad_weight, grad_bias, grad_input)
+    if not (grad_weight or grad_bias or grad_input):
+        return dw, db, dx
+    # float16 and one factor (no entropy's term): applied to each block's float32 dW, db (and
+    # to dx's float32 sum); else folded into dZ
+    scale_after = grad_loss.dim() == 0 and x.dtype == torch.float16 and entropy is None
     row_scale = torch.ones_like(grad_loss) if scale_after else grad_loss
     row_scale = row_scale.expand(N)
+    entropy_scale = None if entropy is None else grad_entropy.expand(N)
+    # dx sums a GEMM per block: in float32 for 16-bit inputs, rounded once at the end
+    dx_sum = (None if not grad_input else dx if x.dtype in (torch.float32, torch.float64)
+              else x.new_empty(x.shape, dtype=torch.float32))
+    if grad_input and V == 0:
+        dx.zero_()
     width = max(1, min(vocab_block, V))
     block = x.new_empty((N * width,))  # flat: a narrower last block is contiguous too
     for c0 in range(0, V, width):
@@ -280,7 +314,17 @@ def backward_impl(grad_loss, x, weight, bias, target, lse, ignore_index, label_s
         else:
             torch.mm(x, wt, out=z)
         cross_entropy_block_grad_(z, lse, target, row_scale, c0, V, ignore_index,
-                                  label_smoothing, softcap)
+                                  label_smoothing, softcap, entropy, entropy_scale)
+        if grad_input:
+            if dx_sum is dx:
+                if c0 == 0:
+                    torch.mm(z, weight[c0:c1], out=dx)
+                else:
+                    dx.addmm_(z, weight[c0:c1])
+            elif c0 == 0:
+                dx_sum.copy_(_float_gemm(z, weight[c0:c1]))
+            else:
+                dx_sum.add_(_float_gemm(z, weight[c0:c1]))
         if grad_weight:
             if scale_after:
                 torch.mul(_float_gemm(z.t(), x), grad_loss, out=dw[c0:c1])
@@ -291,14 +335,18 @@ def backward_impl(grad_loss, x, weight, bias, target, lse, ignore_index, label_s
                 torch.mul(z.sum(0, dtype=grad_loss.dtype), grad_loss, out=db[c0:c1])
             else:
                 torch.sum(z, 0, out=db[c0:c1])
-    return dw, db
+    if dx_sum is not None and dx_sum is not dx:
+        if scale_after:
+            dx_sum.mul_(grad_loss)
+        dx.copy_(dx_sum)
+    return dw, db, dx
 
 
 linear_cross_entropy_forward = Op(
     "linear_cross_entropy_forward",
     "(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index, "
     "float label_smoothing, int chunk_size, bool grad_input, bool grad_weight, bool grad_bias, "
-    "float softcap=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "float softcap=0.0, int outputs=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     check=_check_forward,
     fake=_fake_forward,
     reference=forward_impl,
@@ -310,7 +358,8 @@ linear_cross_entropy_backward = Op(
     "linear_cross_entropy_backward",
     "(Tensor grad_loss, Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor lse, "
     "int ignore_index, float label_smoothing, int vocab_block, bool grad_weight, "
-    "bool grad_bias, float softcap=0.0) -> (Tensor, Tensor)",
+    "bool grad_bias, float softcap=0.0, Tensor? entropy=None, Tensor? grad_entropy=None, "
+    "bool grad_input=False) -> (Tensor, Tensor, Tensor)",
     check=_check_backward,
     fake=_fake_backward,
     reference=backward_impl,

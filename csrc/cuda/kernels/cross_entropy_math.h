@@ -10,6 +10,10 @@
 // (GPU threads; CPU accumulators) takes tiles lane, lane + lanes, lane + 2 lanes, ... and keeps
 // an online softmax normaliser over them: the running maximum and the sum of exp(z - maximum),
 // rescaled once per tile when the maximum grows; the lanes' normalisers are then merged.
+//
+// Per-row statistics beside the loss, each computed only when asked (`outputs`, a mask of the
+// kRow* bits): the entropy of softmax(z) (online, from one more running sum), whether the
+// target is the row's first maximum (torch.argmax's choice), and the mean logit.
 #pragma once
 
 #include <math.h>
@@ -34,6 +38,15 @@
 #endif
 
 namespace memkern::cross_entropy {
+
+// The per-row statistics of the rows op (memkern/ops/cross_entropy.py: ROW_ENTROPY, ...): bit
+// masks of its `outputs`, and the row of its [3, n] statistics each one is written to.
+constexpr int kRowEntropy = 1;
+constexpr int kRowIsTop1 = 2;
+constexpr int kRowMeanLogit = 4;
+constexpr int kEntropyRow = 0;
+constexpr int kIsTop1Row = 1;
+constexpr int kMeanLogitRow = 2;
 
 // exp(x) in float32 on the host: 2^n exp(r) with n = round(x / ln 2), r = x - n ln 2 in two
 // parts (Cody-Waite), exp(r) by Cephes' degree-7 polynomial (within 2 ulp of exp), 2^n applied
@@ -82,17 +95,27 @@ MEMKERN_CE_HD T max_nan(T a, T b) {
 }
 
 // A lane's online softmax normaliser over the logits it has seen, and their sum (for label
-// smoothing's mean). Before any logit: max = -inf, sum = 0, total = 0.
+// smoothing's mean). `moment` (kept by online_add<true> only) is what the entropy needs: with
+// p = softmax, entropy = log(sum) - moment / sum, two terms >= 0, so no cancellation however
+// large the logits. Before any logit: max = -inf, sum = 0, total = 0, moment = 0.
 template <typename T>
 struct Online {
   T max;
-  T sum;    // sum of exp(z - max)
-  T total;  // sum of z
+  T sum;     // sum of exp(z - max)
+  T total;   // sum of z
+  T moment;  // sum of exp(z - max) (z - max), <= 0
 };
 
 template <typename T>
 MEMKERN_CE_HD Online<T> online_start() {
-  return {-static_cast<T>(INFINITY), T(0), T(0)};
+  return {-static_cast<T>(INFINITY), T(0), T(0), T(0)};
+}
+
+// A's moment rescaled from its maximum to m >= a.max, whose factor r = exp(a.max - m) the caller
+// has: r (moment + sum (a.max - m)). 0 while the lane has seen only -inf (0 (-inf) would be NaN).
+template <typename T>
+MEMKERN_CE_HD T moment_at(const Online<T>& a, T m, T r) {
+  return a.sum == T(0) ? T(0) : r * (a.moment + a.sum * (a.max - m));
 }
 
 // Adds a tile of 1 <= k <= K logits (z[k..K) are ignored): the running sum is rescaled once, to
@@ -100,7 +123,9 @@ MEMKERN_CE_HD Online<T> online_start() {
 // would be NaN); a NaN logit makes the sum NaN, and +inf makes it NaN through exp(inf - inf),
 // as torch's log_softmax. The exponentials of the whole tile are taken first, then summed in
 // order: a map the CPU compiler vectorises, and the same sum on every device.
-template <typename T, int K>
+// With Entropy, the moment too, each term exp(z - m) (z - m) taken as 0 where the exponential
+// is (a -inf logit: 0 (-inf) would be NaN).
+template <bool Entropy = false, typename T, int K>
 MEMKERN_CE_HD void online_add(Online<T>& a, const T (&z)[K], int k) {
   T tile_max = z[0];
   MEMKERN_CE_UNROLL
@@ -109,25 +134,34 @@ MEMKERN_CE_HD void online_add(Online<T>& a, const T (&z)[K], int k) {
   T e[K];
   MEMKERN_CE_UNROLL
   for (int i = 0; i < K; ++i) e[i] = i < k ? exp_of(z[i] - m) : T(0);
-  T sum = a.sum * exp_of(a.max - m);
+  const T r = exp_of(a.max - m);
+  T sum = a.sum * r;
   T total = a.total;
   MEMKERN_CE_UNROLL
   for (int i = 0; i < K; ++i) {
     sum += e[i];
     total += i < k ? z[i] : T(0);
   }
+  if constexpr (Entropy) {
+    T moment = moment_at(a, m, r);
+    MEMKERN_CE_UNROLL
+    for (int i = 0; i < K; ++i) moment += e[i] == T(0) ? T(0) : e[i] * (z[i] - m);
+    a.moment = m == -static_cast<T>(INFINITY) ? a.moment : moment;
+  }
   a.total = total;
   a.sum = m == -static_cast<T>(INFINITY) ? a.sum : sum;  // branch-free: the lanes vectorise
   a.max = m;
 }
 
-// a <- the normaliser over the logits of a and b.
-template <typename T>
+// a <- the normaliser over the logits of a and b (with Entropy, the moment too).
+template <bool Entropy = false, typename T>
 MEMKERN_CE_HD void online_merge(Online<T>& a, const Online<T>& b) {
   const T m = max_nan(a.max, b.max);
   a.total += b.total;
   if (m == -static_cast<T>(INFINITY)) return;
-  a.sum = a.sum * exp_of(a.max - m) + b.sum * exp_of(b.max - m);
+  const T ra = exp_of(a.max - m), rb = exp_of(b.max - m);
+  if constexpr (Entropy) a.moment = moment_at(a, m, ra) + moment_at(b, m, rb);
+  a.sum = a.sum * ra + b.sum * rb;
   a.max = m;
 }
 
@@ -135,6 +169,20 @@ MEMKERN_CE_HD void online_merge(Online<T>& a, const Online<T>& b) {
 template <typename T>
 MEMKERN_CE_HD T online_lse(const Online<T>& a) {
   return a.max + log_of(a.sum);
+}
+
+// The entropy -sum p log p of softmax(z) (0 log 0 = 0: a -inf logit adds nothing), from a
+// normaliser kept with Entropy: NaN when a logit is NaN or +inf, or every one is -inf.
+template <typename T>
+MEMKERN_CE_HD T online_entropy(const Online<T>& a) {
+  return log_of(a.sum) - a.moment / a.sum;
+}
+
+// Whether logit v is where torch.argmax may stop in a row whose maximum (max_nan over the row)
+// is `max`: equal to it, or NaN when the row holds a NaN (argmax takes the first NaN).
+template <typename T>
+MEMKERN_CE_HD bool at_max(T v, T max) {
+  return max != max ? v != v : v == max;
 }
 
 // The tiles of one row of n logits whose first `head` values (0 <= head < Tile) come before a
@@ -215,6 +263,20 @@ MEMKERN_CE_HD T grad_value(T logp, T hit, T spread, T scale, T slope) {
   g -= spread;
   g -= hit;
   g *= scale;
+  return g * slope;
+}
+
+// grad_value plus the entropy's term: the gradient of scale * loss + entropy_scale * entropy,
+// d entropy / dz = -p (log p + entropy) (0 where p = 0: p log p -> 0), before the cap's slope.
+template <typename T>
+MEMKERN_CE_HD T grad_value_entropy(T logp, T hit, T spread, T scale, T slope, T entropy,
+                                   T entropy_scale) {
+  const T p = exp_of(logp);
+  T g = p;
+  g -= spread;
+  g -= hit;
+  g *= scale;
+  g -= entropy_scale * (p == T(0) ? T(0) : p * (logp + entropy));
   return g * slope;
 }
 
