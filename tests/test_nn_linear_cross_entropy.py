@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import memkern as mk
 from memkern.nn.functional import linear_cross_entropy as lce
 from memkern.ops import linear_cross_entropy as lce_ops
+from memkern.ops.cross_entropy import ENTROPY_ROW, ROW_ENTROPY, ROW_IS_TOP1, ROW_MEAN_LOGIT
 from compare import rel_err
 from conftest import needs_layer_extension, runs_cpp_autograd
 from host_reads import HostReadSpy
@@ -476,19 +477,24 @@ def test_recorded_saved_bytes_are_what_the_node_keeps(dtype, reduction, bias):
 
 
 @needs_layer_extension
+@pytest.mark.parametrize("statistics", [False, True], ids=["loss", "statistics"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_cpp_and_python_loops_are_bit_identical(dtype):
+def test_cpp_and_python_loops_are_bit_identical(dtype, statistics):
     """The loop ops' C++ kernels (which the node runs) against their Python references in
     memkern.ops.linear_cross_entropy (which memkern.profile.plan runs): the same ATen calls in
-    the same order, so the same results bit for bit."""
+    the same order, so the same results bit for bit; with ``statistics``, the per-token
+    statistics and the backward with the entropy's term and the input gradient."""
     x, w, b, t = _data(41, 9, 67, dtype=dtype, ignore=(3, 40))
     x, w, b = x.detach(), w.detach(), b.detach()
+    every = ROW_ENTROPY | ROW_IS_TOP1 | ROW_MEAN_LOGIT
     forward_args = (x, w, b, t, -100, 0.1, 16, True, dtype == torch.float32,
-                    dtype == torch.float32, 6.0)
+                    dtype == torch.float32, 6.0, every if statistics else 0)
     cpp_forward = torch.ops.memkern.linear_cross_entropy_forward(*forward_args)
     for a, p in zip(cpp_forward, lce_ops.forward_impl(*forward_args)):
         assert torch.equal(a, p)
-    backward_args = (torch.rand(41), x, w, b, t, cpp_forward[1], -100, 0.1, 24, True, True, 6.0)
+    entropy = (cpp_forward[5][ENTROPY_ROW].contiguous(), torch.rand(41), True) if statistics else ()
+    backward_args = (torch.rand(41), x, w, b, t, cpp_forward[1], -100, 0.1, 24, True, True, 6.0,
+                     *entropy)
     for a, p in zip(torch.ops.memkern.linear_cross_entropy_backward(*backward_args),
                     lce_ops.backward_impl(*backward_args)):
         assert torch.equal(a, p)

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from memkern import backend, ops
 from memkern._extension import compiled
+from memkern.ops.cross_entropy import (ENTROPY_ROW, IS_TOP1_ROW, MEAN_LOGIT_ROW, ROW_ENTROPY,
+                                       ROW_IS_TOP1, ROW_MEAN_LOGIT)
 from memkern.ops.dropout import keep_mask, philox4x32
 from compare import rel_err
 from layer_oracle import norm64
@@ -116,9 +118,9 @@ def test_linear_cross_entropy_ops_match_unfused_float64():
     logits = F.linear(x, w, b)
     per_row = F.cross_entropy(logits, t, reduction="none")
     gsum = torch.autograd.grad(per_row.sum(), (x, w, b), retain_graph=True)
-    loss, lse, dx, dw, db = ops.linear_cross_entropy_forward(
+    loss, lse, dx, dw, db, stats = ops.linear_cross_entropy_forward(
         x.detach(), w.detach(), b.detach(), t, -100, 0.0, 5, True, True, True)
-    assert rel_err(loss, per_row) < 1e-14
+    assert rel_err(loss, per_row) < 1e-14 and stats.numel() == 0  # no statistics asked
     assert rel_err(lse[:-1], torch.logsumexp(logits, 1)[:-1]) < 1e-14 and lse[-1] == 0
     for got, want in zip((dx, dw, db), gsum):
         assert rel_err(got, want) < 1e-13
@@ -127,6 +129,57 @@ def test_linear_cross_entropy_ops_match_unfused_float64():
     for got, want in zip(ops.linear_cross_entropy_backward(gl, x.detach(), w.detach(), b.detach(),
                                                            t, lse, -100, 0.0, 4, True, True), grl):
         assert rel_err(got, want) < 1e-13
+
+
+def test_linear_cross_entropy_loop_statistics_and_entropy_grad_match_float64():
+    """The forward loop's per-token statistics (23 tokens in chunks of 5, the last of 3: a tie
+    for the maximum, a peaked row, a +inf logit in the later chunks) and the backward loop's
+    gradients of ``g1 * loss + g2 * entropy`` (37 classes in blocks of 4, the last of 1: each
+    block's logits gradient weighted for both, the input gradient summed across the blocks),
+    against F.cross_entropy, argmax and the entropy of the softmax in float64."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(23, 13, dtype=torch.float64, generator=gen)
+    w = torch.randn(37, 13, dtype=torch.float64, generator=gen)
+    b = torch.randn(37, dtype=torch.float64, generator=gen)
+    t = torch.randint(0, 37, (23,), generator=gen)
+    # classes 9 and 34 tie, exactly (small integers: any order of the GEMM's sums)
+    w[9] = w[34] = torch.randint(-3, 4, (13,), generator=gen).double()
+    b[9] = b[34] = 0.5
+    x[16] = x[18] = 2 * w[9]  # chunk 4: the tied maximum; the target at the first of the two
+    t[16], t[18] = 9, 34  # ... and at the second
+    x[17] *= 60  # a peaked row: entropy ~ 0
+    t[-1] = -100
+    every = ROW_ENTROPY | ROW_IS_TOP1 | ROW_MEAN_LOGIT
+    special = x.clone()
+    special[21, 0] = float("inf")  # +inf and -inf logits: NaN as torch, argmax the first +inf
+    for inputs in (x, special):
+        loss, lse, _, _, _, stats = ops.linear_cross_entropy_forward(
+            inputs, w, b, t, -100, 0.0, 5, False, False, False, 0.0, every)
+        z = F.linear(inputs, w, b)
+        valid = t != -100
+        want = (torch.special.entr(torch.softmax(z, 1)).sum(1), (z.argmax(1) == t).double(),
+                z.mean(1))
+        for k, ref in zip((ENTROPY_ROW, IS_TOP1_ROW, MEAN_LOGIT_ROW), want):
+            ref = torch.where(valid, ref, 0.0)
+            assert torch.equal(stats[k].isnan(), ref.isnan()), k
+            assert rel_err(stats[k].nan_to_num(), ref.nan_to_num()) < 1e-13, k
+        assert stats[IS_TOP1_ROW, 16] == 1.0 and stats[IS_TOP1_ROW, 18] == 0.0
+        assert stats[ENTROPY_ROW, 17] < 1e-3
+    assert stats[IS_TOP1_ROW, 21] == float(F.linear(special, w, b)[21].argmax() == t[21])
+    assert torch.isnan(stats[ENTROPY_ROW, 21]) and torch.isnan(loss[21])
+    xr, wr, br = (a.clone().requires_grad_() for a in (x, w, b))
+    z = F.linear(xr, wr, br)
+    per_row = F.cross_entropy(z, t, reduction="none")
+    entropy = -(torch.softmax(z, 1) * torch.log_softmax(z, 1)).sum(1)
+    g1, g2 = torch.randn(23, dtype=torch.float64), torch.randn(23, dtype=torch.float64)
+    g2[-1] = 0.0  # the ignored token's entropy has no gradient
+    want = torch.autograd.grad((g1 * per_row + g2 * entropy).sum(), (xr, wr, br))
+    _, lse, _, _, _, stats = ops.linear_cross_entropy_forward(
+        x, w, b, t, -100, 0.0, 5, False, False, False, 0.0, ROW_ENTROPY)
+    got = ops.linear_cross_entropy_backward(g1, x, w, b, t, lse, -100, 0.0, 4, True, True, 0.0,
+                                            stats[ENTROPY_ROW].contiguous(), g2, True)
+    for g, ref in zip((got[2], got[0], got[1]), want):
+        assert rel_err(g, ref) < 1e-12
 
 
 def test_dropout_reference_mask_and_scale():
@@ -466,6 +519,15 @@ def _opcheck_cases():
         ("linear_cross_entropy_backward", (torch.randn(5), x, w, None, tt, torch.randn(5), -100,
                                            0.0, 3, True, True)),
         ("linear_cross_entropy_forward", (x, w, None, tt, -100, 0.1, 3, True, True, False, 2.5)),
+        ("cross_entropy_rows_", (torch.randn(5, 17), t, None, -100, 0.0, True, 0.0,
+                                 ROW_ENTROPY | ROW_IS_TOP1 | ROW_MEAN_LOGIT, torch.zeros(3, 5))),
+        ("cross_entropy_block_grad_", (torch.randn(5, 7), torch.randn(5), t, torch.randn(5), 4,
+                                       17, -100, 0.0, 0.0, torch.rand(5), torch.randn(5))),
+        ("linear_cross_entropy_forward", (x, w, None, tt, -100, 0.0, 2, True, False, False, 0.0,
+                                          ROW_ENTROPY | ROW_IS_TOP1)),
+        ("linear_cross_entropy_backward", (torch.randn(5), x, w, torch.randn(11), tt,
+                                           torch.randn(5), -100, 0.0, 3, True, True, 0.0,
+                                           torch.rand(5), torch.randn(5), True)),
     ]
 
 
@@ -504,6 +566,9 @@ def _layer_opcheck_cases():
         ("linear_cross_entropy_layer", (leaf(6, 17), leaf(11, 17), leaf(11),
                                         torch.randint(0, 11, (6,)), None, None, "mean", -100,
                                         0.1, 4, 8, 0.0)),
+        ("linear_log_prob_layer", (leaf(6, 17), leaf(11, 17), leaf(11),
+                                   torch.randint(0, 11, (6,)), ROW_ENTROPY | ROW_MEAN_LOGIT,
+                                   -100, 4, 8, 0.0)),
     ]
 
 

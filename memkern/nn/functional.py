@@ -7,7 +7,8 @@ No layer has a Python autograd: every call runs the layer op's C++ node
 (:mod:`memkern.ops.linear_layer`, :mod:`memkern.ops.dropout_layer`,
 :mod:`memkern.ops.norm_layer`, :mod:`memkern.ops.modulated_norm_layer`,
 :mod:`memkern.ops.mlp_layer`, :mod:`memkern.ops.swiglu_layer`,
-:mod:`memkern.ops.linear_cross_entropy_layer`), and without the compiled extension they are
+:mod:`memkern.ops.linear_cross_entropy_layer`, :mod:`memkern.ops.linear_log_prob_layer`), and
+without the compiled extension they are
 plain torch, with the same defaults — ``F.linear``, ``F.dropout``, ``F.layer_norm``,
 ``F.rms_norm``, the modulated LayerNorm as ``F.layer_norm(x, (features,)) * (1 + scale) +
 shift``, the MLP as ``F.linear(act(F.linear(x, fc1)), fc2)``, SwiGLU as
@@ -30,15 +31,18 @@ mlp                    mlp.py                  per ``recompute``: x, pre-activat
                                                activation)
 swiglu                 swiglu.py               per ``recompute``: x, gate, up (and h)
 linear_cross_entropy   linear_cross_entropy.py never a ``[tokens, classes]`` tensor
+linear_log_probs       linear_log_probs.py     the same (reduction "none"), and the per-token
+                                               log-sum-exp and entropy
 =====================  ======================  ==================================================
 """
 from memkern.nn.dropout import dropout
 from memkern.nn.linear import linear
 from memkern.nn.linear_cross_entropy import linear_cross_entropy
+from memkern.nn.linear_log_probs import LogProbs, linear_log_probs
 from memkern.nn.mlp import mlp
 from memkern.nn.modulated_norm import modulated_layer_norm
 from memkern.nn.norm import layer_norm, rms_norm
 from memkern.nn.swiglu import swiglu
 
-__all__ = ["dropout", "layer_norm", "linear", "linear_cross_entropy", "mlp", "modulated_layer_norm",
-           "rms_norm", "swiglu"]
+__all__ = ["LogProbs", "dropout", "layer_norm", "linear", "linear_cross_entropy",
+           "linear_log_probs", "mlp", "modulated_layer_norm", "rms_norm", "swiglu"]

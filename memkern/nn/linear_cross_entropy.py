@@ -59,10 +59,11 @@ def splits(reduction: str, dtype: torch.dtype) -> bool:
     return reduction == "none" or dtype in (torch.float16, torch.bfloat16)
 
 
-def _check(input, weight, target, bias, reduction, label_smoothing, num_items, softcap,
-           chunk_size, vocab_block) -> float:
-    """Raises the error of an invalid call; returns ``softcap`` as a number (0: none)."""
-    where = "memkern.nn.functional.linear_cross_entropy"
+def check_call(input, weight, target, bias, reduction, label_smoothing, num_items, softcap,
+               chunk_size, vocab_block,
+               where="memkern.nn.functional.linear_cross_entropy") -> float:
+    """Raises the error of an invalid call of ``where``; returns ``softcap`` as a number
+    (0: none)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"{where}: reduction={reduction!r} is not one of {REDUCTIONS}")
     if num_items is not None and reduction == "none":
@@ -142,8 +143,8 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
                                                 -1 if vocab_block is None else vocab_block)
         if loss is not None:
             return loss
-    softcap = _check(input, weight, target, bias, reduction, label_smoothing, num_items, softcap,
-                     chunk_size, vocab_block)
+    softcap = check_call(input, weight, target, bias, reduction, label_smoothing, num_items,
+                         softcap, chunk_size, vocab_block)
     if linear_cross_entropy_layer_entry is None:
         return _torch_loss(input, weight, target, bias, ignore_index, reduction, label_smoothing,
                            num_items, softcap)

@@ -36,6 +36,7 @@ from memkern.ops.linear_cross_entropy import (  # noqa: E402
     linear_cross_entropy_forward,
 )
 from memkern.ops.linear_cross_entropy_layer import linear_cross_entropy_layer  # noqa: E402
+from memkern.ops.linear_log_prob_layer import linear_log_prob_layer  # noqa: E402
 from memkern.ops.mlp_layer import mlp_layer  # noqa: E402
 from memkern.ops.modulated_norm_layer import modulated_norm_layer  # noqa: E402
 from memkern.ops.norm import norm_backward, norm_forward  # noqa: E402
@@ -50,6 +51,7 @@ __all__ += ["NN_OPS", "act_backward", "act_forward", "cross_entropy_block_grad_"
             "cross_entropy_rows_", "dropout",
             "dropout_layer", "linear_cross_entropy_backward",
             "linear_cross_entropy_forward", "linear_cross_entropy_layer", "linear_layer",
+            "linear_log_prob_layer",
             "mlp_layer", "modulated_norm_layer",
             "norm_backward", "norm_forward", "norm_layer", "swiglu_backward", "swiglu_forward",
             "swiglu_layer"]
