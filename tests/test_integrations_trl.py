@@ -14,9 +14,11 @@ memkern's layers, BF16_TOL: losses within 1.6e-4.
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -25,8 +27,10 @@ datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
 import memkern as mk  # noqa: E402
+from memkern.integrations import trl as trl_head  # noqa: E402
 from memkern.integrations.transformers import MemkernTrainerMixin  # noqa: E402
-from compare import params_rel_err  # noqa: E402
+from trl.kernels import ChunkedLogProbFunction  # noqa: E402
+from compare import params_rel_err, rel_err  # noqa: E402
 
 TOL, ADAMW_TOL, BF16_TOL = 1e-5, 1e-4, 1e-3
 CHARS = "abcdefghijklmnopqrstuvwxyz "
@@ -82,13 +86,14 @@ def trainer_setup(kind: str, out, steps: int, **config) -> tuple[type, object, d
 
 
 def train(kind, out, *, patched, use_peft, mixin=None, steps=2, resume=None, seed=0,
-          **config):
+          head=None, dtype=torch.float32, **config):
     """Trains a seeded tiny Llama with trl's ``kind`` trainer; returns (trainer, logged
     losses, each trainable parameter's change). ``patched``: memkern.patch first (with
     ``mixin``: the mixin patches). ``mixin``: keyword arguments of MemkernTrainerMixin, whose
-    optimizer then steps the model."""
+    optimizer then steps the model. ``head``: a function given the built trainer (e.g.
+    use_memkern_head); ``dtype``: the model's."""
     torch.manual_seed(seed)
-    model = tiny_llama()
+    model = tiny_llama().to(dtype)
     cls, args, kwargs = trainer_setup(kind, out, steps, **config)
     if kind == "dpo" and not use_peft:  # the reference: a copy (with PEFT: adapters off)
         kwargs["ref_model"] = copy.deepcopy(model)
@@ -102,6 +107,8 @@ def train(kind, out, *, patched, use_peft, mixin=None, steps=2, resume=None, see
     elif patched:
         mk.patch(model)
     trainer = cls(model=model, args=args, processing_class=tokenizer(), **kwargs)
+    if head is not None:
+        head(trainer)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
               if p.requires_grad}
     trainer.train(resume_from_checkpoint=resume)
@@ -205,3 +212,136 @@ def test_a_model_name_is_refused():
     cls = type("MemkernSFTTrainer", (MemkernTrainerMixin, trl.SFTTrainer), {})
     with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got str; load it"):
         cls(model="some/model")
+
+
+# ----------------------------------------------------------------------------------------------
+# memkern's per-token log-prob head in trl's fused forward (memkern.integrations.trl)
+
+ALL_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+HEAD_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
+
+
+class Float64Head:
+    """The oracle head: trl's head's outputs over the whole logits in float64, plain torch
+    (``(scale * z)`` soft-capped, over the temperature; entropy ``-sum p log p``; argmax)."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap=None,
+              logit_scale=1.0, outputs=ALL_OUTPUTS):
+        z = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
+        z = z * logit_scale
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        z = z / temperature
+        logp = torch.log_softmax(z, -1)
+        ask = {"log_probs": logp.gather(-1, targets[:, None])[:, 0],
+               "entropy": -(logp.exp() * logp).sum(-1),
+               "log_sum_sq_probs": torch.logsumexp(2 * logp, -1).detach(),
+               "mean_logits": z.detach().mean(-1), "is_top1": z.argmax(-1) == targets}
+        return tuple(ask[name] if name in outputs else None for name in ALL_OUTPUTS)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(temperature=1.0, logit_scale=1.0, softcap=None, bias=False),
+    dict(temperature=0.7, logit_scale=1.0, softcap=None, bias=True),
+    dict(temperature=0.6, logit_scale=0.5, softcap=4.0, bias=True),
+], ids=["plain", "temperature-bias", "temperature-scale-softcap"])
+def test_memkern_head_matches_trls_and_float64(settings):
+    """MemkernLogProbHead.apply (what trl's fused forward calls once swapped) against trl's
+    ChunkedLogProbFunction and the float64 oracle: every output trl's trainers ask for, and
+    the gradients of g1 * log_probs + g2 * entropy. 41 tokens of 333 classes (memkern: chunks
+    of 8 tokens, blocks of 64 classes; trl: tiles of 128)."""
+    gen = torch.Generator().manual_seed(3)
+    n, v, h = 41, 333, 16
+    x = torch.randn(n, h, generator=gen)
+    w = torch.randn(v, h, generator=gen) * 0.5
+    t = torch.randint(0, v, (n,), generator=gen)
+    t[::3] = (x[::3] @ w.T).argmax(1)  # a third of the tokens top-1
+    b = torch.randn(v, generator=gen) * 0.1 if settings["bias"] else None
+    args = (settings["temperature"], 128, settings["softcap"], settings["logit_scale"])
+    g1, g2 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    results = {}
+    for name, head in (("memkern", trl_head.MemkernLogProbHead), ("trl", ChunkedLogProbFunction),
+                       ("float64", Float64Head)):
+        leaves = [a.clone().requires_grad_() for a in (x, w) + ((b,) if b is not None else ())]
+        with mock.patch.dict("os.environ", {"MEMKERN_LCE_CHUNK": "8",
+                                            "MEMKERN_LCE_VOCAB_BLOCK": "64"}):
+            out = head.apply(leaves[0], leaves[1], leaves[2] if b is not None else None, t,
+                             *args, HEAD_OUTPUTS)
+        grads = torch.autograd.grad((g1.double() * out[0]).sum() + (g2.double() * out[1]).sum(),
+                                    leaves)
+        results[name] = (out, grads)
+    (want, want_grads) = results["float64"]
+    for name in ("memkern", "trl"):
+        out, grads = results[name]
+        assert out[2] is None
+        for k in (0, 1, 3):
+            assert rel_err(out[k].double(), want[k]) < 2e-5, (name, k)
+        assert torch.equal(out[4], want[4]), name
+        for g, ref in zip(grads, want_grads):
+            assert rel_err(g.double(), ref) < 2e-5, name
+
+
+def test_memkern_head_leaves_wpo_to_trl():
+    """log_sum_sq_probs (DPO's WPO weighting), which memkern's loops do not compute: trl's
+    head runs, and gives it."""
+    x, w, t = torch.randn(5, 8), torch.randn(11, 8), torch.randint(0, 11, (5,))
+    got = trl_head.MemkernLogProbHead.apply(x, w, None, t, 1.0, 16, None, 1.0, ALL_OUTPUTS)
+    want = ChunkedLogProbFunction.apply(x, w, None, t, 1.0, 16, None, 1.0, ALL_OUTPUTS)
+    for a, c in zip(got, want):
+        assert torch.equal(a, c)
+
+
+class GradRecorder(transformers.TrainerCallback):
+    """Appends the trained parameters' gradients to ``into`` before each optimizer step."""
+
+    def __init__(self, trainer, into: list) -> None:
+        self.trainer, self.into = trainer, into
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.into.append([p.grad.detach().double().clone()
+                          for p in self.trainer.model.parameters() if p.requires_grad])
+
+
+def _logged(trainer) -> dict[str, torch.Tensor]:
+    """Every logged number that is the model's (not a time, step or epoch), by name."""
+    skip = ("runtime", "per_second", "epoch", "step", "flos", "learning_rate")
+    names = {k for h in trainer.state.log_history for k in h if not any(s in k for s in skip)}
+    return {k: torch.tensor([h[k] for h in trainer.state.log_history if k in h],
+                            dtype=torch.float64) for k in sorted(names)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,config", [
+    ("sft", {}), ("dpo", {}),
+    ("grpo", {"entropy_coef": 0.5, "top_entropy_quantile": 0.5})],
+    ids=["sft", "dpo", "grpo-entropy-bonus"])
+def test_trainers_with_memkerns_head(kind, config, tmp_path):
+    """A step of SFT, DPO (with its reference model) and GRPO (its entropy bonus
+    differentiating the entropy, its high-entropy mask) with memkern's head: every logged loss
+    and metric (entropy, token accuracy, logits and log-probabilities, rewards) equal to trl's
+    own head's within float32 rounding, and the step — SGD: the gradient — against a float64
+    model with a plain torch head over the whole logits."""
+    options = dict(patched=False, use_peft=False, bf16=False, optim="sgd", steps=1,
+                   max_grad_norm=0.0, **config)
+    grads = {}
+
+    def memkern_head(name):
+        def swap(trainer):
+            trl_head.use_memkern_head(trainer)
+            trainer.add_callback(GradRecorder(trainer, grads.setdefault(name, [])))
+        return swap
+
+    ours = train(kind, tmp_path, head=memkern_head("memkern"), **options)
+    theirs = train(kind, tmp_path, **options)
+    with mock.patch.object(trl_head, "MemkernLogProbHead", Float64Head):
+        train(kind, tmp_path, head=memkern_head("float64"), dtype=torch.float64, **options)
+    swapped = trl_head.use_memkern_head(ours[0])  # again: nothing changes
+    assert swapped and all(m.forward.__func__.__globals__["_ChunkedLogProbFunction"]
+                           is trl_head.MemkernLogProbHead for m in swapped)
+    got, want = _logged(ours[0]), _logged(theirs[0])
+    assert got.keys() == want.keys() and "loss" in got
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=2e-5, atol=1e-6, msg=name)
+    (mine,), (exact,) = grads["memkern"], grads["float64"]
+    assert params_rel_err(mine, exact) < 1e-4

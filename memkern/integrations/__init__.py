@@ -4,6 +4,7 @@
 a drop-in ``transformers.Trainer`` that trains with memkern's layers and ``ShardedOptimizer``
 (or FSDP2 and ``FusedAdamW``). ``memkern.integrations.fsdp2``: the FSDP2 unit layout it and the
 planner use. ``memkern.integrations.mmengine``: ``MemkernOptimWrapper``, ``MemkernPatchHook`` and
-``MemkernDataParallel`` in MMEngine's registries. Imported on demand: memkern itself needs
-neither ``transformers`` nor ``mmengine``.
+``MemkernDataParallel`` in MMEngine's registries. ``memkern.integrations.trl``:
+``use_memkern_head``, memkern's per-token log-probability head in trl's trainers. Imported on
+demand: memkern itself needs none of ``transformers``, ``mmengine``, ``trl``.
 """
