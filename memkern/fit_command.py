@@ -62,7 +62,7 @@ class Candidate:
 def add_arguments(parser: argparse.ArgumentParser, positive_int) -> None:
     """The ``memkern fit`` flags (``memkern.cli`` passes its whole-number parser, so every
     command reads them the same way)."""
-    from memkern.plan_command import DTYPES
+    from memkern.plan_command import DTYPES, add_lora_argument
 
     parser.add_argument("--hf", metavar="MODEL", required=True,
                         help="a transformers model: a model type (llama, qwen2, gpt2, bert, "
@@ -81,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser, positive_int) -> None:
     parser.add_argument("--device", choices=sorted(TARGETS), default="cuda",
                         help="the device to plan for: cuda (Hopper: H100/H200), cuda-sm80 "
                         "(Ampere: A100) or cpu (default: cuda); nothing runs on it")
+    add_lora_argument(parser)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                         help="parameter dtype (default: bfloat16; the optimizer keeps float32 "
                         "master weights of 16-bit ones)")
@@ -103,7 +104,7 @@ def _model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
     batch of that task's inputs and labels (:func:`memkern.profile.workloads.task_batch`)."""
     import memkern
     from memkern.plan_command import DTYPES
-    from memkern.profile.workloads import hf_config, model_class, task_batch
+    from memkern.profile.workloads import hf_config, model_class, task_batch, with_lora
 
     cfg = hf_config(args.hf, args.set)
     limit = getattr(cfg, "max_position_embeddings", None)
@@ -111,8 +112,10 @@ def _model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
         raise ValueError(f"--seq {args.seq} is longer than the model's max_position_embeddings "
                          f"({limit}); set a larger one with --set max_position_embeddings=N")
     with torch.device("meta"):
-        model = model_class(cfg, args.task)(cfg)
-    model = memkern.patch(model.to(DTYPES[args.dtype]).train())
+        model = model_class(cfg, args.task)(cfg).to(DTYPES[args.dtype]).train()
+        if args.lora is not None:
+            model = with_lora(model, args.lora)
+    model = memkern.patch(model)
     return model, task_batch(cfg, args.task, args.batch, args.seq)
 
 
@@ -161,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
 
     model, batch = _model(args)
     num_params = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     budget = args.memory_budget
 
     def fit(limit: int, **kwargs) -> FitReport:
@@ -168,10 +172,11 @@ def run(args: argparse.Namespace) -> int:
                            optimizer=lambda params: memkern.optim.ShardedOptimizer(
                                params, "adamw", lr=1e-4, loss_scale="dynamic", **kwargs))
 
-    print(f"memkern fit: {type(model).__name__} ({num_params / 1e6:.1f}M parameters, "
+    adapters = f", {trained / 1e6:.1f}M trained: LoRA" if trained < num_params else ""
+    print(f"memkern fit: {type(model).__name__} ({num_params / 1e6:.1f}M parameters{adapters}, "
           f"{args.dtype}), batch {args.batch} x {args.seq}, budget {size(budget)} on "
           f"{TARGETS[args.device].describe()}; planned on fake tensors")
-    tried = choose(fit, budget, num_params)
+    tried = choose(fit, budget, trained)
     best = tried[0]
     if not best.fits:
         closest = min(tried, key=lambda c: c.error.smallest_budget - c.offloaded)

@@ -6,6 +6,7 @@
         --variant patch:recompute=full
     memkern plan --hf xlm-roberta --task sequence-classification --dtype float32 \\
         --autocast float16 --batch 8 --seq 256
+    memkern plan --hf llama --lora r=16 --batch 2 --seq 2048   # PEFT's LoRA on every linear layer
 
 Each configuration or variant is one :func:`memkern.profile.plan_training_step`; the command
 prints a row per plan (its peak, where it is, what it is made of, the second-highest moment),
@@ -27,7 +28,7 @@ from memkern.output import table
 from memkern.profile.plan_report import MIB, SHORT, format_plan, legend, plan_chart
 from memkern.profile.targets import TARGETS
 from memkern.profile.workloads import (OPTIMIZERS, PATCH_OPTIONS, SHARDINGS, TASKS, default_seq,
-                                       hf_config, hf_workload)
+                                       hf_config, hf_workload, lora_options)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -91,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser, size_choices, config_names,
                         "patch)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                         help="with --hf: parameter dtype (default: bfloat16)")
+    add_lora_argument(parser)
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw-fused",
                         help="with --hf: torch AdamW fused (default) or foreach, memkern's "
                         "FusedAdamW (32-bit or 8-bit state), or ShardedOptimizer")
@@ -107,6 +109,22 @@ def add_arguments(parser: argparse.ArgumentParser, size_choices, config_names,
                         help="also write the plans as JSON")
 
 
+def _lora(text: str) -> dict:
+    try:
+        return lora_options(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+
+
+def add_lora_argument(parser: argparse.ArgumentParser) -> None:
+    """``--lora`` (``memkern plan`` and ``memkern fit``)."""
+    parser.add_argument("--lora", metavar="OPTIONS", type=_lora, nargs="?", const=lora_options(""),
+                        help="with --hf: train PEFT's LoRA adapters instead of the whole model "
+                        "(peft.get_peft_model before memkern.patch), e.g. r=16,alpha=32,"
+                        "dropout=0.05,targets=q_proj+v_proj (default: r=16, alpha=32, no "
+                        "dropout, every linear layer but the output layer)")
+
+
 def _plans(args: argparse.Namespace) -> list[tuple[str, StepPlan]]:
     if args.hf:
         cfg = hf_config(args.hf, args.set)
@@ -118,13 +136,13 @@ def _plans(args: argparse.Namespace) -> list[tuple[str, StepPlan]]:
         return [(name, plan_training_step(
             hf_workload(cfg, batch=args.batch, seq=seq, dtype=DTYPES[args.dtype], patch=patch,
                         optimizer=args.optimizer, task=args.task, autocast=autocast,
-                        sharding=args.sharding),
+                        sharding=args.sharding, lora=args.lora),
             device=args.device, world_size=args.world_size))
                 for name, patch in variants]
     if (args.set or args.variant or args.sharding or args.world_size > 1
-            or args.task != "causal-lm" or args.autocast):
-        raise ValueError("--set, --variant, --sharding, --world-size, --task and --autocast go "
-                         "with --hf")
+            or args.task != "causal-lm" or args.autocast or args.lora is not None):
+        raise ValueError("--set, --variant, --sharding, --world-size, --task, --autocast and "
+                         "--lora go with --hf")
     names = args.configs or [c for c in DEFAULT_CONFIGS if "compiled" not in c]
     return [(name, plan_training_step(bench_workload(name, args.size, batch=args.batch,
                                                      seq=args.seq), device=args.device))

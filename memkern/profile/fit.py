@@ -255,7 +255,8 @@ def fit(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     ``budget``: bytes or a string with a unit ("20GiB"). ``loss(model, batch)``: the step's loss
     (default: ``model(**batch).loss`` for a dict, ``model(*batch)`` for a tuple, else
     ``model(batch)``). ``optimizer(params)``: the optimizer the step uses (default: torch's
-    AdamW, fused; foreach on the CPU); a :class:`memkern.optim.ShardedOptimizer` is driven through its
+    AdamW, fused; foreach on the CPU), given the parameters that require grad; a
+    :class:`memkern.optim.ShardedOptimizer` is driven through its
     ``backward``/``step``/``zero_grad``. ``device``: the planning target ("cuda", "cuda-sm80",
     "cpu"). ``blocks``: the modules to choose for (default: :func:`repeated_blocks`).
     ``throughput``: FLOP/s to cost recomputation at (default: measured on the target when it is
@@ -286,7 +287,7 @@ def fit(model: nn.Module, example_batch: Any, budget: int | float | str, *,
 
             def build() -> TrainingSetup:
                 stand_in.__enter__()
-                opt = make_optimizer(model.parameters())
+                opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
                 batch = tree_map(lambda t: torch.empty_strided(t.shape, t.stride(),
                                                                dtype=t.dtype)
                                  if isinstance(t, torch.Tensor) else t, example_batch)

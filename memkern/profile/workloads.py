@@ -15,7 +15,7 @@ import torch
 from memkern import _fake
 from memkern.profile.plan import TrainingSetup, on_host
 
-PATCH_OPTIONS = ("linear", "norm", "mlp", "dropout", "attention", "loss")
+PATCH_OPTIONS = ("linear", "norm", "mlp", "dropout", "lora", "attention", "loss")
 """The on/off families of :func:`memkern.patch` (see ``memkern.nn.patch``)."""
 SHARDINGS = ("zero1", "zero2", "fsdp2")
 """How :func:`hf_workload` shards across the ranks of the default process group."""
@@ -68,6 +68,44 @@ def _parse(text: str) -> tuple[str, object]:
         return key.strip(), json.loads(value)
     except json.JSONDecodeError:
         return key.strip(), value
+
+
+LORA_DEFAULTS = {"r": 16, "alpha": 32, "dropout": 0.0, "targets": "all-linear"}
+"""The LoRA adapters :func:`lora_options` describes by default: rank 16, ``lora_alpha`` 32, no
+dropout, on every linear layer but the output layer (PEFT's ``"all-linear"``)."""
+
+
+def lora_options(text: str) -> dict:
+    """LoRA options from ``"r=16,alpha=32,dropout=0.05,targets=q_proj+v_proj"`` (any of them;
+    the rest :data:`LORA_DEFAULTS`; ``targets``: module names joined by ``+``, or
+    ``all-linear``)."""
+    options = dict(LORA_DEFAULTS)
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in LORA_DEFAULTS:
+            raise ValueError(f"LoRA option {item!r}: expected key=value with key one of "
+                             f"{', '.join(LORA_DEFAULTS)} (e.g. r=16,alpha=32)")
+        try:
+            options[key] = (value if key == "targets" else
+                            int(value) if key in ("r", "alpha") else float(value))
+        except ValueError:
+            raise ValueError(f"LoRA option {item!r}: {value!r} is not a number") from None
+    if options["r"] < 1 or not 0.0 <= options["dropout"] < 1.0:
+        raise ValueError(f"LoRA options {text!r}: r must be at least 1 and dropout in [0, 1)")
+    return options
+
+
+def with_lora(model: torch.nn.Module, options: dict) -> torch.nn.Module:
+    """``model`` with PEFT's LoRA adapters (``peft.get_peft_model``) as :func:`lora_options`
+    describes them: the base weights frozen, the adapters trainable."""
+    import peft
+
+    targets = options["targets"]
+    config = peft.LoraConfig(r=options["r"], lora_alpha=options["alpha"],
+                             lora_dropout=options["dropout"],
+                             target_modules=targets if targets == "all-linear"
+                             else targets.split("+"))
+    return peft.get_peft_model(model, config)
 
 
 OPTIMIZERS = ("adamw-fused", "adamw", "memkern-adamw", "memkern-adamw-8bit", "sharded")
@@ -137,7 +175,8 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
                 patch: dict | None = None, optimizer: str = "adamw-fused",
                 gradient_checkpointing: bool = False, task: str = "causal-lm",
                 autocast: torch.dtype | None = None,
-                sharding: str | None = None) -> Callable[[], TrainingSetup]:
+                sharding: str | None = None,
+                lora: dict | None = None) -> Callable[[], TrainingSetup]:
     """A ``transformers`` model for ``task`` (:data:`TASKS`) from ``config``
     (:func:`hf_config`), parameters in ``dtype``, trained as ``benchmarks/bench_hf.py`` trains
     it: ``model(**batch).loss``, ``backward()``, the optimizer's step,
@@ -152,6 +191,8 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
     state) or "sharded" (:class:`memkern.optim.ShardedOptimizer`, AdamW, dynamic loss scale,
     clipping at 1.0).
     ``gradient_checkpointing``: transformers' own (``model.gradient_checkpointing_enable()``).
+    ``lora``: :func:`lora_options`' dict: the model gets PEFT's LoRA adapters (:func:`with_lora`)
+    before ``patch``, and the optimizer steps the adapters only.
     ``autocast``: the forward runs under ``torch.autocast(<the planned device>, dtype=autocast)``
     (AMP: float32 parameters, ``torch.float16`` or ``torch.bfloat16`` matmuls).
 
@@ -190,11 +231,13 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
         model = model.to(dtype=dtype).train()
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        if lora is not None:
+            model = with_lora(model, lora)
         if patch is not None:
             memkern.patch(model, **patch)
         if sharding == "fsdp2":
             _fully_shard(model)
-        params = model.parameters()
+        params = [p for p in model.parameters() if p.requires_grad]
         sharded = None
         if optimizer == "adamw-fused":
             opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
@@ -225,7 +268,8 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
 
         how = "plain" if patch is None else "memkern.patch(" + ", ".join(
             f"{k}={v!r}" for k, v in patch.items()) + ")"
-        extras = "".join([f", autocast {autocast}" if autocast is not None else "",
+        extras = "".join([f", LoRA r={lora['r']} on {lora['targets']}" if lora else "",
+                          f", autocast {autocast}" if autocast is not None else "",
                           ", gradient checkpointing" if gradient_checkpointing else ""])
         shape = (f"batch {batch}" if task == "image-classification" else f"batch {batch} x {seq}")
         ranks = "" if sharding is None else \
