@@ -142,6 +142,9 @@ def test_bench_max_grad_norm_reaches_every_configuration(monkeypatch):
     (["bench", "--max-grad-norm", "nan"], "argument --max-grad-norm: must be a finite number"),
     (["bench", "--max-grad-norm", "one"], "argument --max-grad-norm: must be a number"),
     (["bench", "--size", "tiny", "--batch", "1000000000", "--steps", "3"], "does not fit"),
+    (["plan", "--hf", "llama", "--lora", "rank=8"], "argument --lora: LoRA option 'rank=8'"),
+    (["fit", "--hf", "llama", "--batch", "1", "--seq", "8", "--memory-budget", "1GiB", "--lora",
+      "r=0"], "argument --lora: LoRA options 'r=0': r must be at least 1"),
 ])
 def test_bad_flags_give_one_line_error(flags, needle):
     proc = _run_cli(*flags)
