@@ -48,7 +48,8 @@ How: each module's class is replaced by a memkern subclass of it (``module.__cla
 so the module object, its parameters (identity, values, names, dtype, device,
 ``requires_grad``), buffers, hooks, ``state_dict`` keys and ``isinstance`` checks are all
 unchanged; only ``forward`` differs. Only exact classes are swapped (a subclass of
-``nn.Linear`` may have its own forward). Patching twice changes nothing.
+``nn.Linear`` may have its own forward: a 4-bit layer's), PEFT's LoRA layers aside, whose
+structure is read. Patching twice changes nothing.
 
 ``patch`` returns the model; :func:`patch_report` (or ``verbose=True``) tells what was swapped
 and what was recognised but left alone, and why.
