@@ -8,7 +8,9 @@ import torch
 
 from memkern import ops
 from memkern.kernels.state8bit import num_blocks
-from memkern.optim.flat_state import FlatOptimizer, Segment, check_state_precision, wants_8bit_state
+from memkern.optim.flat_state import FlatOptimizer, check_state_precision, wants_8bit_state
+from memkern.optim.local_grads import LocalGrads
+from memkern.optim.segment import Segment
 
 
 class SGD:
@@ -104,11 +106,9 @@ class FusedSGD(FlatOptimizer):
     the same ``state_precision``.
     """
 
-    algorithm = SGD
-
     def __init__(self, params: Any, lr: float, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *,
                  grad_dtype: torch.dtype | None = None, state_precision: str = "32bit") -> None:
         super().__init__(params, SGD.defaults(lr, momentum, dampening, weight_decay, nesterov,
                                               state_precision),
-                         grad_dtype=grad_dtype)
+                         algorithm=SGD, grad_placement=LocalGrads(), grad_dtype=grad_dtype)

@@ -1,0 +1,65 @@
+"""Copies between the model's device and host memory, on side streams: the one place where the
+optimizer front end's host parts (:mod:`memkern.optim.offload`, :mod:`memkern.optim.streamed_grads`)
+touch CUDA streams and events.
+
+On a GPU a copy down (device to host) runs on the download stream after the work enqueued so
+far on the current stream, a copy up on the upload stream, both ``non_blocking`` into or from
+pinned memory, and each returns the CUDA event of its completion. For a model on the CPU the
+same calls copy at once and return None, so every other line of those parts runs unchanged on
+a CPU (which is how the tests exercise them).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Transfers:
+    """The side streams of one device. ``cuda``: whether ``device`` is a GPU (then host
+    buffers are pinned: :attr:`pinned`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.pinned = self.cuda
+        if self.cuda:
+            self.download = torch.cuda.Stream(device)
+            self.upload = torch.cuda.Stream(device)
+
+    def down(self, host: torch.Tensor, source: torch.Tensor) -> torch.cuda.Event | None:
+        """Copies the device tensor ``source`` into the host tensor ``host``: after the work
+        enqueued so far on the current stream; returns the event of its arrival (None: done)."""
+        if not self.cuda:
+            host.copy_(source)
+            return None
+        self.download.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.download):
+            host.copy_(source, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record(self.download)
+        return arrived
+
+    def up(self, target: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event | None:
+        """Copies the host tensor ``host`` into the device tensor ``target`` (from any thread);
+        returns the event of its completion (None: done)."""
+        if not self.cuda:
+            target.copy_(host)
+            return None
+        with torch.cuda.stream(self.upload):
+            target.copy_(host, non_blocking=True)
+            uploaded = torch.cuda.Event()
+            uploaded.record(self.upload)
+        return uploaded
+
+    @staticmethod
+    def wait(event: torch.cuda.Event | None) -> None:
+        """Blocks the calling host thread until ``event`` (None: nothing to wait for)."""
+        if event is not None:
+            event.synchronize()
+
+    def join(self) -> None:
+        """The current stream waits for both side streams (the next forward reads the
+        weights, the next backward writes what the copies read)."""
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self.upload)
+            current.wait_stream(self.download)
