@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import collections
 import queue
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ from memkern.optim import host_memory
 from memkern.optim.grad_buffer import GradBuffer
 from memkern.optim.grad_placement import Unit
 from memkern.optim.segment import Segment
-from memkern.optim.transfers import Transfers
+from memkern.optim.transfers import HostWorker, Transfers
 from memkern.optim.zero import Shards
 
 COPIES_IN_FLIGHT = 2
@@ -70,7 +70,7 @@ class StreamedGrads(Shards):
     def __init__(self, group: Any, rank: int, world: int, bucket_size_mb: float) -> None:
         super().__init__(group, rank, world, 2, bucket_size_mb)
         self._free_slots: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        self._summing = ThreadPoolExecutor(1, thread_name_prefix="memkern-grad-sum")
+        self._summing = HostWorker("memkern-grad-sum")
         self._sums: collections.deque[Future] = collections.deque()
 
     def make_segments(self, buffer: GradBuffer) -> list[Segment]:

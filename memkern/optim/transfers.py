@@ -6,11 +6,18 @@ On a GPU a copy down (device to host) runs on the download stream after the work
 far on the current stream, a copy up on the upload stream, both ``non_blocking`` into or from
 pinned memory, and each returns the CUDA event of its completion. For a model on the CPU the
 same calls copy at once and return None, so every other line of those parts runs unchanged on
-a CPU (which is how the tests exercise them).
+a CPU (which is how the tests exercise them). :class:`HostWorker` is the host thread that waits
+for copies down and works on what they brought.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
 import torch
+
+from memkern import _fake
 
 
 class Transfers:
@@ -63,3 +70,23 @@ class Transfers:
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(self.upload)
             current.wait_stream(self.download)
+
+
+class HostWorker:
+    """One host thread running jobs in the order they were submitted (``name``: the thread's
+    name prefix). Under a fake tensor mode (the planner's), whose state is not thread-safe,
+    each job runs at once on the submitting thread instead."""
+
+    def __init__(self, name: str) -> None:
+        self._pool = (None if _fake.fake_mode_active()
+                      else ThreadPoolExecutor(1, thread_name_prefix=name))
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        if self._pool is not None:
+            return self._pool.submit(fn, *args)
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:  # handed to the caller, as the thread's would be
+            done.set_exception(e)
+        return done

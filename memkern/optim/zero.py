@@ -333,14 +333,14 @@ class Shards(GradPlacement):
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
         if self.world == 1:
-            if out.data_ptr() != inp.data_ptr():
+            if out is not inp:
                 out.copy_(inp)
             return None
         return _reduce_scatter(out, inp, group=self.group, async_op=True)
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
         if self.world == 1:
-            if out.data_ptr() != inp.data_ptr():
+            if out is not inp:
                 out.copy_(inp)
             return None
         return _all_gather(out, inp, group=self.group, async_op=True)
@@ -354,8 +354,8 @@ class Shards(GradPlacement):
     def reduce_window(self) -> None:
         """Stage 1, at the window's end: every unit of the flat gradient buffer reduce-scattered
         in place; this rank's slices then hold the sums over ranks. (Stage 2 reduced them
-        during backward.)"""
-        if self.zero_stage != 1:
+        during backward; one rank's slice is the whole unit.)"""
+        if self.zero_stage != 1 or self.world == 1:
             return
         for unit in self.units:
             grads = unit.bucket.grads

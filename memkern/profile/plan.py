@@ -185,6 +185,7 @@ class _Timeline(TorchDispatchMode):
         self.roots: list[tuple[nn.Module, Any]] = []
         self.closed = False  # after the run: frees are no longer events
         self.host = False  # inside on_host(): new storages are host memory
+        self.host_sids: set[int] = set()  # storages made inside on_host(), whatever ops follow
         self.count_flops = False
         self.flops = 0
         self._node: tuple[str, int] | None = None  # the autograd node running the current op
@@ -201,6 +202,7 @@ class _Timeline(TorchDispatchMode):
         self.creator.append(self._node)
         if self.host:  # not device memory: no event, size 0 (never counted)
             self.nbytes.append(0)
+            self.host_sids.add(sid)
             return sid
         self.nbytes.append(nbytes)
         self.events.append(sid)
@@ -293,7 +295,7 @@ class _Timeline(TorchDispatchMode):
         key = id(storage)
         sid = self._live.get(key)
         if sid is not None:
-            if self.nbytes[sid] == nbytes:
+            if self.nbytes[sid] == nbytes or sid in self.host_sids:  # (host: counted never)
                 return
             self._free(sid)  # resized in place: a new block, the old one given back
         self._watch(storage, self._new(nbytes, op, where))
