@@ -4,7 +4,7 @@ checkpoint. Used by ``tests/test_optim_kill_resume.py`` (seeded kill points) and
 ``scripts/kill_resume.py`` (kills at random moments).
 
     torchrun --standalone --nproc-per-node 2 --max-restarts 9 \\
-        tests/scripts/kill_resume_train.py --dir DIR --modes zero2,offload-8bit
+        tests/scripts/kill_resume_train.py --dir DIR --modes zero2,offload-8bit,streamed-8bit
 
 For each mode, in ``DIR/<mode>/``: ``reference/`` (an uninterrupted run, made first) and
 ``resumed/`` (the run that is killed and restarted); each ends with ``final.pt`` (rank 0's
@@ -46,6 +46,7 @@ POISONED = (5, 1)  # (window, micro-batch) whose loss is inf on rank 1: a skippe
 MODES = {
     "zero2": dict(zero_stage=2),
     "offload-8bit": dict(zero_stage=2, offload="cpu", state_precision="8bit"),
+    "streamed-8bit": dict(zero_stage=2, gradients="host", state_precision="8bit"),
 }
 
 
