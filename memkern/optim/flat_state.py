@@ -86,6 +86,12 @@ def _weight_address(p: torch.Tensor) -> int | None:
     return None if _fake.is_fake(p) else p.data_ptr()
 
 
+def _write_count(p: torch.Tensor) -> int:
+    """How many in-place writes went through ``p``: torch's version counter (``Tensor._version``,
+    what autograd checks saved tensors against), which has no public accessor."""
+    return p._version
+
+
 class Algorithm(Protocol):
     """Hyper-parameters, state and kernel call of one update rule (see fused_adamw, fused_sgd)."""
 
@@ -181,6 +187,8 @@ class FlatOptimizer(torch.optim.Optimizer):
             # Where each parameter's weights live in the flat layout: checked at every step.
             self._weight_ptrs = [_weight_address(p) for p in self.grad_buffer.params]
             self._replacements = ReplacementWatch(self.grad_buffer.params)
+            # Each parameter's count of in-place writes through it, as of the last check.
+            self._writes = [_write_count(p) for p in self.grad_buffer.params]
         self._segments: list[Segment] = self._make_segments()
         self._state_ready = False
 
@@ -240,6 +248,46 @@ class FlatOptimizer(torch.optim.Optimizer):
                     "(model.to(), .cuda(), .half(), p.data = ...): the optimizer updates the "
                     "flat buffer the model no longer reads, so no step was taken. Move or cast "
                     "the model before building the optimizer")
+
+    def _written_params(self) -> list[torch.Tensor]:
+        """The parameters written into through themselves since the last call
+        (``model.load_state_dict``, ``p.copy_``, ``torch.nn.init``: their write count moved;
+        the optimizer's own writes go to the flat buffers, not through the parameters): one
+        counter read per parameter. A write through ``p.data`` is not counted."""
+        params = self.grad_buffer.params
+        writes = [_write_count(p) for p in params]
+        if writes == self._writes:
+            return []
+        written = [p for p, now, then in zip(params, writes, self._writes) if now != then]
+        self._writes = writes
+        return written
+
+    @torch.no_grad()
+    def _take_as_masters(self, written: list[torch.Tensor]) -> None:
+        """Weights written into the model since the optimizer last wrote them are not lost:
+        where a written parameter's weights differ from what the optimizer would write (its
+        float32 master rounded to the weights' dtype), they become the master; so does any
+        copy of the weights the step writes (:attr:`Segment.weights` on the host). Masters
+        the written values agree with stay as they are: loading the model's weights saved
+        with the optimizer's state, before or after loading that state, changes nothing. On
+        each rank, for the slices of the parameter it owns. (Before the first step or load
+        the masters are made from the weights anyway.)"""
+        if not written or not self._state_ready:
+            return
+        for p in written:
+            seg = self._grads.unit_of(p).segment
+            values = p.detach().reshape(-1)
+            for target in dict.fromkeys([seg.master, seg.weights]):  # one for float32 weights
+                piece = self._grads.owned_piece(p, target)
+                if piece is None:
+                    continue
+                view, start = piece
+                mine = values[start:start + view.numel()]
+                if view.dtype == mine.dtype:
+                    view.copy_(mine)
+                else:  # a float32 master of 16-bit weights: only where it no longer rounds to them
+                    changed = (mine != view.to(mine.dtype)).to(view.device)
+                    view[changed] = mine.to(view.device)[changed].float()
 
     def _check_groups_as_built(self, where: str) -> None:
         """A RuntimeError when the param groups hold a tensor the optimizer was not built with:
@@ -350,6 +398,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         if self._mesh is None:
             self._check_groups_as_built(f"memkern.{type(self).__name__}.step")
             self._check_params_as_built(f"memkern.{type(self).__name__}.step")
+            self._take_as_masters(self._written_params())
             self.grad_buffer.claim_grads()
             self._apply_update(grad_multiplier, found_inf)
         else:

@@ -370,6 +370,7 @@ class ShardedOptimizer(FlatOptimizer):
         it: the state made, and the multiplier of the window should it not be clipped."""
         # Autograd must accumulate into the buffer's views, which the steps read.
         self.grad_buffer.claim_grads()
+        self._take_as_masters(self._written_params())
         if not self._state_ready:
             self.init_state()
         window = self._window
@@ -413,6 +414,10 @@ class ShardedOptimizer(FlatOptimizer):
         if window.micro_batches < self.accumulation_steps and not force:
             return False
         self._check_params_as_built("memkern.ShardedOptimizer.step")
+        written = self._written_params()
+        if written:  # steps taken before the verdict used the masters they replace
+            self._settle_host_steps()
+            self._take_as_masters(written)
         self.grad_buffer.claim_grads()
         stepped = self._window_end()
         window.close()
@@ -486,6 +491,7 @@ class ShardedOptimizer(FlatOptimizer):
                     f"{where}: this window ({window.gradients} gradients, mode "
                     f"{window.mode!r}) differs from the captured one ({window_gradients}, "
                     f"{mode!r}); capture again or use step()")
+            self._take_as_masters(self._written_params())
             self.grad_buffer.claim_grads()
             graph.replay()
             window.close()
