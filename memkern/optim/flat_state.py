@@ -31,10 +31,9 @@ so a state dict moves between memkern and torch optimizers of the same algorithm
 Differences from ``torch.optim`` that come with flat buffers: a parameter whose gradient is
 None (unused in the forward) is stepped with a zero gradient instead of being skipped
 (weight decay and momentum still apply); ``zero_grad`` zeroes instead of setting None; and
-parameter groups cannot be added after construction. For 16-bit parameters the float32
-master is the source of truth from the first step on: weights written into the model later
-(e.g. ``model.load_state_dict``) are overwritten by the next step unless the optimizer's
-state dict, which holds the masters, is loaded too.
+parameter groups cannot be added after construction. Weights written into the model through
+its parameters after construction (``model.load_state_dict``) become the masters at the next
+step where they differ from the masters' rounding (:meth:`FlatOptimizer._take_as_masters`).
 """
 from __future__ import annotations
 
