@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import memkern as mk
-import multiprocess
+import launch_ranks
 from compare import params_rel_err
 
 BUCKET_MB = 1e-3
@@ -426,8 +426,8 @@ def scenario_ranks(rank, world, seed, shared):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     shared = str(tmp_path_factory.mktemp("streamed"))
-    seed = multiprocess.fresh_seed()
-    return {world: multiprocess.launch(__file__, world, ["ranks"], shared, seed)["ranks"]
+    seed = launch_ranks.fresh_seed()
+    return {world: launch_ranks.launch(__file__, world, ["ranks"], shared, seed)["ranks"]
             for world in (2, 3)}
 
 
@@ -469,4 +469,4 @@ def test_zero_stage_1_across_ranks_is_refused(monkeypatch):
 
 
 if __name__ == "__main__":
-    multiprocess.serve(globals())
+    launch_ranks.serve(globals())
