@@ -27,7 +27,7 @@ import torch
 
 import memkern as mk
 import launch_ranks
-from compare import params_rel_err
+from compare import assert_same_bits, params_rel_err
 
 BUCKET_MB = 1e-3
 """1 KiB buckets: every parameter a bucket (unit) of its own, so buckets are final one by one
@@ -64,7 +64,8 @@ def make_optimizer(model, mode: str, *, algorithm: str, accumulation: int,
 def batch(seed: int, window: int, micro: int, dtype: torch.dtype, rank: int = 0):
     g = torch.Generator().manual_seed(seed * 1000 + window * 50 + micro * 5 + rank)
     n = 5 + (window + micro + rank) % 7  # micro-batches of their own lengths
-    return (torch.randn(n, 67, generator=g).to(dtype), (3 * torch.randn(n, 5, generator=g)).to(dtype))
+    return (torch.randn(n, 67, generator=g).to(dtype),
+            (3 * torch.randn(n, 5, generator=g)).to(dtype))
 
 
 def poison(model):
@@ -105,27 +106,6 @@ def train(opt, model, seed, dtype, schedule, *, first=0, poisoned=(), rank=0, sp
         opt.zero_grad()
         norms.append(opt.grad_norm)
     return norms
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[
-        t.element_size()])
-
-
-def assert_same_bits(a, b, what: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, what
-        assert torch.equal(bits(a), bits(b)), f"{what}: differs"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), what
-        for k in a:
-            assert_same_bits(a[k], b[k], f"{what}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), what
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_bits(x, y, f"{what}[{i}]")
-    else:
-        assert a == b or (a != a and b != b), f"{what}: {a!r} != {b!r}"
 
 
 def outcome(opt, model) -> dict:

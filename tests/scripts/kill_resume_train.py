@@ -4,7 +4,8 @@ checkpoint. Used by ``tests/test_optim_kill_resume.py`` (seeded kill points) and
 ``scripts/kill_resume.py`` (kills at random moments).
 
     torchrun --standalone --nproc-per-node 2 --max-restarts 9 \\
-        tests/scripts/kill_resume_train.py --dir DIR --modes zero2,offload-8bit,streamed-8bit,offload-1proc
+        tests/scripts/kill_resume_train.py --dir DIR \\
+        --modes zero2,offload-8bit,streamed-8bit,offload-1proc
 
 For each mode, in ``DIR/<mode>/``: ``reference/`` (an uninterrupted run, made first) and
 ``resumed/`` (the run that is killed and restarted); each ends with ``final.pt`` (rank 0's
