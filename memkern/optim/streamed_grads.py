@@ -9,7 +9,8 @@ The path of one bucket (a :class:`~memkern.optim.grad_placement.Unit`) in each b
                       slice copied down into a free pinned staging slot (download stream)
     summing thread    waits for the copy's event; the window's sum += the slot (in the
                       gradient dtype); the slot is free again; the unit is final (the host
-                      step of the window's last micro-batch may start: memkern.optim.offload)
+                      step of the window's last micro-batch may start: memkern.optim.offload;
+                      in that backward also the sum's squared norm: the step reads no sum)
 
 The device holds the 16-bit weights and the buckets in flight only: a unit's staging buffer
 lives from its first gradient until its copy down has read it, and at most
@@ -48,7 +49,7 @@ from memkern.optim.grad_buffer import GradBuffer
 from memkern.optim.grad_placement import Unit
 from memkern.optim.segment import Segment
 from memkern.optim.transfers import HostWorker, Transfers
-from memkern.optim.zero import Shards
+from memkern.optim.zero import Shards, unit_square
 
 COPIES_IN_FLIGHT = 2
 """Copies down a rank keeps in flight at once, each into a pinned staging slot as large as the
@@ -72,6 +73,9 @@ class StreamedGrads(Shards):
         self._free_slots: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self._summing = HostWorker("memkern-grad-sum")
         self._sums: collections.deque[Future] = collections.deque()
+        # The window's last backward (units watched): each unit's squared norm, taken on the
+        # summing thread right after its last sum, so that the step need not read the sums.
+        self._squares: dict[int, torch.Tensor] = {}
 
     def make_segments(self, buffer: GradBuffer) -> list[Segment]:
         self._transfers = Transfers(buffer.device)
@@ -103,9 +107,24 @@ class StreamedGrads(Shards):
         ``reduced`` (the device buffer the copy reads) is held until the copy is done."""
         self._transfers.wait(arrived)
         del reduced
-        self.shard_grads_of(unit).add_(landed)
+        window_sum = self.shard_grads_of(unit).add_(landed)
         self._free_slots.put(slot)
+        if self._watch is not None:  # the window's last backward: this sum is final
+            self._squares[unit.index] = unit_square(window_sum)
         self._unit_final(unit)
+
+    def _unit_squares(self) -> list[torch.Tensor]:
+        if len(self._squares) == len(self.units):
+            return [self._squares[u.index] for u in self.units]
+        return super()._unit_squares()
+
+    def begin_backward(self) -> None:
+        self._squares.clear()
+        super().begin_backward()
+
+    def zero_grads(self) -> None:
+        self._squares.clear()
+        super().zero_grads()
 
     def _wait_sums(self) -> None:
         """Waits for every queued sum (re-raising what the summing thread raised)."""

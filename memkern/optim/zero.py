@@ -164,6 +164,11 @@ def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
     return "the descriptions differ"
 
 
+def unit_square(grads: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of one unit's gradients, in float64 (what the window's norm sums)."""
+    return ops.l2_norm(grads).double().square()
+
+
 def _weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
     """A hook that calls ``method`` while its object lives: hooks stay on the parameters,
     which may outlive the optimizer (and must not keep its shards alive)."""
@@ -367,11 +372,14 @@ class Shards(GradPlacement):
         """Each rank's norm over its reduced shard, then one all-reduce of
         ``[norm², num_items, gradless]`` in float64, whose sum is non-finite exactly when some
         rank's shard holds an inf/NaN (squares are >= 0 and cannot overflow float64)."""
-        squares = [ops.l2_norm(self.shard_grads_of(u)).double().square() for u in self.units]
-        packet = torch.stack([torch.stack(squares).sum().to(num_items.device), num_items,
-                              gradless])
+        packet = torch.stack([torch.stack(self._unit_squares()).sum().to(num_items.device),
+                              num_items, gradless])
         self.all_reduce(packet)
         return packet[0].sqrt().float(), packet[1], packet[2]
+
+    def _unit_squares(self) -> list[torch.Tensor]:
+        """Per unit, the squared norm of this rank's reduced slice (0-dim float64)."""
+        return [unit_square(self.shard_grads_of(u)) for u in self.units]
 
     def gather_weights(self) -> None:
         """Every rank's updated slices of the weights to every rank (the weights' dtype)."""
