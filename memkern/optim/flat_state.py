@@ -48,35 +48,11 @@ import torch
 from torch.distributed.tensor import DeviceMesh
 
 from memkern import _fake
-from memkern.ops import adamw8bit
-from memkern.optim import dtensor_params
+from memkern.optim import dtensor_params, state_precision
 from memkern.optim.grad_buffer import GradBuffer, check_params
 from memkern.optim.grad_placement import GradPlacement
 from memkern.optim.replaced_params import ReplacementWatch
 from memkern.optim.segment import Segment
-
-
-STATE_PRECISIONS = ("32bit", "8bit")
-"""The ``state_precision`` options of the optimizers: float32 state, or block-wise 8 bits."""
-MIN_8BIT_NUMEL = 4096
-"""With ``state_precision="8bit"``, parameters with fewer elements keep float32 state, as
-bitsandbytes' ``min_8bit_size`` does: biases and norm weights save next to nothing in 8 bits."""
-
-
-def check_state_precision(algorithm: str, precision: Any, where: str = "") -> str:
-    """``precision`` if it is one of :data:`STATE_PRECISIONS`, else a ValueError naming it."""
-    if precision not in STATE_PRECISIONS:
-        raise ValueError(f"memkern {algorithm}: {where}state_precision must be one of "
-                         f"{STATE_PRECISIONS}, got state_precision={precision!r}")
-    return precision
-
-
-def wants_8bit_state(algorithm: str, p: torch.Tensor, group: dict[str, Any]) -> bool:
-    """Whether ``p``'s state is kept in 8 bits: its param group says ``state_precision="8bit"``
-    and it has at least :data:`MIN_8BIT_NUMEL` elements."""
-    precision = check_state_precision(algorithm, group.get("state_precision", "32bit"),
-                                      "a param group's ")
-    return precision == "8bit" and p.numel() >= MIN_8BIT_NUMEL
 
 
 def _weight_address(p: torch.Tensor) -> int | None:
@@ -324,15 +300,10 @@ class FlatOptimizer(torch.optim.Optimizer):
                 state["step"] = seg.step
             if seg.low_precision:
                 seg.add_state("master_param", seg.weights.float())
-            seg.quantized_state = {}
-            if seg.quantized:
-                seg.quantized_state = self.algorithm.zero_quantized_state(seg.weights, group)
-            else:
-                for key in self.algorithm.state_keys(group):
-                    seg.add_state(key, torch.zeros_like(seg.weights, dtype=torch.float32))
+            state_precision.make_moments(seg, self.algorithm, group)
         self._state_ready = True
         if self._float_state_depth:
-            self._dequantize_into_state()
+            state_precision.show_as_float32(self._segments)
 
     def _refresh_local_shards(self) -> None:
         """Points DTensor parameters' segments at their current local shards: FSDP2 may
@@ -341,11 +312,6 @@ class FlatOptimizer(torch.optim.Optimizer):
         for seg in self._segments:
             if seg.dtensor:
                 seg.weights = dtensor_params.local_flat(seg.params[0], "a parameter")
-
-    def _dequantize_into_state(self) -> None:
-        for seg in self._segments:
-            for key, (codes, absmax) in seg.quantized_state.items():
-                seg.add_state(key, adamw8bit.dequantize(codes, absmax, torch.float32))
 
     @contextlib.contextmanager
     def _float_state(self, write_back: bool):
@@ -356,17 +322,13 @@ class FlatOptimizer(torch.optim.Optimizer):
         so saving and loading is exact. Holds float32 copies of the moments meanwhile."""
         self._float_state_depth += 1
         if self._float_state_depth == 1 and self._state_ready:
-            self._dequantize_into_state()
+            state_precision.show_as_float32(self._segments)
         try:
             yield
         finally:
             self._float_state_depth -= 1
             if self._float_state_depth == 0:
-                for seg in self._segments:
-                    for key, (codes, absmax) in seg.quantized_state.items():
-                        flat = seg.drop_state(key)
-                        if write_back and flat is not None:
-                            adamw8bit.quantize(flat, codes, absmax)
+                state_precision.hide_float32(self._segments, write_back)
 
     # --------------------------------------------------------------------------------- step
     @torch.no_grad()
