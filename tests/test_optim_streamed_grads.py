@@ -125,14 +125,20 @@ def spied(seen: list):
 
 
 # ------------------------------------------------------------------- one process, oracles
-CASES = {  # name -> (algorithm, state precision, dtype, accumulation, schedule, poisoned window)
+CASES = {  # name -> (algorithm, state precision, dtype, accumulation, schedule, poisoned window,
+    #                 gradient dtype)
     "adamw-fp32-A3": ("adamw", "32bit", torch.float32, 3,
-                      [(3, False), (3, True), (3, False), (2, True), (3, False), (3, True)], 2),
+                      [(3, False), (3, True), (3, False), (2, True), (3, False), (3, True)], 2,
+                      None),
     "adamw-8bit-bf16-A8": ("adamw", "8bit", torch.bfloat16, 8,
-                           [(8, True), (1, False), (8, False), (5, True), (8, True)], 3),
-    "sgd-fp32-A1": ("sgd", "32bit", torch.float32, 1, [(1, i % 2 == 1) for i in range(6)], 2),
+                           [(8, True), (1, False), (8, False), (5, True), (8, True)], 3, None),
+    "adamw-bf16-fp32grads-A3": ("adamw", "32bit", torch.bfloat16, 3,
+                                [(3, True), (3, False), (2, True), (3, False)], 1,
+                                torch.float32),
+    "sgd-fp32-A1": ("sgd", "32bit", torch.float32, 1, [(1, i % 2 == 1) for i in range(6)], 2,
+                    None),
     "sgd-8bit-bf16-A2": ("sgd", "8bit", torch.bfloat16, 2,
-                         [(2, True), (2, False), (1, True), (2, False), (2, True)], 1),
+                         [(2, True), (2, False), (1, True), (2, False), (2, True)], 1, None),
 }
 
 
@@ -149,10 +155,11 @@ def hair_limit(norms: list[float], schedule, accumulation: int) -> tuple[int, fl
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_streamed_gradients_equal_the_serial_host_step_bit_for_bit(case):
-    algorithm, precision, dtype, accumulation, schedule, poisoned = CASES[case]
+    algorithm, precision, dtype, accumulation, schedule, poisoned, grad_dtype = CASES[case]
     seed = int(torch.randint(2**20, ()))
     print(f"seed {seed}")
-    options = dict(algorithm=algorithm, accumulation=accumulation, state_precision=precision)
+    options = dict(algorithm=algorithm, accumulation=accumulation, state_precision=precision,
+                   grad_dtype=grad_dtype)
     # the unclipped serial run: its norms set a limit that clips one window by a hair
     model = make_model(seed, dtype)
     norms = train(make_optimizer(model, "serial", **options), model, seed, dtype, schedule,
