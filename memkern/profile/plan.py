@@ -51,6 +51,7 @@ from torch.utils.flop_counter import flop_registry
 
 from memkern import _fake, backend
 from memkern.ops._registry import COMPOSITE_REFERENCES
+from memkern.optim import host_memory
 from memkern.profile import saved as _saved
 from memkern.profile.memory import MASTER_KEYS, _state_tensors
 from memkern.profile.targets import GEMMS, Target, target as _target
@@ -185,7 +186,10 @@ class _Timeline(TorchDispatchMode):
         self.roots: list[tuple[nn.Module, Any]] = []
         self.closed = False  # after the run: frees are no longer events
         self.host = False  # inside on_host(): new storages are host memory
-        self.host_sids: set[int] = set()  # storages made inside on_host(), whatever ops follow
+        # Storages an optimizer keeps in host memory (made inside
+        # memkern.optim.host_memory.allocating()): never device memory, whatever ops follow.
+        self.kept_on_host: set[int] = set()
+        self.keeping = False
         self.count_flops = False
         self.flops = 0
         self._node: tuple[str, int] | None = None  # the autograd node running the current op
@@ -200,9 +204,10 @@ class _Timeline(TorchDispatchMode):
         self.where.append(where)
         self.created.append((self.step, self.phase))
         self.creator.append(self._node)
-        if self.host:  # not device memory: no event, size 0 (never counted)
+        if self.host or self.keeping:  # not device memory: no event, size 0 (never counted)
             self.nbytes.append(0)
-            self.host_sids.add(sid)
+            if self.keeping:
+                self.kept_on_host.add(sid)
             return sid
         self.nbytes.append(nbytes)
         self.events.append(sid)
@@ -295,7 +300,7 @@ class _Timeline(TorchDispatchMode):
         key = id(storage)
         sid = self._live.get(key)
         if sid is not None:
-            if self.nbytes[sid] == nbytes or sid in self.host_sids:  # (host: counted never)
+            if self.nbytes[sid] == nbytes or sid in self.kept_on_host:
                 return
             self._free(sid)  # resized in place: a new block, the old one given back
         self._watch(storage, self._new(nbytes, op, where))
@@ -304,6 +309,15 @@ class _Timeline(TorchDispatchMode):
         sid = self._new(nbytes, op, where)
         if not keep:
             self.events.append(~sid)
+
+    @contextlib.contextmanager
+    def keeping_on_host(self) -> Iterator[None]:
+        """Storages made inside are an optimizer's host memory (see :attr:`kept_on_host`)."""
+        self.keeping = True
+        try:
+            yield
+        finally:
+            self.keeping = False
 
     # ---------------------------------------------------------------------------- phases
     def _set_phase(self, phase: str) -> None:
@@ -574,6 +588,7 @@ def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Targ
             stack.enter_context(_autocast_on_host(tgt.device_type))
             stack.enter_context(tl)
             stack.enter_context(_storage_resizes_seen(tl))
+            stack.callback(host_memory.observe(tl.keeping_on_host))
             setup = build()
             if not isinstance(setup, TrainingSetup):
                 raise TypeError("plan_training_step: build() must return a TrainingSetup, got "
