@@ -59,14 +59,21 @@ In one process phase 3 starts during the window's last backward pass, bucket by 
 their gradients become final, and the window's end only settles it (kept, undone on an
 overflow, redone when clipped): the same bits as phase 3 run after phase 2.
 
-Where each part lives: this module is the step (the window's end above, its CUDA-graph
-capture, and where phase 3 runs: on the device, or on the host through
-:class:`~memkern.optim.offload.HostOffload`) and the public API over the parts:
+``gradients="host"`` keeps no gradient buffer on the device: each bucket's gradients are
+reduced during backward (across ranks) and streamed to host memory, where the window sums
+them, and phase 3 runs on the host as with offload (:mod:`memkern.optim.streamed_grads`).
+
+Where each part lives: this module is the window's end above, its CUDA-graph capture and the
+public API, composed of parts (docs/architecture.md): where the gradients live
+(:mod:`memkern.optim.grad_placement`: :class:`~memkern.optim.local_grads.LocalGrads` in one
+process, :class:`~memkern.optim.zero.Shards` for ZeRO-1/2 and with the step on the host,
+:class:`~memkern.optim.streamed_grads.StreamedGrads`; each also phase 1's norm and the
+collectives), where phase 3 runs (:mod:`memkern.optim.step_placement`: on the device, or
+:class:`~memkern.optim.offload.HostStep`), :mod:`memkern.optim.state_precision`,
 :mod:`memkern.optim.window` (the accumulation window's bookkeeping),
-:mod:`memkern.optim.scaling` (loss scaling, the norm and inf check, clipping: phases 1-2),
-:mod:`memkern.optim.zero` (the sharded layout, the collectives, stage 2's reduction during
-backward), :mod:`memkern.optim.state_io` (where each rank keeps what state dicts and
-checkpoints save) and :mod:`memkern.optim.checkpoint` (the sharded checkpoint format).
+:mod:`memkern.optim.scaling` (loss scaling and clipping: phase 2),
+:mod:`memkern.optim.state_io` (what state dicts and checkpoints read and write, through the
+parts) and :mod:`memkern.optim.checkpoint` (the sharded checkpoint format).
 """
 from __future__ import annotations
 
