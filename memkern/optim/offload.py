@@ -1,13 +1,16 @@
-"""``offload="cpu"``: the optimizer step of :class:`~memkern.optim.ShardedOptimizer` runs on the
-CPU, with the float32 master weights, the optimizer state and the step counters in host
-memory, updated by the C++ CPU kernels (``memkern.ops.adamw_step_`` / ``sgd_step_`` and their
-8-bit forms, on CPU tensors).
+"""``offload="cpu"`` (and ``gradients="host"``): the optimizer step of
+:class:`~memkern.optim.ShardedOptimizer` runs on the CPU, with the float32 master weights, the
+optimizer state and the step counters in host memory, updated by the C++ CPU kernels
+(``memkern.ops.adamw_step_`` / ``sgd_step_`` and their 8-bit forms, on CPU tensors):
+:class:`HostStep`, the :class:`~memkern.optim.step_placement.StepPlacement` that runs it.
 
 :class:`HostOffload` keeps host copies of this rank's slices of the gradients and weights, the
-buffers the kernels run on: pinned, and moved on two CUDA streams of its own (gradients down
-on one, weights up on the other) when the model is on a GPU; for a model on the CPU the
-gradients are read in place and the weights copied. (Across several ranks a model on the CPU
-needs no copies: its segments are the flat buffers themselves.)
+buffers the kernels run on: pinned, and moved on two CUDA streams
+(:class:`~memkern.optim.transfers.Transfers`: gradients down on one, weights up on the other)
+when the model is on a GPU; for a model on the CPU the gradients are read in place and the
+weights copied; gradients already in host memory (``gradients="host"``: the window's sums) are
+read in place. (Across several ranks a model on the CPU needs no copies of its weights: its
+segments are the flat buffers themselves.)
 
 **One process: the step overlaps the backward pass** (:class:`OverlappedHostStep`). During a
 window's last backward, each bucket of parameters (a unit of :mod:`memkern.optim.zero`, one
