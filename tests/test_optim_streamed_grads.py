@@ -273,7 +273,7 @@ def test_checkpoint_resumes_bit_for_bit(tmp_path, where, how):
 
 def test_the_device_holds_no_gradient_buffer_when_planned():
     """Planned on fake tensors (memkern.profile.plan, which tells the host tensors apart through
-    memkern.optim.host_memory): with gradients="host" the gradients the device holds at the
+    memkern._host): with gradients="host" the gradients the device holds at the
     step are the buckets in flight, a fraction of the device buffer's bytes; the parameters
     are the same."""
     from memkern.profile.plan import TrainingSetup, plan_training_step

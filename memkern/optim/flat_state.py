@@ -295,15 +295,23 @@ class FlatOptimizer(torch.optim.Optimizer):
             group = self.param_groups[seg.group]
             seg.param_states = [self.state[p] for p in seg.params]
             seg.state = {}
-            seg.step = torch.zeros((), dtype=torch.float32, device=seg.weights.device)
+            with self._allocating("optimizer state"):
+                seg.step = torch.zeros((), dtype=torch.float32, device=seg.weights.device)
             for state in seg.param_states:
                 state["step"] = seg.step
             if seg.low_precision:
-                seg.add_state("master_param", seg.weights.float())
-            state_precision.make_moments(seg, self.algorithm, group)
+                with self._allocating("master weights"):
+                    seg.add_state("master_param", seg.weights.float())
+            with self._allocating("optimizer state"):
+                state_precision.make_moments(seg, self.algorithm, group)
         self._state_ready = True
         if self._float_state_depth:
             state_precision.show_as_float32(self._segments)
+
+    def _allocating(self, holds: str) -> contextlib.AbstractContextManager:
+        """The context the state holding ``holds`` (:data:`memkern._host.HOLDS`) is made in:
+        on the weights' device here (the sharded front end may step on the host)."""
+        return contextlib.nullcontext()
 
     def _refresh_local_shards(self) -> None:
         """Points DTensor parameters' segments at their current local shards: FSDP2 may

@@ -74,11 +74,14 @@ class Unit:
 class GradPlacement:
     """Where the gradients live (see the module docstring): the interface, with the unit
     bookkeeping every part shares and the defaults of one process (no collective).
+    :attr:`on_host`: the window's gradients are in host memory (the step reads them there).
 
     Built by the optimizer in three calls: :meth:`make_grad_buffer`, :meth:`make_segments`
     (the segments on this rank's device slices; the step part may then re-home them, see
     :mod:`memkern.optim.offload`), :meth:`broadcast_weights`.
     """
+
+    on_host = False
 
     def __init__(self, group: Any = None, rank: int = 0, world: int = 1) -> None:
         self.group, self.rank, self.world = group, rank, world

@@ -74,8 +74,7 @@ from typing import Any
 
 import torch
 
-from memkern import _fake
-from memkern.optim import host_memory
+from memkern import _fake, _host
 from memkern.optim.grad_placement import GradPlacement
 from memkern.optim.segment import Segment
 from memkern.optim.step_placement import StepPlacement, Update
@@ -109,18 +108,18 @@ class HostStep(StepPlacement):
         self.overlap: OverlappedHostStep | None = None
         self._grads: GradPlacement | None = None
 
-    def home(self, segments: list[Segment]) -> None:
+    def home(self, segments: list[Segment], grads_on_host: bool) -> None:
         """Re-homes each segment on :class:`HostOffload`'s host tensors."""
         device = segments[0].weights.device
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"memkern.ShardedOptimizer: {self.setting} needs the model on the "
                              f"CPU or a CUDA GPU, not on {device}")
         transfers = Transfers(device)
-        # Copies of the weights: from a GPU, and in one process, where the host steps start
-        # before step() and must not touch the model's weights.
-        self.copies_weights = transfers.cuda or self.overlapped
+        # Copies of the weights: from a GPU (or a GPU planned for), and in one process, where
+        # the host steps start before step() and must not touch the model's weights.
+        self.copies_weights = transfers.pinned or self.overlapped
         self.host = HostOffload([(seg.grads, seg.weights) for seg in segments], transfers,
-                                self.copies_weights)
+                                self.copies_weights, grads_on_host)
         for seg, grads, weights in zip(segments, self.host.grads, self.host.weights):
             seg.grads, seg.weights = grads, weights
         # The overlap reads each window's verdict on the host, which fake tensors (the
@@ -129,8 +128,8 @@ class HostStep(StepPlacement):
             self.overlap = OverlappedHostStep(segments, self.update, self.host, self.num_threads,
                                               self.hyperparameters)
 
-    def allocating(self) -> contextlib.AbstractContextManager:
-        return host_memory.allocating()
+    def allocating(self, holds: str) -> contextlib.AbstractContextManager:
+        return _host.allocating(holds)
 
     def pull_weights(self) -> None:
         self.host.pull_weights()
@@ -176,28 +175,30 @@ class HostOffload:
         transfers: the copies to and from the model's device.
         copy_weights: the weights are stepped on host copies (else in place: a model on the
             CPU across ranks).
+        grads_on_host: the gradients are in host memory already.
 
     ``grads[i]`` and ``weights[i]`` are the host tensors segment ``i`` is built on, of the
-    views' dtypes: gradients on a GPU are copied down into pinned memory, those already in
-    host memory read in place; weights are copies when ``copy_weights``. For float32
+    views' dtypes: gradients on a GPU (or a GPU planned for) are copied down into pinned
+    memory, those already in host memory and a CPU model's read in place; weights are copies
+    when ``copy_weights``. All made by :func:`memkern._host.empty`. For float32
     parameters ``weights[i]`` is the master itself (the kernel updates it in place); for
     16-bit ones the kernel rewrites it from the master. The model's weights change in
     :meth:`push_weights` only.
     """
 
     def __init__(self, views: list[tuple[torch.Tensor, torch.Tensor]], transfers: Transfers,
-                 copy_weights: bool) -> None:
+                 copy_weights: bool, grads_on_host: bool) -> None:
         self.views, self.transfers = views, transfers
         self.cuda = transfers.cuda
-        self.grads = [g if g.device.type == "cpu"
-                      else host_memory.empty(g.numel(), g.dtype, pinned=transfers.pinned)
-                      for g, _ in views]
-        self.weights = [host_memory.empty(w.numel(), w.dtype, pinned=transfers.pinned)
+        pinned = transfers.pinned
+        self.grads = [_host.empty(g.numel(), g.dtype, pinned=True, holds="gradients")
+                      if pinned and not grads_on_host else g for g, _ in views]
+        self.weights = [_host.empty(w.numel(), w.dtype, pinned=pinned, holds="weights")
                         if copy_weights else w for _, w in views]
         # Per segment, the event of its last upload: the host must not rewrite weights[i]
         # before that copy has read it.
         self._uploaded: list[torch.cuda.Event | None] = [None] * len(views)
-        self._scalars = host_memory.empty(2, torch.float32, pinned=transfers.pinned)
+        self._scalars = _host.empty(2, torch.float32, pinned=pinned, holds="optimizer state")
         self.pull_weights()
 
     def pull_weights(self) -> None:
@@ -280,8 +281,10 @@ class OverlappedHostStep:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="memkern-host-step",
                                           initializer=_use_threads, initargs=(num_threads,))
         self._lock = threading.Lock()
-        self._spec = host_memory.empty(1, torch.float32, pinned=host.transfers.pinned)
-        self._verdict_values = host_memory.empty(2, torch.float32, pinned=host.transfers.pinned)
+        pinned = host.transfers.pinned
+        self._spec = _host.empty(1, torch.float32, pinned=pinned, holds="optimizer state")
+        self._verdict_values = _host.empty(2, torch.float32, pinned=pinned,
+                                           holds="optimizer state")
         self.active = False
         self.speculate = True
         """Whether the next window steps before the verdict (False after a clipped one)."""
@@ -422,7 +425,7 @@ class OverlappedHostStep:
         live = self._state_tensors(self.segments[i])
         backup = self._backups[i]
         if backup is None or backup.keys() != live.keys():
-            with host_memory.allocating():
+            with _host.allocating("state copies"):
                 backup = {k: torch.empty_like(t) for k, t in live.items()}
             self._backups[i] = backup
         for k, t in live.items():

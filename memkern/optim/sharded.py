@@ -77,6 +77,7 @@ parts) and :mod:`memkern.optim.checkpoint` (the sharded checkpoint format).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -274,7 +275,7 @@ class ShardedOptimizer(FlatOptimizer):
                        HostStep(self._update_segment, self.world_size == 1,
                                 torch.get_num_threads(), self._segment_hyperparameters,
                                 "gradients='host'" if gradients == "host" else "offload='cpu'"))
-        self._steps.home(self._segments)
+        self._steps.home(self._segments, grads.on_host)
         self.optimizer_name = optimizer
         self.zero_stage = zero_stage
         self.process_group = group
@@ -509,9 +510,11 @@ class ShardedOptimizer(FlatOptimizer):
     def init_state(self) -> None:
         """(Re)creates all optimizer state where the step runs (on the host: from the model's
         current weights, pulled into the host copies first)."""
-        with self._steps.allocating():
-            self._steps.pull_weights()
-            super().init_state()
+        self._steps.pull_weights()
+        super().init_state()
+
+    def _allocating(self, holds: str) -> contextlib.AbstractContextManager:
+        return self._steps.allocating(holds)
 
     def _apply_update(self, grad_multiplier: torch.Tensor | None,
                       found_inf: torch.Tensor | None) -> None:

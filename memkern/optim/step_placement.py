@@ -32,13 +32,14 @@ class StepPlacement:
     """The host steps overlapped with backward (:class:`~memkern.optim.offload.OverlappedHostStep`),
     when this part runs them."""
 
-    def home(self, segments: list[Segment]) -> None:
-        """Puts the segments' gradients and weights where the kernels read and write them."""
+    def home(self, segments: list[Segment], grads_on_host: bool) -> None:
+        """Puts the segments' gradients and weights where the kernels read and write them
+        (``grads_on_host``: the gradients' part keeps them in host memory already)."""
         raise NotImplementedError
 
-    def allocating(self) -> contextlib.AbstractContextManager:
-        """The context the optimizer state is created in (host memory is made inside
-        :func:`memkern.optim.host_memory.allocating`)."""
+    def allocating(self, holds: str) -> contextlib.AbstractContextManager:
+        """The context the optimizer state holding ``holds`` (a :data:`memkern._host.HOLDS`
+        entry) is made in: host memory is made inside :func:`memkern._host.allocating`."""
         raise NotImplementedError
 
     def pull_weights(self) -> None:
@@ -68,10 +69,10 @@ class StepPlacement:
 class DeviceStep(StepPlacement):
     """The step on the model's device: one kernel call per segment, in place."""
 
-    def home(self, segments: list[Segment]) -> None:
+    def home(self, segments: list[Segment], grads_on_host: bool) -> None:
         """The segments stay slices of the device's flat buffers."""
 
-    def allocating(self) -> contextlib.AbstractContextManager:
+    def allocating(self, holds: str) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
     def run(self, segments: list[Segment], update: Update, grad_multiplier: torch.Tensor,

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from memkern.optim import host_memory
+from memkern import _host
 from memkern.optim.grad_buffer import GradBuffer
 from memkern.optim.grad_placement import Unit
 from memkern.optim.segment import Segment
@@ -67,6 +67,7 @@ class StreamedGrads(Shards):
     """
 
     label = "gradients='host'"
+    on_host = True
 
     def __init__(self, group: Any, rank: int, world: int, bucket_size_mb: float) -> None:
         super().__init__(group, rank, world, 2, bucket_size_mb)
@@ -82,14 +83,14 @@ class StreamedGrads(Shards):
         segments = super().make_segments(buffer)
         largest = max(u.shard * u.bucket.grad_dtype.itemsize for u in self.units)
         for _ in range(COPIES_IN_FLIGHT):
-            self._free_slots.put(host_memory.empty(largest, torch.uint8,
-                                                   pinned=self._transfers.pinned))
+            self._free_slots.put(_host.empty(largest, torch.uint8, pinned=self._transfers.pinned,
+                                             holds="gradients"))
         return segments
 
     def _make_shard_grads(self, numel: int, dtype: torch.dtype,
                           device: torch.device) -> torch.Tensor:
         """The window's sum of one bucket's slices on this rank, zeroed, in host memory."""
-        return host_memory.empty(numel, dtype, pinned=False).zero_()
+        return _host.empty(numel, dtype, pinned=False, holds="gradients").zero_()
 
     def _take_reduced(self, unit: Unit, reduced: torch.Tensor) -> None:
         """On the autograd thread once ``unit``'s reduction completed: its slice copied down

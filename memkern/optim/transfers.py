@@ -17,17 +17,18 @@ from typing import Any
 
 import torch
 
-from memkern import _fake
+from memkern import _fake, _host
 
 
 class Transfers:
-    """The side streams of one device. ``cuda``: whether ``device`` is a GPU (then host
-    buffers are pinned: :attr:`pinned`)."""
+    """The side streams of one device. ``cuda``: whether ``device`` is a GPU; ``pinned``:
+    whether the host buffers it copies are pinned (a GPU, or a GPU planned for:
+    :func:`memkern._host.pin_for`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.pinned = self.cuda
+        self.pinned = _host.pin_for(device)
         if self.cuda:
             self.download = torch.cuda.Stream(device)
             self.upload = torch.cuda.Stream(device)

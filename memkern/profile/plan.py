@@ -49,9 +49,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from memkern import _fake, backend
+from memkern import _fake, _host, backend
 from memkern.ops._registry import COMPOSITE_REFERENCES
-from memkern.optim import host_memory
 from memkern.profile import saved as _saved
 from memkern.profile.memory import MASTER_KEYS, _state_tensors
 from memkern.profile.targets import GEMMS, Target, target as _target
@@ -186,10 +185,9 @@ class _Timeline(TorchDispatchMode):
         self.roots: list[tuple[nn.Module, Any]] = []
         self.closed = False  # after the run: frees are no longer events
         self.host = False  # inside on_host(): new storages are host memory
-        # Storages an optimizer keeps in host memory (made inside
-        # memkern.optim.host_memory.allocating()): never device memory, whatever ops follow.
+        # Made inside memkern._host.allocating() (offloading's host buffers, an optimizer's
+        # host state): host memory for good, whatever ops return them later.
         self.kept_on_host: set[int] = set()
-        self.keeping = False
         self.count_flops = False
         self.flops = 0
         self._node: tuple[str, int] | None = None  # the autograd node running the current op
@@ -204,9 +202,10 @@ class _Timeline(TorchDispatchMode):
         self.where.append(where)
         self.created.append((self.step, self.phase))
         self.creator.append(self._node)
-        if self.host or self.keeping:  # not device memory: no event, size 0 (never counted)
+        kept = _host.current() is not None
+        if self.host or kept:  # not device memory: no event, size 0 (never counted)
             self.nbytes.append(0)
-            if self.keeping:
+            if kept:
                 self.kept_on_host.add(sid)
             return sid
         self.nbytes.append(nbytes)
@@ -309,15 +308,6 @@ class _Timeline(TorchDispatchMode):
         sid = self._new(nbytes, op, where)
         if not keep:
             self.events.append(~sid)
-
-    @contextlib.contextmanager
-    def keeping_on_host(self) -> Iterator[None]:
-        """Storages made inside are an optimizer's host memory (see :attr:`kept_on_host`)."""
-        self.keeping = True
-        try:
-            yield
-        finally:
-            self.keeping = False
 
     # ---------------------------------------------------------------------------- phases
     def _set_phase(self, phase: str) -> None:
@@ -588,7 +578,6 @@ def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Targ
             stack.enter_context(_autocast_on_host(tgt.device_type))
             stack.enter_context(tl)
             stack.enter_context(_storage_resizes_seen(tl))
-            stack.callback(host_memory.observe(tl.keeping_on_host))
             setup = build()
             if not isinstance(setup, TrainingSetup):
                 raise TypeError("plan_training_step: build() must return a TrainingSetup, got "
