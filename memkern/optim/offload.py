@@ -6,7 +6,7 @@ optimizer state and the step counters in host memory, updated by the C++ CPU ker
 
 :class:`HostOffload` keeps host copies of this rank's slices of the gradients and weights, the
 buffers the kernels run on: pinned, and moved on two CUDA streams
-(:class:`~memkern.optim.transfers.Transfers`: gradients down on one, weights up on the other)
+(:class:`~memkern._copies.Transfers`: gradients down on one, weights up on the other)
 when the model is on a GPU; for a model on the CPU the gradients are read in place and the
 weights copied; gradients already in host memory (``gradients="host"``: the window's sums) are
 read in place. (Across several ranks a model on the CPU needs no copies of its weights: its
@@ -75,10 +75,10 @@ from typing import Any
 import torch
 
 from memkern import _fake, _host
+from memkern._copies import Transfers
 from memkern.optim.grad_placement import GradPlacement
 from memkern.optim.segment import Segment
 from memkern.optim.step_placement import StepPlacement, Update
-from memkern.optim.transfers import Transfers
 
 
 def _use_threads(n: int) -> None:

@@ -39,21 +39,42 @@ from __future__ import annotations
 
 import collections
 import queue
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from memkern import _host
+from memkern import _fake, _host
+from memkern._copies import Transfers
 from memkern.optim.grad_buffer import GradBuffer
 from memkern.optim.grad_placement import Unit
 from memkern.optim.segment import Segment
-from memkern.optim.transfers import HostWorker, Transfers
 from memkern.optim.zero import Shards, unit_square
 
 COPIES_IN_FLIGHT = 2
 """Copies down a rank keeps in flight at once, each into a pinned staging slot as large as the
 largest unit's slice: two let one bucket's copy run while the next bucket's is issued."""
+
+
+class HostWorker:
+    """One host thread running jobs in the order they were submitted (``name``: the thread's
+    name prefix). Under a fake tensor mode (the planner's), whose state is not thread-safe,
+    each job runs at once on the submitting thread instead."""
+
+    def __init__(self, name: str) -> None:
+        self._pool = (None if _fake.fake_mode_active()
+                      else ThreadPoolExecutor(1, thread_name_prefix=name))
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        if self._pool is not None:
+            return self._pool.submit(fn, *args)
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:  # handed to the caller, as the thread's would be
+            done.set_exception(e)
+        return done
 
 
 class StreamedGrads(Shards):
