@@ -52,7 +52,8 @@ def make_optimizer(model, mode: str, *, algorithm: str, accumulation: int,
     """``mode``: "streamed" (gradients="host") or "serial" (the device buffer, the step on the
     host after the verdict)."""
     placement = dict(gradients="host") if mode == "streamed" else dict(offload="cpu")
-    opt = mk.optim.ShardedOptimizer(model.parameters(), algorithm, bucket_size_mb=BUCKET_MB,
+    options.setdefault("bucket_size_mb", BUCKET_MB)
+    opt = mk.optim.ShardedOptimizer(model.parameters(), algorithm,
                                     accumulation_steps=accumulation, max_grad_norm=max_grad_norm,
                                     loss_scale=mk.LossScaler(init_scale=2.0**12,
                                                              growth_interval=2),
@@ -126,7 +127,8 @@ def spied(seen: list):
 
 # ------------------------------------------------------------------- one process, oracles
 CASES = {  # name -> (algorithm, state precision, dtype, accumulation, schedule, poisoned window,
-    #                 gradient dtype)
+    #                 gradient dtype); a case named "buckets-of-several" puts several parameters
+    #                 in a bucket (a staging buffer each), the others one (its gradient itself)
     "adamw-fp32-A3": ("adamw", "32bit", torch.float32, 3,
                       [(3, False), (3, True), (3, False), (2, True), (3, False), (3, True)], 2,
                       None),
@@ -135,8 +137,8 @@ CASES = {  # name -> (algorithm, state precision, dtype, accumulation, schedule,
     "adamw-bf16-fp32grads-A3": ("adamw", "32bit", torch.bfloat16, 3,
                                 [(3, True), (3, False), (2, True), (3, False)], 1,
                                 torch.float32),
-    "sgd-fp32-A1": ("sgd", "32bit", torch.float32, 1, [(1, i % 2 == 1) for i in range(6)], 2,
-                    None),
+    "sgd-fp32-A1-buckets-of-several": ("sgd", "32bit", torch.float32, 1,
+                                       [(1, i % 2 == 1) for i in range(6)], 2, None),
     "sgd-8bit-bf16-A2": ("sgd", "8bit", torch.bfloat16, 2,
                          [(2, True), (2, False), (1, True), (2, False), (2, True)], 1, None),
 }
@@ -159,7 +161,8 @@ def test_streamed_gradients_equal_the_serial_host_step_bit_for_bit(case):
     seed = int(torch.randint(2**20, ()))
     print(f"seed {seed}")
     options = dict(algorithm=algorithm, accumulation=accumulation, state_precision=precision,
-                   grad_dtype=grad_dtype)
+                   grad_dtype=grad_dtype,
+                   bucket_size_mb=0.01 if "buckets-of-several" in case else BUCKET_MB)
     # the unclipped serial run: its norms set a limit that clips one window by a hair
     model = make_model(seed, dtype)
     norms = train(make_optimizer(model, "serial", **options), model, seed, dtype, schedule,

@@ -117,8 +117,7 @@ class StreamedGrads(Shards):
         """On the autograd thread once ``unit``'s reduction completed: its slice copied down
         into a free slot (waiting for one), and its summing queued."""
         slot = self._free_slots.get()
-        dtype = unit.bucket.grad_dtype
-        landed = slot[:unit.shard * dtype.itemsize].view(dtype)
+        landed = slot[:reduced.numel() * reduced.dtype.itemsize].view(reduced.dtype)
         arrived = self._transfers.down(landed, reduced)
         self._sums.append(self._summing.submit(self._sum, unit, slot, landed, arrived, reduced))
 
@@ -129,7 +128,8 @@ class StreamedGrads(Shards):
         ``reduced`` (the device buffer the copy reads) is held until the copy is done."""
         self._transfers.wait(arrived)
         del reduced
-        window_sum = self.shard_grads_of(unit).add_(landed)
+        window_sum = self.shard_grads_of(unit)
+        window_sum[:landed.numel()].add_(landed)
         self._free_slots.put(slot)
         if self._watch is not None:  # the window's last backward: this sum is final
             self._squares[unit.index] = unit_square(window_sum)

@@ -417,14 +417,26 @@ class Shards(GradPlacement):
                 "(memkern.checkpoint, or torch.utils.checkpoint with use_reentrant=False)"
             )
         staging = self._staging.get(unit.index)
-        if staging is None:
-            staging = torch.zeros(unit.numel, dtype=unit.bucket.grad_dtype, device=p.device)
-            self._staging[unit.index] = staging
-        staging[offset:offset + p.numel()].add_(p.grad.reshape(-1))
+        if staging is None and self._takes_whole(unit, p.grad):
+            # One rank, a unit of one parameter: its gradient is the unit's reduction as it is
+            # (no staging copy, which for a large embedding or head is as large as it).
+            self._staging[unit.index] = p.grad.reshape(-1)
+        else:
+            if staging is None:
+                staging = torch.zeros(unit.numel, dtype=unit.bucket.grad_dtype, device=p.device)
+                self._staging[unit.index] = staging
+            staging[offset:offset + p.numel()].add_(p.grad.reshape(-1))
         p.grad = None
         self._arrived[unit.index].add(id(p))
         while self._next < len(self._order) and self._complete(self._order[self._next]):
             self._launch_unit()
+
+    def _takes_whole(self, unit: Unit, grad: torch.Tensor) -> bool:
+        """Whether ``grad``, the first gradient of ``unit`` in this pass, is taken as the unit's
+        reduction itself: one rank, one parameter, the gradients' dtype (adding it into a zero
+        buffer first would change no bit: the sum it is added to starts at +0, and
+        ``x + (-0) == x + (+0)`` for every such ``x``)."""
+        return self.world == 1 and len(unit.params) == 1 and grad.dtype == unit.bucket.grad_dtype
 
     def _complete(self, unit: Unit) -> bool:
         return len(self._arrived[unit.index]) == len(unit.params)
@@ -443,9 +455,10 @@ class Shards(GradPlacement):
                      lambda: self._take_reduced(unit, reduced), keep=staging)
 
     def _take_reduced(self, unit: Unit, reduced: torch.Tensor) -> None:
-        """Stage 2, once ``unit``'s reduction ``reduced`` (this rank's slice, on the device)
-        completed: added into the rank's gradient shard; the unit is then final."""
-        self.shard_grads_of(unit).add_(reduced)
+        """Stage 2, once ``unit``'s reduction ``reduced`` (this rank's slice, on the device; one
+        parameter's gradient alone: its leading elements) completed: added into the rank's
+        gradient shard; the unit is then final."""
+        self.shard_grads_of(unit)[:reduced.numel()].add_(reduced)
         self._unit_final(unit)
 
     def _unit_final(self, unit: Unit) -> None:
