@@ -278,7 +278,7 @@ def test_the_device_holds_no_gradient_buffer_when_planned():
     """Planned on fake tensors (memkern.profile.plan, which tells the host tensors apart through
     memkern._host): with gradients="host" the gradients the device holds at the
     step are the buckets in flight, a fraction of the device buffer's bytes; the parameters
-    are the same."""
+    are the same; the optimizer's construction does not hold the weights twice."""
     from memkern.profile.plan import TrainingSetup, plan_training_step
 
     def build(gradients):
@@ -302,6 +302,10 @@ def test_the_device_holds_no_gradient_buffer_when_planned():
     assert plans["host"].held["parameters"] == plans["device"].held["parameters"]
     # the buckets in flight (0.3 MiB each, two copies at a time) instead of the whole buffer
     assert plans["host"].peak.allocated < plans["device"].peak.allocated - grad_bytes / 2
+    # and the set-up never held the weights twice (flattened through host memory): the run's
+    # highest moment is the step's, where the device-buffer run's is the set-up's
+    assert plans["host"].run_peak <= plans["host"].peak.allocated
+    assert plans["device"].run_peak >= 2 * plans["device"].held["parameters"]
 
 
 @pytest.mark.parametrize("precision", ["32bit", "8bit"])

@@ -158,7 +158,9 @@ class FlatOptimizer(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self._built_param_ids = frozenset(id(p) for g in self.param_groups for p in g["params"])
         if self.grad_buffer is not None:
-            self.grad_buffer.flat_params()
+            # Gradients kept on the host are for models that fill the device: their weights
+            # are flattened through host memory, never held twice on the device.
+            self.grad_buffer.flat_params(through_host=grad_placement.on_host)
             # Where each parameter's weights live in the flat layout: checked at every step.
             self._weight_ptrs = [_weight_address(p) for p in self.grad_buffer.params]
             self._replacements = ReplacementWatch(self.grad_buffer.params)
