@@ -8,8 +8,11 @@ import torch
 
 from memkern import ops
 from memkern.kernels.state8bit import num_blocks
-from memkern.optim.flat_state import (MIN_8BIT_NUMEL, FlatOptimizer, Segment,
-                                      check_state_precision, wants_8bit_state)
+from memkern.optim.flat_state import FlatOptimizer
+from memkern.optim.state_precision import (MIN_8BIT_NUMEL, check_state_precision,
+                                           wants_8bit_state)
+from memkern.optim.local_grads import LocalGrads
+from memkern.optim.segment import Segment
 
 
 class AdamW:
@@ -90,10 +93,8 @@ class FusedAdamW(FlatOptimizer):
     and loads only into an optimizer of the same ``state_precision``.
     """
 
-    algorithm = AdamW
-
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *,
                  grad_dtype: torch.dtype | None = None, state_precision: str = "32bit") -> None:
         super().__init__(params, AdamW.defaults(lr, betas, eps, weight_decay, state_precision),
-                         grad_dtype=grad_dtype)
+                         algorithm=AdamW, grad_placement=LocalGrads(), grad_dtype=grad_dtype)

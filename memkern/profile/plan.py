@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from memkern import _fake, backend
+from memkern import _fake, _host, backend
 from memkern.ops._registry import COMPOSITE_REFERENCES
 from memkern.profile import saved as _saved
 from memkern.profile.memory import MASTER_KEYS, _state_tensors
@@ -185,6 +185,9 @@ class _Timeline(TorchDispatchMode):
         self.roots: list[tuple[nn.Module, Any]] = []
         self.closed = False  # after the run: frees are no longer events
         self.host = False  # inside on_host(): new storages are host memory
+        # Made inside memkern._host.allocating() (offloading's host buffers, an optimizer's
+        # host state): host memory for good, whatever ops return them later.
+        self.kept_on_host: set[int] = set()
         self.count_flops = False
         self.flops = 0
         self._node: tuple[str, int] | None = None  # the autograd node running the current op
@@ -199,8 +202,11 @@ class _Timeline(TorchDispatchMode):
         self.where.append(where)
         self.created.append((self.step, self.phase))
         self.creator.append(self._node)
-        if self.host:  # not device memory: no event, size 0 (never counted)
+        kept = _host.current() is not None
+        if self.host or kept:  # not device memory: no event, size 0 (never counted)
             self.nbytes.append(0)
+            if kept:
+                self.kept_on_host.add(sid)
             return sid
         self.nbytes.append(nbytes)
         self.events.append(sid)
@@ -293,7 +299,7 @@ class _Timeline(TorchDispatchMode):
         key = id(storage)
         sid = self._live.get(key)
         if sid is not None:
-            if self.nbytes[sid] == nbytes:
+            if self.nbytes[sid] == nbytes or sid in self.kept_on_host:
                 return
             self._free(sid)  # resized in place: a new block, the old one given back
         self._watch(storage, self._new(nbytes, op, where))
