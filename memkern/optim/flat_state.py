@@ -355,7 +355,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             group = self.param_groups[seg.group]
             seg.param_states = [self.state[p] for p in seg.params]
             seg.state = {}
-            seg.step = torch.zeros((), dtype=torch.float32, device=seg.weights.device)
+            seg.step = seg.weights.new_zeros((), dtype=torch.float32)  # where the weights are
             for state in seg.param_states:
                 state["step"] = seg.step
             if seg.low_precision:

@@ -65,11 +65,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
+from memkern import _fake, _host
 from memkern.optim.flat_state import Segment
 
 Update = Callable[[Segment, torch.Tensor | None, torch.Tensor | None], None]
@@ -99,19 +100,22 @@ class HostOffload:
     def __init__(self, views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.views = views
         self.device = views[0][1].device
+        # The buffers follow the planned device (memkern._host.pin_for: a GPU's while a step
+        # is planned for one on the CPU stand-in), the copies the real one (streams on a GPU).
+        self.pinned = _host.pin_for(self.device)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
-            self.grads = [torch.empty(g.shape, dtype=g.dtype, pin_memory=True) for g, _ in views]
             self.download = torch.cuda.Stream(self.device)
             self.upload = torch.cuda.Stream(self.device)
-        else:
-            self.grads = [g for g, _ in views]
-        self.weights = [torch.empty(w.shape, dtype=w.dtype, pin_memory=self.cuda)
+        self.grads = [_host.empty(g.shape, g.dtype, pinned=True, holds="gradients")
+                      if self.pinned else g for g, _ in views]
+        self.weights = [_host.empty(w.shape, w.dtype, pinned=self.pinned, holds="weights")
                         for _, w in views]
         # Per segment, the event of its last upload: the host must not rewrite weights[i]
         # before that copy has read it.
         self._uploaded: list[torch.cuda.Event | None] = [None] * len(views)
-        self._scalars = torch.empty(2, dtype=torch.float32, pin_memory=self.cuda)
+        self._scalars = _host.empty(2, torch.float32, pinned=self.pinned,
+                                    holds="optimizer state")
         self.pull_weights()
 
     def pull_weights(self) -> None:
@@ -135,8 +139,9 @@ class HostOffload:
         return arrived
 
     def fetch_grads(self, i: int) -> torch.cuda.Event | None:
-        """Segment ``i``'s gradients down (see :meth:`fetch`; on the CPU, nothing to do)."""
-        return self.fetch(self.grads[i], self.views[i][0]) if self.cuda else None
+        """Segment ``i``'s gradients down (see :meth:`fetch`; on the CPU, read in place)."""
+        host, grads = self.grads[i], self.views[i][0]
+        return None if host is grads else self.fetch(host, grads)
 
     def weights_free(self, i: int) -> None:
         """Waits until the last upload of segment ``i``'s weights has read them."""
@@ -212,11 +217,13 @@ class OverlappedHostStep:
         # One thread runs the host steps in the order their gradients arrived; each step's
         # kernel runs on the intra-op threads (with OpenMP the thread's own team, whose size
         # is the thread's own setting: made the process's).
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="memkern-host-step",
-                                          initializer=_use_threads, initargs=(num_threads,))
+        self._worker = _fake.thread_pool(host.weights[0], 1,
+                                         thread_name_prefix="memkern-host-step",
+                                         initializer=_use_threads, initargs=(num_threads,))
         self._lock = threading.Lock()
-        self._spec = torch.empty(1, dtype=torch.float32, pin_memory=host.cuda)
-        self._verdict_values = torch.empty(2, dtype=torch.float32, pin_memory=host.cuda)
+        self._spec = _host.empty(1, torch.float32, pinned=host.pinned, holds="optimizer state")
+        self._verdict_values = _host.empty(2, torch.float32, pinned=host.pinned,
+                                           holds="optimizer state")
         self.active = False
         self.speculate = True
         """Whether the next window steps before the verdict (False after a clipped one)."""
@@ -357,7 +364,8 @@ class OverlappedHostStep:
         live = self._state_tensors(self.segments[i])
         backup = self._backups[i]
         if backup is None or backup.keys() != live.keys():
-            backup = {k: torch.empty_like(t) for k, t in live.items()}
+            backup = {k: _host.empty_like(t, pinned=False, holds="state copies")
+                      for k, t in live.items()}
             self._backups[i] = backup
         for k, t in live.items():
             backup[k].copy_(t)

@@ -1,0 +1,108 @@
+"""The planner's host memory: what offloading keeps on the host, planned apart from the device's.
+
+Oracles:
+* a GPU plan of ``ShardedOptimizer(offload="cpu")``: every host byte counted by hand from the
+  parameters' shapes (the flat layout's 256-element slots, torch's pinned allocator rounding a
+  request up to a power of two, 4 bytes per float32 element), and the device keeping nothing
+  of the optimizer's;
+* a CPU plan of the same optimizer (host and device are one memory there): the same step run
+  for real and measured by the profiler's allocation trace plus the storages the model and the
+  optimizer reach, within 3%, with 32-bit and 8-bit state, clipping and a window of two
+  micro-batches;
+* the host allocator's model: block sizes and reuse worked out by hand.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memkern as mk
+from memkern import _fake
+from memkern.profile import allocation_stats
+from memkern.profile.caching_allocator import HostAllocator
+from memkern.profile.memory import reachable_bytes
+from memkern.profile.plan import TrainingSetup, plan_training_step
+
+TOLERANCE = 0.03
+
+
+def _parts(offload, state_precision="32bit", window=1, sizes=(37, 41, 3)):
+    model = torch.nn.Sequential(torch.nn.Linear(sizes[0], sizes[1]), torch.nn.Tanh(),
+                                torch.nn.Linear(sizes[1], sizes[2])).to(torch.bfloat16)
+    opt = mk.optim.ShardedOptimizer(model.parameters(), "adamw", lr=1e-3, offload=offload,
+                                    state_precision=state_precision, max_grad_norm=1.0,
+                                    accumulation_steps=window)
+    x = torch.randn(window, 5, sizes[0], dtype=torch.bfloat16)
+
+    def step():
+        for i in range(window):
+            opt.backward(model(x[i]).float().square().mean())
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, x, step
+
+
+def _build(offload, state_precision="32bit", window=1, sizes=(37, 41, 3)):
+    def build() -> TrainingSetup:
+        model, opt, _, step = _parts(offload, state_precision, window, sizes)
+        return TrainingSetup(model, opt, step)
+
+    return build
+
+
+def test_offload_for_a_gpu_keeps_the_optimizer_on_the_host_counted_by_hand():
+    plan = plan_training_step(_build("cpu"), device="cuda")
+    # one unit of slots: 37*41 -> 1536, 41 -> 256, 41*3 -> 256, 3 -> 256 elements
+    n = 1536 + 256 + 256 + 256
+    pinned_copy = 8192  # 2 * n = 4608 bytes of bf16, rounded up to a power of two
+    scalars = 8 + 4 + 8  # the pinned verdict, multiplier and speculation scalars
+    state = 2 * 4 * n + 4  # the two float32 moments and the step counter
+    verdict = 1  # step(): "is the multiplier the speculative one?", a bool made on the host
+    expected = {"weights": pinned_copy, "gradients": pinned_copy, "master weights": 4 * n,
+                "optimizer state": state + scalars + verdict,
+                "state copies": 4 * n + state}  # a speculative step's copy of master + state
+    assert plan.host_by_category == expected
+    assert plan.host_peak == sum(expected.values())
+    assert plan.host_pinned == 2 * pinned_copy + scalars
+    # on the device: the 16-bit weights and gradients, none of the optimizer's state
+    assert plan.held["parameters"] == plan.held["gradients"] == 2 * n
+    assert plan.held["master weights"] == plan.held["optimizer state"] == 0
+
+
+@pytest.mark.parametrize("state_precision", ["32bit", "8bit"])
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_offload_plan_matches_the_measured_cpu_step(monkeypatch, offload, state_precision):
+    """On the CPU host memory is the device's: the planned peak is the measured one. The host
+    steps run on the step's thread, as the planner runs them (a worker thread's race with
+    step() decides which buckets a real run steps speculatively, with a copy of their state;
+    the plan counts them all)."""
+    monkeypatch.setattr(_fake, "thread_pool",
+                        lambda like, workers, **kwargs: _fake._OnTheCallersThread())
+    plan = plan_training_step(_build(offload, state_precision, 2, (61, 97, 5)), device="cpu")
+    torch.manual_seed(1)
+    model, opt, x, step = _parts(offload, state_precision, 2, sizes=(61, 97, 5))
+    step()  # the optimizer's state (and offload's copies) exist from here on, as in the plan
+    measured = reachable_bytes(model, opt, x) + allocation_stats(step).peak
+    assert abs(plan.peak_bytes / measured - 1) <= TOLERANCE, (plan.peak_bytes, measured)
+    assert (plan.host_peak > 0) == (offload is not None)
+
+
+def test_host_allocator_rounds_pinned_blocks_and_reuses_them_by_size():
+    a = HostAllocator()
+    first = a.malloc(5000, "pinned")  # an 8192-byte block
+    assert (a.pinned, a.allocated) == (8192, 8192)
+    a.free(first)  # cached, not returned
+    assert (a.pinned, a.cached, a.allocated) == (8192, 8192, 8192)
+    a.malloc(8000, "pinned")  # the same rounded size: the cached block again
+    assert (a.pinned, a.cached) == (8192, 0)
+    a.malloc(3000, "pinned")  # 4096: a new block
+    exact = a.malloc(3000, "pinned exact")  # page-locked at its size
+    assert a.pinned == 8192 + 4096 + 3000
+    a.free(exact)
+    assert a.pinned == 8192 + 4096
+    page = a.malloc(12345, "pageable")
+    assert a.allocated == 8192 + 4096 + 12345
+    a.free(page)
+    assert a.allocated == 8192 + 4096
+    assert a.peak_allocated == 8192 + 4096 + 12345
