@@ -106,3 +106,18 @@ def test_host_allocator_rounds_pinned_blocks_and_reuses_them_by_size():
     a.free(page)
     assert a.allocated == 8192 + 4096
     assert a.peak_allocated == 8192 + 4096 + 12345
+
+
+def test_plan_command_shows_the_host_memory_of_offload(capsys):
+    from memkern import cli
+
+    tiny = ["--hf", "llama", "--set", "hidden_size=32", "--set", "intermediate_size=64",
+            "--set", "num_hidden_layers=2", "--set", "num_attention_heads=2",
+            "--set", "num_key_value_heads=1", "--set", "vocab_size=96"]
+    assert cli.main(["plan", *tiny, "--batch", "2", "--seq", "9", "--variant", "patch",
+                     "--offload", "cpu", "--state-precision", "8bit"]) == 0
+    out = capsys.readouterr().out
+    assert 'offload="cpu"' in out.splitlines()[1] and 'state_precision="8bit"' in out
+    header = next(line for line in out.splitlines() if line.startswith("plan ") and "peak" in line)
+    assert header.split()[-1] == "host"
+    assert "host memory: peak" in out and "master weights" in out

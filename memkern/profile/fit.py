@@ -14,9 +14,12 @@ full               ``memkern.checkpoint(block, "full")``: the block's input kept
                    forward recomputed in backward
 =================  ===============================================================================
 
-The search: each level is planned with every block at it (:func:`plan_training_step`, on
-fake tensors: nothing runs on the device); a level that needs more memory than a cheaper one is
-dropped, and so is one the step fails under (reported in :attr:`FitReport.skipped`). The remaining levels make a path from no recomputation to the most: "the first *k*
+The search: the step with every block at "keep" is planned first (:func:`plan_training_step`,
+on fake tensors: nothing runs on the device); when it fits, nothing is recomputed and nothing
+else is planned. Otherwise each level is planned with every block at it; a level that needs
+more memory than a cheaper one is dropped, and so is one the step fails under (reported in
+:attr:`FitReport.skipped`). The remaining levels make a path from no recomputation to the
+most: "the first *k*
 blocks at the next level, the others at this one", *k* = 0 .. number of blocks, level by level
 (the first blocks first: their saved tensors live longest). The planned peak falls along the
 path and the recomputation grows, so the first configuration whose planned peak is within the
@@ -41,6 +44,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from memkern.nn.checkpoint import checkpoint, policy_of
+from memkern.profile.blocks import repeated_blocks
 from memkern.profile.plan import StepPlan, TrainingSetup, plan_training_step
 
 LEVELS = ("keep", "mlp-full", "selective", "full")
@@ -121,25 +125,6 @@ def parse_bytes(budget: int | float | str) -> int:
     if value <= 0:
         raise ValueError(f"memory budget {budget!r} must be positive")
     return value
-
-
-def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The layers of the model's largest ``nn.ModuleList`` whose members share one class."""
-    best: list[tuple[str, nn.Module]] = []
-    best_params = -1
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2:
-            continue
-        if len({type(m) for m in module}) != 1:
-            continue
-        params = sum(p.numel() for p in module.parameters())
-        if params > best_params:
-            best_params = params
-            best = [(f"{name}.{i}" if name else str(i), m) for i, m in enumerate(module)]
-    if not best:
-        raise ValueError("memkern.fit: the model has no nn.ModuleList of repeated blocks; pass "
-                         "blocks=[...] (the modules to choose a recomputation for)")
-    return best
 
 
 def _mlps(block: nn.Module) -> list[nn.Module]:
@@ -243,6 +228,13 @@ def _measured_throughput(device: str) -> float | None:
     return 2 * n**3 * reps / (time.perf_counter() - start)
 
 
+def throughput_of(device: str) -> tuple[float, bool]:
+    """FLOP/s to cost recomputation at on ``device``, and whether they were measured: on the
+    target when it is this machine (its GPU, or the CPU), else :data:`DEFAULT_THROUGHPUT`."""
+    measured = _measured_throughput(device)
+    return measured or DEFAULT_THROUGHPUT.get(device, 400e12), measured is not None
+
+
 def fit(model: nn.Module, example_batch: Any, budget: int | float | str, *,
         loss: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         optimizer: Callable[[Any], Any] | None = None, device: str = "cuda",
@@ -313,15 +305,18 @@ def fit(model: nn.Module, example_batch: Any, budget: int | float | str, *,
 
     n = len(named)
     skipped: dict[str, str] = {}
+    allowed = limit * (1 - margin)
     try:
-        uniform = {}
-        for lvl in state.levels():
+        uniform = {"keep": planned(("keep",) * n)}
+        # a step that fits as it is recomputes nothing: no other level is planned
+        for lvl in state.levels()[1:] if uniform["keep"].peak_bytes > allowed else ():
             try:
                 uniform[lvl] = planned((lvl,) * n)
             except RuntimeError as exc:  # a policy this model's blocks do not run under
-                if lvl == "keep":
-                    raise
                 skipped[lvl] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                if getattr(getattr(model, "config", None), "use_cache", False):
+                    skipped[lvl] += ("; the model keeps a key/value cache, which recomputed "
+                                     "layers append to: set model.config.use_cache = False")
         # a level needing more memory than a cheaper one is never worth its recomputation
         levels = list(uniform)
         path_levels = [levels[0]]
@@ -331,7 +326,6 @@ def fit(model: nn.Module, example_batch: Any, budget: int | float | str, *,
         path = [(path_levels[0],) * n] + [(upper,) * k + (lower,) * (n - k)
                                           for lower, upper in zip(path_levels, path_levels[1:])
                                           for k in range(1, n + 1)]
-        allowed = limit * (1 - margin)
         if planned(path[-1]).peak_bytes > allowed:
             smallest = plans[path[-1]].peak_bytes / (1 - margin)
             raise MemoryBudgetError(
@@ -353,14 +347,10 @@ def fit(model: nn.Module, example_batch: Any, budget: int | float | str, *,
         state.restore()
     if apply:
         state.apply(chosen)
-    if throughput is None:
-        measured = _measured_throughput(device)
-        rate = measured or DEFAULT_THROUGHPUT.get(device, 400e12)
-    else:
-        measured, rate = None, float(throughput)
+    rate, measured = throughput_of(device) if throughput is None else (float(throughput), False)
     base = plans[path[0]]
     return FitReport(limit, device, {name: lvl for (name, _), lvl in zip(named, chosen)},
                      plans[chosen].peak_bytes, base.peak_bytes,
                      max(0, (plans[chosen].flops or 0) - (base.flops or 0)), rate,
-                     measured is not None, len(plans), time.perf_counter() - start,
+                     measured, len(plans), time.perf_counter() - start,
                      plans[chosen], skipped)
