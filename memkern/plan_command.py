@@ -28,7 +28,8 @@ from memkern.profile.plan_report import MIB, SHORT, format_plan, legend, plan_ch
 from memkern.profile.targets import TARGETS
 from memkern.nn.checkpoint import POLICIES
 from memkern.profile.workloads import (DEFAULT_OPTIMIZER, OPTIMIZERS, PATCH_OPTIONS, SHARDINGS,
-                                       TASKS, default_seq, hf_config, hf_workload)
+                                       TASKS, default_seq, hf_config, hf_workload,
+                                       uses_kv_cache)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -152,7 +153,7 @@ def _plans(args: argparse.Namespace) -> list[tuple[str, StepPlan]]:
             hf_workload(cfg, batch=args.batch, seq=seq, dtype=DTYPES[args.dtype], patch=patch,
                         optimizer=args.optimizer, task=args.task, autocast=autocast,
                         sharding=args.sharding, optimizer_options=options,
-                        checkpoint=args.checkpoint),
+                        checkpoint=args.checkpoint, kv_cache=False),
             device=args.device, world_size=args.world_size))
                 for name, patch in variants]
     if (args.set or args.variant or args.sharding or args.world_size > 1
@@ -193,6 +194,8 @@ def what_is_trained(args: argparse.Namespace) -> str:
                else f"no master weights: it updates the {args.dtype} parameters themselves")
     lines = [f"optimizer: {spec.code()} ({masters}; the default of memkern plan and memkern "
              "fit is ShardedOptimizer: --optimizer to change)"]
+    if uses_kv_cache(hf_config(args.hf, args.set)):
+        lines.append("no key/value cache in training (use_cache=False), as memkern fit plans it")
     names = {name for name, _ in (args.variant or [("plain", None), ("patch", {})])}
     if "plain" in names:
         lines.append(f"plain: the transformers model as it is, {args.dtype} parameters (torch "

@@ -210,8 +210,8 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
                 patch: dict | None = None, optimizer: str = "adamw-fused",
                 gradient_checkpointing: bool = False, task: str = "causal-lm",
                 autocast: torch.dtype | None = None, sharding: str | None = None,
-                optimizer_options: dict | None = None,
-                checkpoint: str | None = None) -> Callable[[], TrainingSetup]:
+                optimizer_options: dict | None = None, checkpoint: str | None = None,
+                kv_cache: bool = True) -> Callable[[], TrainingSetup]:
     """A ``transformers`` model for ``task`` (:data:`TASKS`) from ``config``
     (:func:`hf_config`), parameters in ``dtype``, trained as ``benchmarks/bench_hf.py`` trains
     it: ``model(**batch).loss``, ``backward()``, the optimizer's step,
@@ -229,7 +229,8 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
     ``gradient_checkpointing``: transformers' own (``model.gradient_checkpointing_enable()``).
     ``checkpoint``: :func:`memkern.checkpoint` with this policy on each of the model's
     repeated blocks (:func:`memkern.profile.fit.repeated_blocks`: its decoder layers), called
-    without a key/value cache (:data:`NO_KV_CACHE`).
+    without a key/value cache (:data:`NO_KV_CACHE`). ``kv_cache=False``: the forward runs
+    without its key/value cache in any case (what ``memkern plan`` and ``memkern fit`` plan).
     ``autocast``: the forward runs under ``torch.autocast(<the planned device>, dtype=autocast)``
     (AMP: float32 parameters, ``torch.float16`` or ``torch.bfloat16`` matmuls).
 
@@ -282,7 +283,8 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
         sharded = opt if isinstance(opt, memkern.optim.ShardedOptimizer) else None
         inputs = task_batch(config, task, batch, seq)
         device = next(model.parameters()).device.type
-        no_cache = NO_KV_CACHE if checkpoint is not None and uses_kv_cache(config) else {}
+        no_cache = (NO_KV_CACHE if (checkpoint is not None or not kv_cache)
+                    and uses_kv_cache(config) else {})
 
         def step() -> None:
             with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
