@@ -54,13 +54,15 @@ CONTRACT = [
           offload=None, bucket_size_mb=25)),
     ("MemkernTrainer", dict(model=None, args=None, patch=True, offload=None, zero_stage=None,
                             fsdp2=False)),
+    ("MemkernTrainerMixin", dict(model=None, args=None, patch=True, offload=None,
+                                 zero_stage=None, fsdp2=False)),
 ]
 
 
 def resolve(dotted: str):
-    if dotted == "MemkernTrainer":
-        from memkern.integrations.transformers import MemkernTrainer
-        return MemkernTrainer
+    if dotted.startswith("MemkernTrainer"):
+        from memkern.integrations import transformers
+        return getattr(transformers, dotted)
     obj = mk
     for part in dotted.split(".")[1:]:
         obj = getattr(obj, part)

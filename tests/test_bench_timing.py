@@ -72,6 +72,8 @@ def test_ratio_refuses_unpaired_rounds():
     (2, 1.0, 2, 1),     # another job on one core
     (2, 13.9, 2, 1),    # oversubscribed: still one thread
     (16, 2.4, 16, 14),  # two cores busy
+    (16, 2.6, 16, 13),  # rounded, not truncated: nearly three cores busy
+    (3, 1.7, 3, 1),     # rounded up to two busy cores of three
     (16, 0.0, 8, 8),    # never more than torch's default
 ])
 def test_threads_leave_the_busy_cores_alone(monkeypatch, cores, load, default, expected):

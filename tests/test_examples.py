@@ -168,6 +168,19 @@ def test_hf_trainer_example_trains_and_resumes(tmp_path):
     assert "trained 6 steps" in resumed.stdout
 
 
+def test_lora_sft_example_learns(tmp_path):
+    """LoRA through trl's SFTTrainer with memkern's layers and optimizer: ShardedOptimizer steps
+    the adapters only and the loss falls (3.09 at step 10, 2.49 at step 40 here; the uniform
+    guess is ln 31 = 3.43)."""
+    for package in ("trl", "peft", "datasets"):
+        pytest.importorskip(package)
+    proc = _run([os.path.join(REPO, "examples", "lora_sft.py")], str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ShardedOptimizer stepped 16384 LoRA parameters" in proc.stdout, proc.stdout
+    losses = [float(m) for m in re.findall(r"^step +\d+  loss (\d+\.\d+)$", proc.stdout, re.M)]
+    assert len(losses) == 4 and losses[-1] < 0.85 * losses[0], proc.stdout
+
+
 def test_train_gpt_zero_without_torchrun_runs_on_one_process(tmp_path):
     env_free = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.run(

@@ -6,8 +6,10 @@ differ between the ranks, clipping and a warm-up schedule, fp32).
 
 One launch trains 6 steps at W=2 (ZeRO-1, torchrun) and saves a checkpoint at step 3; a second
 resumes it at W=2 (ZeRO-2, accelerate launch), a third in one process: every logged loss equals
-plain Trainer's. The torchrun and accelerate commands of docs/distributed.md run as written.
-Each launch runs under a timeout that reports every rank's output (tests/multiprocess.py).
+plain Trainer's. In the first launch rank 1 lingers after writing its files of the first
+checkpoint (``--late-rank``) and watches for rank 0's completion marker, which must not come
+before it is done. The torchrun and accelerate commands of docs/distributed.md run as written.
+Each launch runs under a timeout that reports every rank's output (tests/launch_ranks.py).
 
 ``MemkernTrainer(fsdp2=True)`` (FSDP2 + memkern's FusedAdamW on the patched model): 2 ranks under
 torchrun save at step 3; resumed at 1 rank (torchrun): every logged loss equals plain
@@ -27,7 +29,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from memkern.optim.grad_buffer import ALIGN  # noqa: E402
-from multiprocess import REPO, free_port, run_launcher  # noqa: E402
+from launch_ranks import REPO, free_port, run_launcher  # noqa: E402
 from test_integrations_transformers import one_thread  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "tests", "scripts", "trainer_ranks.py")
@@ -62,7 +64,7 @@ def runs(tmp_path_factory):
                 "--result", str(tmp / "plain.json"), *common)
     run_launcher([sys.executable, "-m", "torch.distributed.run", "--standalone",
                   "--nproc-per-node", "2", "--tee", "3", SCRIPT, "--zero-stage", "1",
-                  "--save-steps", str(SAVED_AT), "--out", str(tmp / "zero1"),
+                  "--save-steps", str(SAVED_AT), "--out", str(tmp / "zero1"), "--late-rank",
                   "--result", str(tmp / "zero1.json"), *common],
                  what="torchrun, 2 ranks, ZeRO-1")
     checkpoint = str(tmp / "zero1" / f"checkpoint-{SAVED_AT}")
@@ -123,6 +125,15 @@ def test_two_rank_checkpoint_holds_the_optimizer_in_shards(runs):
     assert SHARDED_OPTIMIZER in runs["checkpoint_files"]
     assert "optimizer.pt" not in runs["checkpoint_files"]
     assert "scheduler.pt" in runs["checkpoint_files"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_is_marked_complete_only_once_every_rank_wrote_its_files(runs):
+    """Rank 1 of the ZeRO-1 launch lingered after writing its files of the first checkpoint
+    (``--late-rank``): rank 0 must not have marked that checkpoint complete meanwhile."""
+    ranks = runs["zero1"]["ranks"]
+    assert ranks[0]["late"] is None
+    assert ranks[1]["late"] == {"marked_before_this_rank_was_done": False}
 
 
 @pytest.mark.slow

@@ -302,12 +302,13 @@ def test_runs_without_transformers_installed_elsewhere():
 
 def test_skips_with_the_reason_without_accelerate():
     """In a process where accelerate cannot be imported, the tests that build a Trainer are
-    skipped with the reason and the others still run: no ImportError."""
+    skipped with the reason and the others still run: no ImportError. (peft needs accelerate,
+    and transformers imports it when it is there: it goes too.)"""
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['accelerate'] = None; import pytest; "
-            "sys.exit(pytest.main(sys.argv[1:]))")
+    code = ("import sys; sys.modules['accelerate'] = sys.modules['peft'] = None; "
+            "import pytest; sys.exit(pytest.main(sys.argv[1:]))")
     tests = "test_bad_settings_are_named or test_model_is_required"
     proc = subprocess.run([sys.executable, "-c", code, "-q", "-rs", "-p", "no:cacheprovider",
                            __file__, "-k", tests], capture_output=True, text=True,

@@ -12,7 +12,7 @@ off the float64 one, memkern's 1.39e-6), no further off than twice plain torch's
 gradient is. Under mixed precision: the plain model sharded the same way, within bfloat16's
 rounding. Tiny GPT-2
 (tied embeddings), Llama and Qwen2 built from their configs. Launched through
-tests/multiprocess.py. In one process: a wrapper that subclasses the output layer and makes its
+tests/launch_ranks.py. In one process: a wrapper that subclasses the output layer and makes its
 weight present only during its call (as FSDP2 does), against the plain model.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import memkern as mk
-import multiprocess
+import launch_ranks
 from compare import params_rel_err, rel_err
 
 transformers = pytest.importorskip("transformers")
@@ -144,13 +144,13 @@ def scenario_gradients(rank, world, seed, out):
 
 
 if __name__ == "__main__":
-    multiprocess.serve(globals())
+    launch_ranks.serve(globals())
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    seed = multiprocess.fresh_seed()
-    return multiprocess.launch(__file__, 2, ["gradients"], str(tmp_path_factory.mktemp("fsdp2")),
+    seed = launch_ranks.fresh_seed()
+    return launch_ranks.launch(__file__, 2, ["gradients"], str(tmp_path_factory.mktemp("fsdp2")),
                                seed)["gradients"]
 
 

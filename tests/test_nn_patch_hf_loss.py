@@ -166,6 +166,25 @@ def test_labels_none_in_train_mode_returns_the_unpatched_logits(family):
     assert torch.equal(out.logits, want.logits)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_forward_that_raises_leaves_the_model_as_it_was(family):
+    """A fused call whose forward raises (a token id outside the vocabulary, after the call
+    opened): the output layer is back in its seat and the config as it was (Gemma 2's
+    soft-cap), so the next calls give the unpatched model's logits and loss."""
+    model, ref = _pair(family, linear=False, norm=False, mlp=False, dropout=False)
+    ids, labels = _batch()
+    bad = ids.clone()
+    bad[1, 3] = VOCAB + 7
+    config = model.config.to_dict()
+    with pytest.raises(IndexError):
+        model(input_ids=bad, labels=labels)
+    assert model.config.to_dict() == config
+    assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    out, want = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    assert out.logits is None
+    assert rel_err(out.loss.detach(), want.loss.detach()) < TOL
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_state_dict_parameters_and_tying_unchanged(family):
     torch.manual_seed(0)
@@ -283,3 +302,58 @@ def test_positional_labels_and_tuple_output():
     want = ref(input_ids=ids, labels=labels).loss.detach()
     assert isinstance(out, tuple) and out[1] is None
     assert rel_err(got.loss.detach(), want) < TOL and rel_err(out[0].detach(), want) < TOL
+
+
+def test_output_layer_is_the_same_module_with_its_weight_during_a_fused_call():
+    """Code outside the model's own forward (a hook on the final norm; a forward replaced on
+    the instance that reads the weight itself, as trl's chunked LM head does) sees the output
+    layer itself, with its weight, during a fused call: the fusion never puts anything in its
+    seat. The replaced forward computes its own loss and the fused call closes without one."""
+    model, ref = _pair("llama")
+    head = model.lm_head
+    seen = []
+
+    def look(module, args, output):
+        seen.append((model.lm_head, model.get_output_embeddings()))
+
+    model.model.norm.register_forward_hook(look)
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None and len(seen) == 1 and all(m is head for m in seen[0])
+    want = ref(input_ids=ids, labels=labels).loss
+
+    def reads_the_weight(self, input_ids, labels):  # trl's add_fused_lm_head, in brief
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        logits = hidden @ self.get_output_embeddings().weight.T
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+    model.forward = reads_the_weight.__get__(model)
+    assert rel_err(model(input_ids=ids, labels=labels).detach(), want.detach()) < TOL
+    assert rel_err(out.loss.detach(), want.detach()) < TOL
+
+
+@pytest.mark.parametrize("where", ["backbone", "loss"])
+def test_a_forward_that_raises_leaves_no_fused_call_open(where):
+    """A training forward that raises (in the backbone, before the output layer is called; or
+    in the loss, after: a label out of the vocabulary) leaves the model as it was: the next
+    call of the output layer and the next eval forward give the plain model's logits, Gemma 2's
+    soft-cap back in its config."""
+    model, ref = _pair("gemma2", linear=False, norm=False, mlp=False, dropout=False)
+    ids, labels = _batch()
+    hook = None
+    if where == "backbone":
+        def fail(module, args, output):
+            raise RuntimeError("planted")
+        hook = model.model.layers[-1].register_forward_hook(fail)
+    else:
+        labels[1, 3] = VOCAB + 4
+    with pytest.raises((RuntimeError, ValueError), match="planted|is not a class index"):
+        model(input_ids=ids, labels=labels)
+    if hook is not None:
+        hook.remove()
+    assert model.config.final_logit_softcapping == 2.0
+    x = torch.randn(2, 5, model.config.hidden_size)
+    assert torch.equal(model.lm_head(x), ref.lm_head(x))
+    model.eval(), ref.eval()
+    assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)

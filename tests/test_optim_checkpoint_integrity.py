@@ -11,12 +11,16 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import memkern as mk
 from memkern.optim import checkpoint
 
 FLIPS = 24
 """Random single-bit flips tried, over every file of a checkpoint."""
+HEADER_FLIPS = 3
+"""Random single-bit flips tried within the header item's bytes (a small part of a data file,
+which the flips over whole files rarely hit)."""
 
 
 class Net(torch.nn.Module):
@@ -113,21 +117,43 @@ def test_truncated_file_is_named(saved, target, tmp_path):
     refused(target, bad, ValueError, f"{bad / data} is truncated: {size - 100} bytes")
 
 
+def flip_seed() -> int:
+    """The seed of the flips: fresh each run (the fixtures seed torch with fixed seeds), or
+    MEMKERN_BITFLIP_SEED's to replay a run; printed either way."""
+    seed = int(os.environ.get("MEMKERN_BITFLIP_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"bit flips: MEMKERN_BITFLIP_SEED={seed}")
+    return seed
+
+
+def header_item(path) -> tuple[str, int, int]:
+    """The data file, offset and length of the checkpoint's header item (DCP's metadata)."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    (info,) = [info for index, info in metadata.storage_data.items()
+               if index.fqn == checkpoint.HEADER]
+    return info.relative_path, info.offset, info.length
+
+
 def test_every_random_bit_flip_is_refused(saved, target, tmp_path):
     """FLIPS single-bit flips at random offsets of random files (the data files, DCP's
-    metadata, the marker), each in a fresh copy."""
-    rng = random.Random(int(torch.randint(2**31, ())))
+    metadata, the marker), and HEADER_FLIPS within the header item, each in a fresh copy."""
+    rng = random.Random(flip_seed())
     files = sorted(os.listdir(saved))
-    for n in range(FLIPS):
+    header_file, start, length = header_item(saved)
+    flips = [(files[n % len(files)], 0, None) for n in range(FLIPS)]
+    flips += [(header_file, start, length)] * HEADER_FLIPS
+    for n, (name, start, length) in enumerate(flips):
         bad = tmp_path / f"flip{n}"
         shutil.copytree(saved, bad)
-        name = files[n % len(files)]
         raw = bytearray((bad / name).read_bytes())
-        offset = rng.randrange(len(raw))
-        raw[offset] ^= 1 << rng.randrange(8)
+        offset = start + rng.randrange(len(raw) if length is None else length)
+        bit = rng.randrange(8)
+        raw[offset] ^= 1 << bit
         (bad / name).write_bytes(bytes(raw))
         message = refused(target, bad, ValueError, "memkern.ShardedOptimizer.load_sharded: ")
-        assert str(bad / name) in message or name == checkpoint.MARKER, (name, offset, message)
+        where = f"{name}: byte {offset}, bit {bit}"
+        assert str(bad / name) in message or name == checkpoint.MARKER, (where, message)
+        if length is not None:
+            assert f"({checkpoint.HEADER})" in message, (where, message)
 
 
 def test_a_bit_flip_at_every_byte_of_the_marker_is_refused(saved, target, tmp_path):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, seed as hypothesis_seed, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from multiprocess import fresh_seed, launch, serve  # noqa: E402
+from launch_ranks import fresh_seed, launch, serve  # noqa: E402
 from test_optim_contract_fuzz import (Config, backwards, configs, operations,  # noqa: E402
                                       run)
 

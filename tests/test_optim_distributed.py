@@ -7,7 +7,7 @@ continued at W=3), interrupted saves, and ranks that disagree on the parameters.
 
 Every launch runs this file as a script in W processes (``python tests/test_optim_distributed.py
 worker ...``), each running a list of scenarios and saving what they measured; the tests
-compare (the harness, with its timeouts and per-rank error reports, is tests/multiprocess.py).
+compare (the harness, with its timeouts and per-rank error reports, is tests/launch_ranks.py).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import memkern as mk
 from memkern.optim.grad_buffer import ALIGN
 from memkern.profile import reachable_bytes
-import multiprocess
+import launch_ranks
 from compare import params_rel_err
 
 WINDOWS, ACCUMULATION, BATCH = 20, 2, 12  # BATCH rows per micro-batch, split over the ranks
@@ -514,7 +514,7 @@ def scenario_gradless(rank, world, seed, shared):
 # --------------------------------------------------------------------------------- launch
 def launch(world: int, scenarios: list[str], out: str, seed: int) -> dict[str, list]:
     """Runs the scenarios in ``world`` processes; returns each scenario's per-rank results."""
-    return multiprocess.launch(__file__, world, scenarios, out, seed)
+    return launch_ranks.launch(__file__, world, scenarios, out, seed)
 
 
 @pytest.fixture(scope="module")
@@ -780,7 +780,7 @@ def test_sharded_checkpoint_in_one_process(tmp_path, offload):
 
 
 def test_bad_process_group_is_named(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{multiprocess.new_store(str(tmp_path))}", rank=0,
+    dist.init_process_group("gloo", init_method=f"file://{launch_ranks.new_store(str(tmp_path))}", rank=0,
                             world_size=1, timeout=timedelta(seconds=60))
     try:
         with pytest.raises(TypeError, match="process_group must be a torch.distributed."
@@ -820,8 +820,8 @@ def test_gloo_threads_outlive_destroy_process_group(tmp_path):
     interpreter's finalization. Should this fail, torch now joins them there: the workers may
     then exit normally."""
     run = subprocess.run([sys.executable, "-c", GLOO_THREADS_AFTER_DESTROY,
-                          multiprocess.new_store(str(tmp_path))], cwd=multiprocess.REPO, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": multiprocess.REPO}, timeout=300)
+                          launch_ranks.new_store(str(tmp_path))], cwd=launch_ranks.REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": launch_ranks.REPO}, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert int(run.stdout.split()[-1]) > 0
 
@@ -847,7 +847,7 @@ def test_offload_from_a_gpu_equals_the_gpu_run():
 
 
 if __name__ == "__main__":
-    multiprocess.serve(globals())
+    launch_ranks.serve(globals())
 
 
 # --------------------------------------------------------------------------- 8-bit state

@@ -8,7 +8,7 @@ rank's shard (the quantization blocks start at the shard's start); ``torch.nn.ut
 clip_grad_norm_`` on the full tensors; a checkpoint saved through ``torch.distributed.
 checkpoint`` at one world size and loaded at another against the uninterrupted run. Gradients
 are drawn per step from a seeded generator (the same full gradient on every rank), so the
-optimizer is all that differs between the runs. Launched through tests/multiprocess.py.
+optimizer is all that differs between the runs. Launched through tests/launch_ranks.py.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import memkern as mk
-import multiprocess
+import launch_ranks
 from compare import params_rel_err
 
 ALGORITHMS = {"adamw": (mk.optim.FusedAdamW, dict(lr=3e-2, weight_decay=0.1)),
@@ -160,9 +160,15 @@ def scenario_step_bf16(rank, world, seed, out):
     return results
 
 
+GRIDS = {"(1, W)": lambda world: (1, world), "(W, 1)": lambda world: (world, 1)}
+"""2-D meshes of W ranks, each with a dimension of one rank: an inf on one rank must reach the
+others over whichever dimension holds them."""
+
+
 def scenario_found_inf(rank, world, seed, out):
     """An inf in the last rank's shard only: through the found_inf argument, and through
-    ShardedGradScaler (unscale_, clipping, step, update)."""
+    ShardedGradScaler (unscale_, clipping, step, update), on a 1-D mesh; through the
+    found_inf argument on the 2-D meshes of GRIDS."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     mesh = init_device_mesh("cpu", (world,))
@@ -192,6 +198,22 @@ def scenario_found_inf(rank, world, seed, out):
         results[how]["unchanged"] = all(torch.equal(p.full_tensor(), b)
                                         for p, b in zip(params, before))
         results[how]["steps"] = [float(s["step"]) for s in opt.state.values()]
+    for shape, dims in GRIDS.items():  # the flag agreed over every dimension of the mesh
+        grid = init_device_mesh("cpu", dims(world), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(seed)
+        params = [torch.nn.Parameter(distribute_tensor(torch.randn(13, 11), grid,
+                                                       (Shard(0), Shard(1)))),
+                  torch.nn.Parameter(distribute_tensor(torch.randn(13), grid,
+                                                       (Shard(0), Replicate())))]
+        opt = mk.optim.FusedAdamW(params, lr=0.1)
+        before = [p.full_tensor().clone() for p in params]
+        give_grads(params, full_grads(params, seed, 0))
+        found_inf = torch.tensor(float(rank == world - 1))
+        opt.step(found_inf=found_inf)
+        results[shape] = dict(found_inf=float(found_inf),
+                              unchanged=all(torch.equal(p.full_tensor(), b)
+                                            for p, b in zip(params, before)),
+                              steps=[float(s["step"]) for s in opt.state.values()])
     return results
 
 
@@ -300,7 +322,7 @@ def scenario_checkpoint_load(rank, world, seed, out):
 
 
 if __name__ == "__main__":
-    multiprocess.serve(globals())
+    launch_ranks.serve(globals())
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -309,11 +331,11 @@ def runs(tmp_path_factory):
     """W=1 saves, W=2 runs everything and loads W=1's checkpoint and saves its own, which a
     second W=1 launch loads."""
     out = str(tmp_path_factory.mktemp("dtensor"))
-    seed = multiprocess.fresh_seed()
-    first = multiprocess.launch(__file__, 1, ["checkpoint_save"], out, seed)
-    two = multiprocess.launch(__file__, 2, ["step", "step_bf16", "found_inf", "clip_2d", "errors",
+    seed = launch_ranks.fresh_seed()
+    first = launch_ranks.launch(__file__, 1, ["checkpoint_save"], out, seed)
+    two = launch_ranks.launch(__file__, 2, ["step", "step_bf16", "found_inf", "clip_2d", "errors",
                                             "checkpoint_save", "checkpoint_load"], out, seed)
-    last = multiprocess.launch(__file__, 1, ["checkpoint_load"], out, seed)
+    last = launch_ranks.launch(__file__, 1, ["checkpoint_load"], out, seed)
     return {1: dict(first, **last), 2: two}
 
 
@@ -346,11 +368,12 @@ def test_bf16_shards_with_float32_masters_equal_the_full_tensors(runs, algorithm
 
 
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank(runs):
-    for result in runs[2]["found_inf"]:
-        assert result["found_inf"]["found_inf"] == 1.0
-        for how in ("found_inf", "scaler"):
-            assert result[how]["unchanged"], how
-            assert set(result[how]["steps"]) == {0.0}, how
+    for rank, result in enumerate(runs[2]["found_inf"]):
+        for how in ("found_inf", *GRIDS):
+            assert result[how]["found_inf"] == 1.0, (how, rank)
+        for how in ("found_inf", "scaler", *GRIDS):
+            assert result[how]["unchanged"], (how, rank)
+            assert set(result[how]["steps"]) == {0.0}, (how, rank)
         assert result["scaler"]["scale"] == 2.0**7  # backed off on every rank
 
 

@@ -199,29 +199,51 @@ REPLACEMENTS = {
 }
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["sharded", "fused"])
-@pytest.mark.parametrize("how", sorted(REPLACEMENTS))
-def test_one_parameter_replaced_in_its_module_is_refused(how, fused):
-    """The other parameters still get their gradients (nothing looks amiss in backward); the
-    step names the replaced parameter and the assignment, and changes no weight."""
-    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+def _replaced_step_is_refused(model, replace, assignment: str, shape: str, fused: bool) -> None:
+    """Builds an optimizer on ``model``, then ``replace(model)``: the other parameters still
+    get their gradients (nothing looks amiss in backward); the step names the replaced
+    parameter (of ``shape``, a regex) and the assignment, and changes no weight."""
     opt = (mk.optim.FusedAdamW if fused else sharded)(model.parameters())
     built = list(model.parameters())
-    replace, assignment = REPLACEMENTS[how]
     replace(model)
-    loss = model(torch.randn(3, 5)).square().sum()
+    loss = model(torch.randn(3, model[0].in_features)).square().sum()
     opt.zero_grad()
     loss.backward() if fused else opt.backward(loss)
     before = [p.detach().clone() for p in [*built, *model.parameters()]]
     name = "FusedAdamW" if fused else "ShardedOptimizer"
     with pytest.raises(RuntimeError, match=(
-            rf"^memkern\.{name}\.step: a parameter of shape \((2, 4|2,)\) \(torch\.float32, "
+            rf"^memkern\.{name}\.step: a parameter of shape \({shape}\) \(torch\.float32, "
             rf"number \d in the flat layout\) was replaced in its module {assignment} after the "
             r"optimizer was built: .* no step was taken\. Change the model before building "
             r"the optimizer$")):
         opt.step()
     after = [p.detach() for p in [*built, *model.parameters()]]
     assert all(torch.equal(p, q) for p, q in zip(before, after))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sharded", "fused"])
+@pytest.mark.parametrize("how", sorted(REPLACEMENTS))
+def test_one_parameter_replaced_in_its_module_is_refused(how, fused):
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    _replaced_step_is_refused(model, *REPLACEMENTS[how], "2, 4|2,", fused)
+
+
+TIED = {
+    "module.weight = another's": (lambda m: setattr(m[2], "weight", m[0].weight),
+                                  r"\(Linear\.weight = \.\.\.\)"),
+    "model[2] = model[0]": (lambda m: m.__setitem__(2, m[0]),
+                            r"\(Sequential\.2 = Linear\(\.\.\.\)\)"),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sharded", "fused"])
+@pytest.mark.parametrize("how", sorted(TIED))
+def test_a_slot_given_another_of_the_optimizers_parameters_is_refused(how, fused):
+    """Weights tied after the optimizer was built: the slot now holds another parameter the
+    optimizer steps, but not its own, which the model no longer uses (a slot holding some
+    watched parameter is not one put back)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    _replaced_step_is_refused(model, *TIED[how], "4, 4|4,", fused)
 
 
 def test_assignments_that_keep_the_parameters_step():

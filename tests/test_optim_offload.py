@@ -12,6 +12,12 @@ stepped; that the model's parameters change in ``step()`` only (the early steps 
 copies); that a state dict read between the last backward and the step sees the state before
 the window. The model is on the CPU: the same schedule as from a GPU, without the copies
 (the cuda-marked test runs it from a GPU).
+
+Against torch's own optimizer (``torch.optim.AdamW`` / ``SGD`` on a float32 copy of the model,
+given the same changes): any hyper-parameter set between the window's last backward and the
+step is the one the step uses; a state dict's float32 masters (saved with bfloat16
+parameters) loaded into float32 parameters are where the next step starts, host copies
+included.
 """
 from __future__ import annotations
 
@@ -368,3 +374,78 @@ def test_overlapped_step_from_a_gpu_equals_the_serial_step_bit_for_bit():
         params, state = snapshot(model, opt)
         results.append(([p.cpu() for p in params], state, opt.skipped_steps))
     assert_same_bits(results[0], results[1], "overlapped vs serial, from a GPU")
+
+
+# ------------------------------------------------------------------ against torch.optim
+TORCH = {"adamw": lambda params: torch.optim.AdamW(params, lr=3e-3, eps=1e-3, foreach=False),
+         "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=False)}
+"""torch's optimizer with make_optimizer's hyper-parameters (and torch's defaults, which
+memkern's share: AdamW's weight_decay 0.01)."""
+
+
+def window_with_torch(model, opt, twin, twin_opt, window: int, between=lambda group: None):
+    """One window of mean losses on memkern's optimizer and on torch's (``twin_opt`` on
+    ``twin``, a float32 model); ``between(param_group)`` runs on both between the window's
+    last backward (memkern's early host steps) and the step."""
+    for micro in range(ACCUMULATION):
+        x, y = batch(window, micro, torch.float32)
+        opt.backward(torch.nn.functional.mse_loss(model(x), y))
+        (torch.nn.functional.mse_loss(twin(x), y) / ACCUMULATION).backward()
+    for group in (opt.param_groups[0], twin_opt.param_groups[0]):
+        between(group)
+    assert opt.step()
+    twin_opt.step()
+    opt.zero_grad()
+    twin_opt.zero_grad()
+
+
+def assert_close_to_torch(model, twin, what: str) -> None:
+    for i, (p, q) in enumerate(zip(model.parameters(), twin.parameters())):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=2e-6, atol=2e-7,
+                                   msg=lambda m: f"{what}, parameter {i}: {m}")
+
+
+CHANGES = {"adamw": [("weight_decay", 0.5), ("betas", (0.5, 0.9)), ("eps", 0.1)],
+           "sgd": [("momentum", 0.3), ("weight_decay", 0.1), ("dampening", 0.5)]}
+
+
+@pytest.mark.parametrize("algorithm", ["adamw", "sgd"])
+def test_hyper_parameters_set_after_the_last_backward_are_the_ones_the_step_uses(algorithm):
+    """Each window sets one hyper-parameter other than the lr between its last backward (the
+    buckets' early host steps, taken with the old value) and ``step()``: the step uses the new
+    value, as torch's optimizer does when it is set before its step."""
+    model, twin = make_model(10), make_model(10)
+    opt, twin_opt = make_optimizer(model, algorithm=algorithm), TORCH[algorithm](twin.parameters())
+    window_with_torch(model, opt, twin, twin_opt, 0)
+    for window, (key, value) in enumerate(CHANGES[algorithm], start=1):
+        window_with_torch(model, opt, twin, twin_opt, window,
+                          between=lambda group: group.__setitem__(key, value))
+        assert_close_to_torch(model, twin, f"{key} set to {value} before step {window + 1}")
+
+
+def test_a_loaded_float32_master_is_the_weight_the_next_step_starts_from():
+    """A state dict saved with bfloat16 parameters (float32 masters) loaded into float32 ones:
+    the masters become the weights, and the host copies the step updates with them (not the
+    weights the model held before the load). Oracle: torch's AdamW from the saved masters and
+    moments."""
+    low = make_model(11, torch.bfloat16)
+    low_opt = mk.optim.ShardedOptimizer(low.parameters(), "adamw", lr=3e-3, eps=1e-3)
+    for micro in range(2):
+        x, y = batch(0, micro, torch.bfloat16)
+        low_opt.backward(torch.nn.functional.mse_loss(low(x).float(), y.float()))
+        low_opt.step()
+        low_opt.zero_grad()
+    saved = low_opt.state_dict()
+    model, twin = make_model(12), make_model(12)  # other weights than the saved masters
+    opt, twin_opt = make_optimizer(model), TORCH["adamw"](twin.parameters())
+    opt.load_state_dict(saved)
+    with torch.no_grad():
+        for i, (p, q) in enumerate(zip(model.parameters(), twin.parameters())):
+            master = saved["state"][i]["master_param"]
+            assert torch.equal(p, master), f"parameter {i} is not the loaded master"
+            q.copy_(master)
+            twin_opt.state[q] = {"step": torch.tensor(float(saved["state"][i]["step"])),
+                                 **{k: saved["state"][i][k].clone()
+                                    for k in ("exp_avg", "exp_avg_sq")}}
+    window_with_torch(model, opt, twin, twin_opt, 1)
+    assert_close_to_torch(model, twin, "the step after the load")

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from multiprocess import REPO, run_launcher  # noqa: E402
+from launch_ranks import REPO, run_launcher  # noqa: E402
 from memkern.profile import hf_config, hf_workload, plan_training_step  # noqa: E402
 
 CONFIG = dict(hidden_size=96, intermediate_size=200, num_hidden_layers=2, num_attention_heads=4,

@@ -1,4 +1,6 @@
-"""``MemkernTrainer``: Hugging Face's ``transformers.Trainer`` training through memkern.
+"""``MemkernTrainer``: Hugging Face's ``transformers.Trainer`` training through memkern, and
+``MemkernTrainerMixin``, the same for any ``Trainer`` subclass (trl's ``SFTTrainer``,
+``DPOTrainer``, ``GRPOTrainer``, ...).
 
 Use it where you would use ``Trainer``; the ``TrainingArguments`` keep their meaning::
 
@@ -9,7 +11,17 @@ Use it where you would use ``Trainer``; the ``TrainingArguments`` keep their mea
     trainer = MemkernTrainer(model=model, args=args, train_dataset=dataset)
     trainer.train()                       # later: trainer.train(resume_from_checkpoint=True)
 
-What changes against ``Trainer``:
+``MemkernTrainer`` is ``class MemkernTrainer(MemkernTrainerMixin, Trainer)``; another trainer
+gets the same by putting the mixin first among its bases (the mixin's methods must come before
+``Trainer``'s, which is checked when the class is made)::
+
+    class MemkernSFTTrainer(MemkernTrainerMixin, trl.SFTTrainer):
+        pass
+
+    trainer = MemkernSFTTrainer(model=model, args=sft_config, train_dataset=dataset,
+                                processing_class=tokenizer, peft_config=lora, offload="cpu")
+
+What changes against ``Trainer`` (and the same for a subclass):
 
 * the model is patched in place with :func:`memkern.patch` (``patch=False`` leaves it alone,
   a dict passes keyword arguments to ``patch``);
@@ -70,7 +82,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import SAFE_WEIGHTS_NAME
@@ -113,13 +125,16 @@ def _argument(args: Any, name: str) -> Any:
     return getattr(value, "value", value)  # TrainingArguments turns some strings into enums
 
 
-class MemkernTrainer(Trainer):
-    """``transformers.Trainer`` with memkern layers and ``ShardedOptimizer`` (see the module
-    docstring for what each ``TrainingArguments`` field maps to).
+class MemkernTrainerMixin:
+    """Gives a ``transformers.Trainer`` subclass memkern layers and ``ShardedOptimizer`` (see
+    the module docstring for what each ``TrainingArguments`` field maps to): put it first among
+    the class's bases, ``class MemkernSFTTrainer(MemkernTrainerMixin, SFTTrainer)``.
 
     Args:
-        model, args, *trainer_args, **trainer_kwargs: as for ``Trainer``; ``model`` is required
-            (``model_init`` is not supported) and is cast and patched in place.
+        model, args, *trainer_args, **trainer_kwargs: as for the trainer; ``model`` is required
+            (``model_init`` and a model name are not supported) and is cast and patched in
+            place, before the trainer's own ``__init__`` (trl's wraps it with PEFT there when
+            given ``peft_config``).
         patch: True: :func:`memkern.patch` the model; False: leave its layers alone; a dict:
             keyword arguments for ``memkern.patch`` (e.g. ``{"recompute": "full"}``).
         offload: None, or ``"cpu"``: the optimizer's masters and state in host memory
@@ -132,11 +147,25 @@ class MemkernTrainer(Trainer):
             ``bf16``, without ``offload`` or ``zero_stage``.
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if Trainer not in mro or mro.index(MemkernTrainerMixin) > mro.index(Trainer):
+            raise TypeError(
+                f"memkern {cls.__name__}: MemkernTrainerMixin must come before a "
+                "transformers.Trainer subclass among the bases, as in class "
+                f"{cls.__name__}(MemkernTrainerMixin, SFTTrainer): otherwise Trainer's methods "
+                "win and the optimizer is not memkern's")
+
     def __init__(self, model: torch.nn.Module | None = None, args: Any = None, *trainer_args: Any,
                  patch: bool | dict[str, Any] = True, offload: str | None = None,
                  zero_stage: int | None = None, fsdp2: bool = False,
                  **trainer_kwargs: Any) -> None:
-        name = "memkern MemkernTrainer"
+        name = f"memkern {type(self).__name__}"
+        if not isinstance(model, (torch.nn.Module, type(None))):
+            raise TypeError(f"{name}: model must be a torch.nn.Module, got "
+                            f"{type(model).__name__}; load it first (from_pretrained) and "
+                            "pass the model")
         if model is None:
             raise ValueError(f"{name}: pass model=; model_init is not supported (the model is "
                              "patched and cast once, before training)")
@@ -147,6 +176,10 @@ class MemkernTrainer(Trainer):
         if not isinstance(patch, (bool, dict)):
             raise TypeError(f"{name}: patch must be True, False or a dict of memkern.patch "
                             f"keyword arguments, got {type(patch).__name__}")
+        if args is not None and not isinstance(args, TrainingArguments):
+            raise TypeError(f"{name}: args must be a TrainingArguments (or a trl config), got "
+                            f"{type(args).__name__}; pass the trainer's arguments after model "
+                            "by keyword (DPOTrainer's second is ref_model)")
         if args is not None:
             if args.n_gpu > 1:
                 raise ValueError(
@@ -161,14 +194,18 @@ class MemkernTrainer(Trainer):
         self._memkern_offload = offload
         self._memkern_zero_stage = 1 if zero_stage is None else zero_stage
         self.memkern_fsdp2 = fsdp2
-        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        if trainer_args:  # Trainer's positional order: model, args, data_collator, ...
+            trainer_args = (args, *trainer_args)
+        else:  # by keyword: other trainers order their arguments otherwise
+            trainer_kwargs["args"] = args
+        super().__init__(model, *trainer_args, **trainer_kwargs)
         if fsdp2:
             self._fully_shard(offload, zero_stage)
         else:
             self.add_callback(_SkippedStepsHoldTheScheduler(self))
 
     def _fully_shard(self, offload: str | None, zero_stage: int | None) -> None:
-        name = "memkern MemkernTrainer(fsdp2=True)"
+        name = f"memkern {type(self).__name__}(fsdp2=True)"
         if offload is not None or zero_stage is not None:
             raise ValueError(f"{name}: offload= and zero_stage= are ShardedOptimizer's; FSDP2 "
                              "already shards the parameters, gradients and optimizer state: "
@@ -178,7 +215,7 @@ class MemkernTrainer(Trainer):
                              "run; use bf16=True or float32")
         if self.optimizer is not None:
             # fully_shard replaces the parameters: one built before would step the old ones.
-            raise ValueError(f"{name}: optimizers=(opt, ...) is not supported; MemkernTrainer "
+            raise ValueError(f"{name}: optimizers=(opt, ...) is not supported; it "
                              "builds FusedAdamW or FusedSGD on the sharded parameters from "
                              "TrainingArguments.optim ('adamw_torch' or 'sgd')")
         if not torch.distributed.is_initialized():
@@ -216,8 +253,9 @@ class MemkernTrainer(Trainer):
             return self.optimizer
         optim = _argument(args, "optim")
         if optim not in ALGORITHMS:
-            raise ValueError(f"memkern MemkernTrainer: TrainingArguments.optim={optim!r} has "
-                             f"no memkern equivalent; use one of {sorted(ALGORITHMS)}")
+            raise ValueError(f"memkern {type(self).__name__}: TrainingArguments.optim="
+                             f"{optim!r} has no memkern equivalent; use one of "
+                             f"{sorted(ALGORITHMS)}")
         algorithm = ALGORITHMS[optim]
         hyper = ({"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
                  if algorithm == "adamw" else {})
@@ -241,7 +279,7 @@ class MemkernTrainer(Trainer):
         return self.optimizer
 
     def _check_given_optimizer(self, opt: Any, max_grad_norm: float | None) -> None:
-        name = "memkern MemkernTrainer"
+        name = f"memkern {type(self).__name__}"
         opt = getattr(opt, "optimizer", opt)
         if not isinstance(opt, ShardedOptimizer):
             raise TypeError(f"{name}: optimizers=(opt, ...) must hold a "
@@ -304,14 +342,15 @@ class MemkernTrainer(Trainer):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         path = os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"memkern MemkernTrainer(fsdp2=True): no {SAFE_WEIGHTS_NAME} "
-                                    f"in {resume_from_checkpoint}; resume from a checkpoint that "
-                                    "MemkernTrainer(fsdp2=True) saved")
+            raise FileNotFoundError(f"memkern {type(self).__name__}(fsdp2=True): no "
+                                    f"{SAFE_WEIGHTS_NAME} in {resume_from_checkpoint}; resume "
+                                    "from a checkpoint that it saved with fsdp2=True")
         # Tied weights are saved once: their other names are missing, as for Trainer's load.
         loaded = set_model_state_dict(self.model, safetensors.torch.load_file(path),
                                       options=StateDictOptions(full_state_dict=True,
                                                                strict=False))
         self._issue_warnings_after_load(loaded)
+
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         # Trainer writes checkpoint-<step> in place, file by file on each rank, and then
         # rotates older checkpoints out: killed meanwhile, it leaves a partial newest folder
@@ -339,7 +378,7 @@ class MemkernTrainer(Trainer):
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(
-                    f"memkern MemkernTrainer: resume_from_checkpoint=True, but "
+                    f"memkern {type(self).__name__}: resume_from_checkpoint=True, but "
                     f"{self.args.output_dir} holds no complete checkpoint; pass None to start "
                     "afresh (last_complete_checkpoint(output_dir) is None then)")
         return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -359,32 +398,41 @@ class MemkernTrainer(Trainer):
         if self.is_fsdp_enabled or self.is_deepspeed_enabled or self.args.fsdp:
             # (On the CPU accelerate drops the fsdp settings and wraps the model in DDP.)
             raise ValueError(
-                "memkern MemkernTrainer: FSDP and DeepSpeed shard the model for an optimizer of "
-                "their own; drop the fsdp/deepspeed settings and pass MemkernTrainer(..., "
-                "fsdp2=True) for FSDP2 with memkern's optimizer (docs/distributed.md)")
+                f"memkern {type(self).__name__}: FSDP and DeepSpeed shard the model for an "
+                "optimizer of their own; drop the fsdp/deepspeed settings and pass "
+                f"{type(self).__name__}(..., fsdp2=True) for FSDP2 with memkern's optimizer "
+                "(docs/distributed.md)")
         # The optimizer reduces the gradients across ranks, once per window (with fsdp2,
         # FSDP2 reduce-scatters them): accelerate's DistributedDataParallel would reduce them a
         # second time, every micro-batch.
         # prepare_model's evaluation_mode applies autocast and compile as configured, without
-        # the DDP wrapper. No device placement either: Trainer placed the model before the
-        # optimizer moved its weights into flat storage, and accelerate's ``.to("cpu:0")``
-        # of a CPU model would copy every parameter out of it.
+        # the DDP wrapper. No device placement of the trained model either: Trainer placed it
+        # before the optimizer moved its weights into flat storage, and accelerate's
+        # ``.to("cpu:0")`` of a CPU model would copy every parameter out of it. Other models
+        # (trl's reference and reward models) are placed as the trainer asks.
         prepare_model = self.accelerator.prepare_model
         self.accelerator.prepare_model = (
             lambda model, device_placement=None, evaluation_mode=False:
-            prepare_model(model, device_placement=False, evaluation_mode=True))
+            prepare_model(model, device_placement=False if model is self.model
+                          else device_placement, evaluation_mode=True))
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        opt = self.memkern_optimizer
+        if not self.memkern_fsdp2 and opt.micro_batches == 0:
+            # A new window: as long as Trainer makes it (shorter at the end of an epoch). The
+            # gradients become the buffer's views before the forward, not at its backward:
+            # memkern's layers choose what to save by whether weight.grad exists, and a forward
+            # recomputed in backward (gradient checkpointing) must choose as the first did.
+            opt.accumulation_steps = getattr(self, "current_gradient_accumulation_steps",
+                                             self.args.gradient_accumulation_steps)
+            _point_grads_at_buffer(opt)
+        return super().training_step(*args, **kwargs)
 
     def _memkern_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if kwargs:
-            raise TypeError(f"memkern MemkernTrainer: backward options {sorted(kwargs)} are not "
-                            "supported (they serve LOMO and DeepSpeed)")
+            raise TypeError(f"memkern {type(self).__name__}: backward options {sorted(kwargs)} "
+                            "are not supported (they serve LOMO and DeepSpeed)")
         opt = self.memkern_optimizer
-        if opt.micro_batches == 0:
-            # A new window: as long as Trainer makes it (shorter at the end of an epoch).
-            window = getattr(self, "current_gradient_accumulation_steps",
-                             self.args.gradient_accumulation_steps)
-            opt.accumulation_steps = window
-            _point_grads_at_buffer(opt)
         # Trainer's loss already carries the window's normalisation (÷ its token count, or ÷
         # its micro-batches); the optimizer divides by the micro-batch count once more.
         opt.backward(loss * opt.accumulation_steps)
@@ -404,6 +452,12 @@ class MemkernTrainer(Trainer):
         if "loss" in logs and isinstance(opt, ShardedOptimizer) and opt.grad_norm is not None:
             logs = {**logs, "grad_norm": opt.grad_norm}
         super().log(logs, *args, **kwargs)
+
+
+class MemkernTrainer(MemkernTrainerMixin, Trainer):
+    """``transformers.Trainer`` with memkern layers and ``ShardedOptimizer``: the arguments of
+    :class:`MemkernTrainerMixin` (see the module docstring for what each ``TrainingArguments``
+    field maps to)."""
 
 
 def _write_durably(path: str, text: str) -> None:
@@ -431,7 +485,7 @@ class _SkippedStepsHoldTheScheduler(TrainerCallback):
     """``Trainer`` advances the LR scheduler unless accelerate reports a skipped step, which it
     knows for its own GradScaler only: report the optimizer's overflow skips to it."""
 
-    def __init__(self, trainer: MemkernTrainer) -> None:
+    def __init__(self, trainer: MemkernTrainerMixin) -> None:
         self.trainer = trainer
         self.skipped = 0
 

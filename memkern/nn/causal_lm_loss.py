@@ -11,26 +11,30 @@ so a training step holds the ``[tokens, vocab]`` logits, their float32 copy in t
 their gradient. :func:`fuse_causal_lm_loss` routes that loss through
 :func:`memkern.nn.functional.linear_cross_entropy` without touching transformers' code:
 
-* during a fused call the output layer (``model.get_output_embeddings()``) is replaced in its
-  parent module by a stand-in whose call keeps its input ``hidden_states`` and returns a
+* during a fused call the output layer's own ``__call__`` (its class is memkern's: see below)
+  keeps its input ``hidden_states`` the first time the model calls it and returns a
   placeholder that takes no memory (a float32 zero expanded to ``[..., vocab]``, stride 0)
-  instead of the logits;
+  instead of the logits, running no weight-using code and none of its hooks;
 * ``model.loss_function`` (transformers' public, settable attribute) becomes a
   :class:`FusedCausalLMLoss`: given that placeholder, it calls the output layer with the kept
-  hidden states, and that call (the layer has a memkern class whose ``forward`` does it)
-  computes the loss from them and the layer's weight (and bias) chunk by chunk; given real
-  logits it calls the model's original loss function;
-* a forward pre-hook on the model opens a fused call (and seats the stand-in) when the model
-  is in training mode and ``labels`` are given; a forward hook closes it (puts the layer back)
-  and sets the output's ``logits`` to None.
+  hidden states, and that call (through ``nn.Module.__call__`` and its hooks, then the layer's
+  ``forward``) computes the loss from them and the layer's weight (and bias) chunk by chunk;
+  given real logits it calls the model's original loss function;
+* a forward pre-hook on the model opens a fused call when the model is in training mode and
+  ``labels`` are given; a forward hook closes it, also when the forward raises, and sets the
+  output's ``logits`` to None.
   Soft-capping (``config.final_logit_softcapping``) is folded into the fused loss, the
   config's value being set to None for the call so that the forward does not apply it to the
   placeholder.
 
-So the output layer is called once per forward, as in the unfused model, and that call
-(through ``nn.Module.__call__``) computes the loss: the weight is never read outside a call of
-its module, and whatever wraps the layer sees its use as that layer's forward. Under FSDP2's
-``fully_shard`` the weight is all-gathered for that call, the loss gets the hook that gathers it
+So the output layer is called once per forward through ``nn.Module.__call__``, as in the
+unfused model, and that call computes the loss: the weight is never read outside a call of its
+module, and whatever wraps the layer sees its use as that layer's forward. The module stays in
+its seat: ``model.lm_head`` and ``get_output_embeddings()`` are the same layer, with its weight,
+during a fused call as outside one, so code that replaces the model's forward and reads the
+weight itself (trl's chunked LM head, ``trl.trainer.utils.add_fused_lm_head``) runs unchanged,
+the fused call then closing without a loss of its own. Under FSDP2's ``fully_shard`` the weight
+is all-gathered for the loss call, the loss gets the hook that gathers it
 again for backward, and the gradients are reduced when backward has passed the unit's first
 input, in any unit layout (the layer in the root's unit, in its own, or with the final norm as
 one unit as torchtitan does). Once fused, nothing assumes the layer's class: wrappers that
@@ -81,35 +85,30 @@ class _LossRequest:
 
 @dataclasses.dataclass
 class _FusedCall:
-    """One fused forward: what the stand-in kept and what the loss must know."""
+    """One fused forward: what the output layer's first call kept and what the loss must know."""
     softcap: float | None
     head: nn.Linear
-    seat: tuple[nn.Module, str]
-    """The output layer's parent module and attribute name there (where the stand-in sits)."""
     hidden: torch.Tensor | None = None
     placeholder: torch.Tensor | None = None
     loss_request: _LossRequest | None = None
     loss_computed: bool = False
 
 
-class _HeadStandIn(nn.Module):
-    """Sits in the output layer's place during a fused forward, so that the model's own call
-    of the layer runs no weight-using code (and no wrapper's hooks): it keeps its input for
-    the fused loss and returns the placeholder. A second call in the same forward is a real
-    use of the layer, and goes to it."""
-
-    def __init__(self, call: _FusedCall) -> None:
-        super().__init__()
-        self.__dict__["call"] = call  # not a submodule: the layer stays its parent's only
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        call = self.call
-        if call.placeholder is not None:
-            return call.head(input)
-        call.hidden = input
-        call.placeholder = torch.zeros((), dtype=torch.float32, device=input.device).expand(
-            *input.shape[:-1], call.head.out_features)
-        return call.placeholder
+def _head_call(head: nn.Linear, call_module: Callable, args: tuple, kwargs: dict) -> Any:
+    """The output layer's ``__call__``: the first call of a fused forward keeps its input for
+    the fused loss and returns the placeholder, without the module's hooks (a wrapper such as
+    FSDP2 would gather the weight for a call that does not read it); any other call (the
+    loss's, a second use of the layer in the same forward, every call outside a fused forward)
+    is ``call_module(*args, **kwargs)``, ``nn.Module.__call__``."""
+    call = head.__dict__.get(_CALL)
+    if (call is None or call.placeholder is not None or call.loss_request is not None
+            or len(args) != 1 or kwargs):
+        return call_module(*args, **kwargs)
+    (input,) = args
+    call.hidden = input
+    call.placeholder = torch.zeros((), dtype=torch.float32, device=input.device).expand(
+        *input.shape[:-1], head.out_features)
+    return call.placeholder
 
 
 def _head_forward(head: nn.Linear, input: torch.Tensor, linear: Callable) -> torch.Tensor:
@@ -142,12 +141,18 @@ class CausalLMHead(nn.Linear):
     """An ``nn.Linear`` output layer whose training-with-labels call hands its input to the
     fused loss instead of computing logits (see the module docstring)."""
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _head_call(self, super().__call__, args, kwargs)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return _head_forward(self, input, super().forward)
 
 
 class MemkernCausalLMHead(_MemkernLinear):
     """The same for a :class:`memkern.nn.Linear` output layer."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _head_call(self, super().__call__, args, kwargs)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return _head_forward(self, input, super().forward)
@@ -169,12 +174,9 @@ class FusedCausalLMLoss:
     fused loss (in the hidden states' dtype); with any other logits, ``original(...)``.
     """
 
-    def __init__(self, original: Callable[..., torch.Tensor], head: nn.Linear,
-                 seat: tuple[nn.Module, str]) -> None:
+    def __init__(self, original: Callable[..., torch.Tensor], head: nn.Linear) -> None:
         self.original = original
         self.head = head
-        self.seat = seat
-        """The output layer's parent module and attribute name there (for the stand-in)."""
 
     def __call__(self, logits, labels, vocab_size=None, num_items_in_batch=None,
                  ignore_index: int = -100, shift_labels=None, **kwargs):
@@ -225,28 +227,16 @@ def _open_call(model: nn.Module, args: tuple, kwargs: dict) -> None:
         return None
     config = getattr(model, "config", None)
     cap = getattr(config, SOFTCAP_ATTR, None)
-    call = _FusedCall(softcap=cap or None, head=head, seat=fused.seat)
+    call = _FusedCall(softcap=cap or None, head=head)
     if cap is not None:
         setattr(config, SOFTCAP_ATTR, None)  # applied by the fused loss, not to the placeholder
     head.__dict__[_CALL] = call
     model.__dict__[_CALL] = call
-    parent, attr = call.seat
-    setattr(parent, attr, _HeadStandIn(call))
     return None
 
 
-def end_call(model: nn.Module) -> _FusedCall | None:
-    """Close ``model``'s open fused call, if any, its output layer put back in its seat;
-    returns the call."""
-    call = model.__dict__.pop(_CALL, None)
-    if call is not None:
-        parent, attr = call.seat
-        setattr(parent, attr, call.head)
-    return call
-
-
 def _close_call(model: nn.Module, args: tuple, output: Any) -> Any:
-    call = end_call(model)
+    call = model.__dict__.pop(_CALL, None)
     if call is None:
         return None
     call.head.__dict__.pop(_CALL, None)
@@ -276,13 +266,10 @@ def output_layer_problem(model: nn.Module) -> str | None:
     return None
 
 
-def head_seat(model: nn.Module) -> tuple[nn.Linear, str, tuple[nn.Module, str]]:
-    """``model``'s output layer, its name, and its seat: its parent module and attribute name
-    there (where the stand-in sits during a fused call)."""
+def output_layer_name(model: nn.Module) -> str:
+    """The name of ``model``'s output layer (``get_output_embeddings()``) among its modules."""
     head = model.get_output_embeddings()
-    name = next(n for n, m in model.named_modules() if m is head)
-    parent_name, _, attr = name.rpartition(".")
-    return head, name, (model.get_submodule(parent_name), attr)
+    return next(n for n, m in model.named_modules() if m is head)
 
 
 def _why_not_fusable(model: nn.Module) -> str | None:
@@ -316,9 +303,9 @@ def fuse_causal_lm_loss(model: nn.Module) -> tuple[str, str, str] | str | None:
     why = _why_not_fusable(model)
     if why is not None:
         return why
-    head, name, seat = head_seat(model)
+    head, name = model.get_output_embeddings(), output_layer_name(model)
     try:
-        model.loss_function = FusedCausalLMLoss(model.loss_function, head, seat)
+        model.loss_function = FusedCausalLMLoss(model.loss_function, head)
     except AttributeError:
         return "this transformers version's loss_function cannot be set (needs >= 4.46)"
     old = type(head)

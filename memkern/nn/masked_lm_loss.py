@@ -14,10 +14,10 @@ touching transformers' code:
   loss of its own) and opens a fused call;
 * a forward hook on the encoder (``model.base_model``) keeps only the labelled rows of its
   output, ``[n_labelled, hidden]``, so that the head's transform runs on those rows only;
-* the decoder is replaced in its parent, for the call, by the stand-in of
-  :mod:`memkern.nn.causal_lm_loss`, which keeps its input and returns a placeholder that takes
-  no memory instead of logits;
-* a forward hook on the model puts the decoder back and calls it (a memkern class of its
+* the decoder (a memkern class of its ``nn.Linear``, as for causal LMs: see
+  :mod:`memkern.nn.causal_lm_loss`) keeps its input the first time the model calls it and
+  returns a placeholder that takes no memory instead of logits;
+* a forward hook on the model calls the decoder (a memkern class of its
   ``nn.Linear``, as for causal LMs) with the kept rows and a loss request: the call computes
   the loss with :func:`memkern.nn.functional.linear_cross_entropy` from the rows, its weight
   and bias and the labelled rows' labels — the mean over labelled tokens, as
@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 from memkern import _fake
-from memkern.nn.causal_lm_loss import (_CALL, _HEADS, _FusedCall, _HeadStandIn, _LossRequest,
-                                       end_call, head_seat, output_layer_problem)
+from memkern.nn.causal_lm_loss import (_CALL, _HEADS, _FusedCall, _LossRequest,
+                                       output_layer_name, output_layer_problem)
 
 IGNORE_INDEX = -100
 """The label of unmasked tokens (``CrossEntropyLoss``'s default ignore_index)."""
@@ -85,13 +85,11 @@ def _open_call(model: nn.Module, args: tuple, kwargs: dict):
     args, kwargs, labels = _bind_labels(model, args, kwargs)
     if labels is None:
         return None
-    call = _MaskedCall(softcap=None, head=head, seat=model.__dict__[_FUSED], labels=labels)
+    call = _MaskedCall(softcap=None, head=head, labels=labels)
     if model.__dict__[_SUMS_OVER_ITEMS]:
         call.num_items_in_batch = kwargs.get("num_items_in_batch")
     for m in (model, head, model.base_model):
         m.__dict__[_CALL] = call
-    parent, attr = call.seat
-    setattr(parent, attr, _HeadStandIn(call))
     return args, kwargs
 
 
@@ -132,7 +130,7 @@ def _keep_labelled_rows(base: nn.Module, args: tuple, output: Any) -> Any:
 
 
 def _close_call(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    call = end_call(model)
+    call = model.__dict__.pop(_CALL, None)
     if call is None:
         return None
     model.base_model.__dict__.pop(_CALL, None)
@@ -206,13 +204,13 @@ def fuse_masked_lm_loss(model: nn.Module) -> tuple[str, str, str] | str | None:
     why = _why_not_fusable(model)
     if why is not None:
         return why
-    head, name, seat = head_seat(model)
+    head, name = model.get_output_embeddings(), output_layer_name(model)
     old = type(head)
     if old in _HEADS:
         head.__class__ = _HEADS[old]
     model.register_forward_pre_hook(_open_call, with_kwargs=True)
     model.base_model.register_forward_hook(_keep_labelled_rows)
     model.register_forward_hook(_close_call, with_kwargs=True, always_call=True)
-    model.__dict__[_FUSED] = seat  # where the stand-in sits
+    model.__dict__[_FUSED] = True
     model.__dict__[_SUMS_OVER_ITEMS] = _sums_over_items(model)
     return name, f"{old.__module__}.{old.__qualname__}", f"memkern.nn.causal_lm_loss.{type(head).__qualname__}"

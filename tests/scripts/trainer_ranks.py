@@ -3,7 +3,9 @@
 sequences with ``MemkernTrainer`` (or plain ``Trainer``), a global batch of ``--global-batch``
 sequences split over the ranks, and writes what it logged to ``--result`` (rank 0): the loss
 of every optimizer step this run took (a resumed run: from its checkpoint on), and per rank
-the model's wrapper and the optimizer state it holds.
+the model's wrapper and the optimizer state it holds. ``--late-rank``: the last rank lingers
+after writing its own files of the first checkpoint and reports whether that checkpoint was
+marked complete meanwhile (it must not be: the marker says every rank's files are written).
 
     torchrun --standalone --nproc-per-node 2 tests/scripts/trainer_ranks.py --out DIR ...
 """
@@ -11,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,10 +24,37 @@ from clean_exit import exit_without_finalizing  # noqa: E402
 from test_integrations_transformers import Sequences, arguments, tiny_llama  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
-from memkern.integrations.transformers import MemkernTrainer  # noqa: E402
+from memkern.integrations.transformers import (MemkernTrainer,  # noqa: E402
+                                               last_complete_checkpoint)
 
 SEQUENCES = 40
 """Per epoch: 5 micro-batches of 8 sequences, windows of 2, 2 and 1 (the epoch's end)."""
+
+
+LATE_S = 3.0
+"""``--late-rank``: how long the last rank lingers after writing its files of the first
+checkpoint, watching for the checkpoint to be marked complete."""
+
+
+def linger_after_own_files(trainer: Trainer, output_dir: str) -> dict[str, bool]:
+    """Makes this rank linger for LATE_S after writing its own files of the first checkpoint
+    in ``output_dir`` (an empty folder: a complete checkpoint there is that one). Its RNG state
+    is the last file Trainer writes per rank; the returned dict says, once saved, whether the
+    checkpoint was marked complete before this rank was done."""
+    seen: dict[str, bool] = {}
+    save_rng_state = trainer._save_rng_state
+
+    def late(checkpoint_dir: str) -> None:
+        save_rng_state(checkpoint_dir)
+        if seen:
+            return
+        deadline = time.monotonic() + LATE_S
+        while last_complete_checkpoint(output_dir) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen["marked_before_this_rank_was_done"] = last_complete_checkpoint(output_dir) is not None
+
+    trainer._save_rng_state = late
+    return seen
 
 
 class Losses(TrainerCallback):
@@ -50,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-steps", type=int)
     parser.add_argument("--resume")
     parser.add_argument("--result", required=True)
+    parser.add_argument("--late-rank", action="store_true",
+                        help="the last rank lingers after its files of the first checkpoint")
     args = parser.parse_args(argv)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -66,6 +98,9 @@ def main(argv: list[str] | None = None) -> None:
             MemkernTrainer(**common, zero_stage=args.zero_stage)
     else:
         trainer = Trainer(**common)
+    late = None
+    if args.late_rank and int(os.environ.get("RANK", "0")) == world - 1:
+        late = linger_after_own_files(trainer, args.out)
     trainer.train(resume_from_checkpoint=args.resume)
 
     opt = getattr(trainer, "memkern_optimizer", None)
@@ -77,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                                             for t in seg.state.values())
     mine = {"wrapper": type(trainer.model_wrapped).__name__, "state_elements": held,
             "world": world, "zero_stage": getattr(opt, "zero_stage", None),
-            "optimizer": type(opt).__name__}
+            "optimizer": type(opt).__name__, "late": late}
     ranks = [None] * world
     if dist.is_initialized():
         dist.all_gather_object(ranks, mine)

@@ -1,4 +1,4 @@
-"""The multi-process harness (tests/multiprocess.py) reports every rank's output when a launch
+"""The multi-process harness (tests/launch_ranks.py) reports every rank's output when a launch
 fails: here one rank raises while the other is stuck, and is killed after the grace period."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-import multiprocess
+import launch_ranks
 
 
 def scenario_one_rank_fails(rank, world, seed, out):
@@ -17,13 +17,13 @@ def scenario_one_rank_fails(rank, world, seed, out):
 
 
 if __name__ == "__main__":
-    multiprocess.serve(globals())
+    launch_ranks.serve(globals())
 
 
 def test_a_failed_rank_ends_the_launch_with_every_ranks_output(tmp_path):
     start = time.monotonic()
     with pytest.raises(pytest.fail.Exception) as failure:
-        multiprocess.launch(__file__, 2, ["one_rank_fails"], str(tmp_path), 0, timeout=200)
+        launch_ranks.launch(__file__, 2, ["one_rank_fails"], str(tmp_path), 0, timeout=200)
     message = str(failure.value)
     assert "world size 2, ['one_rank_fails']: a rank failed" in message
     assert "----- rank 0: killed (still running)\nrank 0 waits" in message
