@@ -281,7 +281,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"nothing fits {size(budget)}:")
         for c in tried:
             print(f"  {c.name}: {c.why_not}")
-        print("  lower --batch or --seq, or shard the optimizer across processes (ZeRO)")
+        if all(c.why_not.startswith("keeps at least") for c in tried):
+            print("  what lives on the device between steps does not fit: shard it across "
+                  "GPUs (docs/distributed.md)")
+        else:
+            print("  lower --batch or --seq, or shard the optimizer across processes (ZeRO)")
         return 1
     r, plan = best.report, best.report.plan
     if best.cost.exposed:
