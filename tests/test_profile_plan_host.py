@@ -70,6 +70,33 @@ def test_offload_for_a_gpu_keeps_the_optimizer_on_the_host_counted_by_hand():
     assert plan.held["master weights"] == plan.held["optimizer state"] == 0
 
 
+def test_offload_on_one_rank_of_two_for_a_gpu_keeps_its_shard_on_the_host():
+    """ZeRO-2 with offload, rank 0 of 2, planned for a GPU: the host holds this rank's half,
+    counted by hand (no speculative copies: across ranks the host step waits for the
+    verdict); the device none of the optimizer's state."""
+    def build() -> TrainingSetup:
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512),
+                                    torch.nn.Linear(512, 512)).to(torch.bfloat16)
+        opt = mk.optim.ShardedOptimizer(model.parameters(), "adamw", lr=1e-3, offload="cpu",
+                                        zero_stage=2)
+        x = torch.randn(4, 512, dtype=torch.bfloat16)
+
+        def step():
+            opt.backward(model(x).float().square().mean())
+            opt.step()
+            opt.zero_grad()
+
+        return TrainingSetup(model, opt, step)
+
+    plan = plan_training_step(build, device="cuda", world_size=2)
+    shard = (262144 + 512) * 2 // 2  # two layers' slots (weight, bias), half on this rank
+    pinned_copy = 1 << 20  # 2 * shard = 525312 bytes, rounded up to a power of two
+    assert plan.host_by_category == {"weights": pinned_copy, "gradients": pinned_copy,
+                                     "master weights": 4 * shard,
+                                     "optimizer state": 8 * shard + 4 + 8}  # + step, scalars
+    assert plan.held["master weights"] == plan.held["optimizer state"] == 0
+
+
 @pytest.mark.parametrize("state_precision", ["32bit", "8bit"])
 @pytest.mark.parametrize("offload", [None, "cpu"])
 def test_offload_plan_matches_the_measured_cpu_step(monkeypatch, offload, state_precision):

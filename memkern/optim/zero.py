@@ -69,7 +69,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from memkern import _fake
+from memkern import _fake, backend
 from memkern.optim.flat_state import Segment
 from memkern.optim.grad_buffer import ALIGN, Bucket, GradBuffer, aligned, check_params
 from memkern.optim.offload import HostOffload
@@ -290,7 +290,9 @@ class Shards:
         slice of the flat weights, or of host copies when offloading from a GPU, or in one
         process, where the host steps start before step() and must not touch the model's
         weights: memkern.optim.offload)."""
-        on_host = self.offload == "cpu" and (buffer.device.type != "cpu" or self.world == 1)
+        # a GPU's layout also while a step is planned for one on the CPU stand-in
+        on_host = self.offload == "cpu" and (backend.device_type(buffer.device) != "cpu"
+                                             or self.world == 1)
         if on_host and buffer.device.type not in ("cpu", "cuda"):
             raise ValueError(f"memkern.ShardedOptimizer: offload='cpu' needs the model on the CPU "
                              f"or a CUDA GPU, not on {buffer.device}; use offload=None")

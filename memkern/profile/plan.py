@@ -515,7 +515,7 @@ def _moment(tl: _Timeline, index: int, phase: str, allocated: int, block: list[i
             continue
         role = tl.roles.get(sid)
         if role is None and sid in tl.host_sids:  # the CPU target: host memory is the device's
-            role = HOST_CATEGORY[tl.host_sids[sid][1]]
+            role = _DEVICE_CATEGORY[tl.host_sids[sid][1]]
         saved = tl.saved.get(sid)
         created_step, created_phase = tl.created[sid]
         if role is None and saved is not None and saved[0] <= index:
@@ -556,7 +556,7 @@ def _held(tl: _Timeline) -> dict[str, int]:
 
 _HOLDS_OF_ROLE = {"parameters": "weights", "gradients": "gradients",
                   "master weights": "master weights", "optimizer state": "optimizer state"}
-HOST_CATEGORY = {"weights": "parameters", "gradients": "gradients",
+_DEVICE_CATEGORY = {"weights": "parameters", "gradients": "gradients",
                  "master weights": "master weights", "optimizer state": "optimizer state",
                  "state copies": "optimizer state", "activations": "saved for backward"}
 """The device category of a host buffer by what it holds, where host memory is the device's
