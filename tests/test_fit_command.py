@@ -205,8 +205,8 @@ def test_nothing_fits_says_what_each_configuration_needs(capsys):
 
 def test_a_transformers_model_recomputes_without_its_key_value_cache():
     """With the cache a transformers model keeps by default in training, a recomputed layer
-    appends its keys again and torch's checkpoint refuses the step: "selective" and "full" are
-    left out, and the report says why; with ``use_cache=False`` (what ``memkern fit`` passes
+    appends its keys again and torch's checkpoint refuses the step: "selective", "full" and
+    "full-host" are left out, and the report says why; with ``use_cache=False`` (what ``memkern fit`` passes
     and its apply lines set) every level runs."""
     model = memkern.patch(_llama(500))
     ids = torch.randint(0, 500, (4, 64))
@@ -214,7 +214,7 @@ def test_a_transformers_model_recomputes_without_its_key_value_cache():
     batch = {"input_ids": ids, "labels": ids}
     base = memkern.fit(model, batch, 1 << 40, **kwargs).baseline_peak
     cached = memkern.fit(model, batch, base, **kwargs)  # under the margin: recomputes something
-    assert set(cached.skipped) == {"selective", "full"}
+    assert set(cached.skipped) == {"selective", "full", "full-host"}
     assert all("model.config.use_cache = False" in why for why in cached.skipped.values())
     uncached = memkern.fit(model, {**batch, "use_cache": False}, base, **kwargs)
     assert uncached.skipped == {}

@@ -148,3 +148,59 @@ def test_plan_command_shows_the_host_memory_of_offload(capsys):
     header = next(line for line in out.splitlines() if line.startswith("plan ") and "peak" in line)
     assert header.split()[-1] == "host"
     assert "host memory: peak" in out and "master weights" in out
+
+
+_LLAMA = dict(hidden_size=96, intermediate_size=200, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=301, max_position_embeddings=64,
+              attn_implementation="sdpa")
+
+
+def test_full_host_plan_matches_the_measured_cpu_step():
+    """memkern.checkpoint(block, "full-host") on every decoder layer of a transformers Llama:
+    the CPU plan against the same step run for real, measured as the other transformers plans
+    are (tests/test_profile_plan.py: the step's peak above its start, with the parameters and
+    the optimizer state), within 3%; the host buffers, which persist from step to step, counted
+    by hand."""
+    import transformers
+
+    from memkern.profile import hf_config, hf_workload
+    from memkern.profile.blocks import repeated_blocks
+
+    cfg = hf_config("llama", _LLAMA)
+    plan = plan_training_step(hf_workload(cfg, batch=9, seq=61, dtype=torch.float32, patch={},
+                                          optimizer="adamw", checkpoint="full-host"),
+                              device="cpu")
+    planned = plan.held["parameters"] + plan.held["optimizer state"] + plan.step_peak_above_start
+    model = mk.patch(transformers.AutoModelForCausalLM.from_config(cfg).train())
+    for _, block in repeated_blocks(model):
+        mk.checkpoint(block, "full-host")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    ids = torch.randint(1, cfg.vocab_size, (9, 61))
+
+    def step():
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    held = sum(t.untyped_storage().nbytes() for t in model.parameters()) + sum(
+        v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values()
+        if v.dim())
+    measured = held + allocation_stats(step).peak
+    assert abs(planned / measured - 1) <= TOLERANCE, (planned, measured)
+    # the inputs of every layer but the last wait in (pageable) host memory: float32 here
+    assert plan.host_by_category == {"activations": (6 - 1) * 9 * 61 * 96 * 4}
+
+
+def test_full_host_for_a_gpu_keeps_the_blocks_inputs_on_the_host_counted_by_hand():
+    """Planned for a GPU: the inputs of every decoder layer but the last (whose backward comes
+    first, at once) wait on the host, pinned at their exact size: (layers - 1) x batch x seq x
+    hidden x 2 bytes of bf16."""
+    from memkern.profile import hf_config, hf_workload
+
+    cfg = hf_config("llama", _LLAMA)
+    plan = plan_training_step(hf_workload(cfg, batch=3, seq=61, patch={}, optimizer="sharded",
+                                          checkpoint="full-host"), device="cuda")
+    inputs = (6 - 1) * 3 * 61 * 96 * 2
+    assert plan.host_by_category == {"activations": inputs}
+    assert plan.host_pinned == inputs

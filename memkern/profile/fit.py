@@ -12,6 +12,10 @@ selective          ``memkern.checkpoint(block, "selective")``: GEMM and attentio
                    the elementwise and normalisation ops between them recomputed
 full               ``memkern.checkpoint(block, "full")``: the block's input kept, its whole
                    forward recomputed in backward
+full-host          ``memkern.checkpoint(block, "full-host")``: as "full", with the block's input
+                   kept in host memory and brought back one block ahead of its backward (the
+                   plan counts the host memory; the copies cost time only where they do not
+                   hide behind the GPU's work: :mod:`memkern.profile.costs`)
 =================  ===============================================================================
 
 The search: the step with every block at "keep" is planned first (:func:`plan_training_step`,
@@ -43,11 +47,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from memkern.nn import input_offload
 from memkern.nn.checkpoint import checkpoint, policy_of
 from memkern.profile.blocks import repeated_blocks
 from memkern.profile.plan import StepPlan, TrainingSetup, plan_training_step
 
-LEVELS = ("keep", "mlp-full", "selective", "full")
+LEVELS = ("keep", "mlp-full", "selective", "full", input_offload.POLICY)
 DEFAULT_THROUGHPUT = {"cuda": 400e12, "cuda-sm80": 200e12}
 """FLOP/s assumed for recomputation when no device is at hand to measure: about 40% and 65% of
 H100 / A100 dense bf16 peaks, what GEMMs of transformer-layer sizes reach in practice."""
@@ -167,7 +172,7 @@ class _Blocks:
         for (_, block), (policy, mlps), level in zip(self.blocks, self.initial, levels):
             for m, recompute in mlps:
                 _set_recompute(m, "full" if level == "mlp-full" else recompute)
-            checkpoint(block, level if level in ("selective", "full") else policy)
+            checkpoint(block, level if level in LEVELS[2:] else policy)
 
     def restore(self) -> None:
         self.apply(["keep"] * len(self.blocks))
