@@ -19,7 +19,8 @@ For each: the plan of the same step (:func:`memkern.profile.plan_training_step` 
 the "cuda" target), then the model built on the GPU, ``--warmup`` steps, and ``--steps`` timed
 steps (wall time, synchronised), the peak of the last step (``torch.cuda.max_memory_allocated``
 after ``reset_peak_memory_stats`` at its start, plus what was allocated then: the process's
-peak during that step) against the plan's peak, and the pinned host memory
+peak during that step) against the plan's peak, the peak of the set-up and warm-up (the
+optimizer's construction included) against the plan's run peak, and the pinned host memory
 (``torch.cuda.host_memory_stats()``, where torch has it) against the plan's.
 
 Usage: python benchmarks/bench_one_gpu.py [--hidden 2048 --layers 22 ...] [--configs gpu,host]
@@ -70,8 +71,8 @@ def run_config(cfg, options: dict, batch: int, seq: int, warmup: int, steps: int
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     pinned_before = _pinned_bytes()
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).train()
+    # built on the host and moved, as the plan's set-up is (hf_workload)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).train()
     mk.patch(model)
     for _, block in repeated_blocks(model):
         mk.checkpoint(block, "full")
@@ -86,6 +87,7 @@ def run_config(cfg, options: dict, batch: int, seq: int, warmup: int, steps: int
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
+    run_peak = torch.cuda.max_memory_allocated()  # set-up and warm-up: the plan's run peak
     times = []
     for i in range(steps):
         if i == steps - 1:
@@ -102,6 +104,7 @@ def run_config(cfg, options: dict, batch: int, seq: int, warmup: int, steps: int
               "measured_peak": measured, "planned_peak": plan.peak_bytes,
               "measured_over_planned": measured / plan.peak_bytes,
               "step_start": start_level, "planned_step_start": plan.step_start,
+              "measured_run_peak": run_peak, "planned_run_peak": plan.run_peak,
               "planned_host_peak": plan.host_peak, "planned_host_pinned": plan.host_pinned,
               "planned_host_by_category": plan.host_by_category,
               "measured_pinned": None if pinned is None else pinned - (pinned_before or 0)}
