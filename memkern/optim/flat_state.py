@@ -298,7 +298,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             seg.param_states = [self.state[p] for p in seg.params]
             seg.state = {}
             with self._allocating("optimizer state"):
-                seg.step = torch.zeros((), dtype=torch.float32, device=seg.weights.device)
+                seg.step = seg.weights.new_zeros((), dtype=torch.float32)  # where the weights are
             for state in seg.param_states:
                 state["step"] = seg.step
             if seg.low_precision:

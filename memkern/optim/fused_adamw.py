@@ -9,7 +9,7 @@ import torch
 from memkern import ops
 from memkern.kernels.state8bit import num_blocks
 from memkern.optim.flat_state import FlatOptimizer
-from memkern.optim.state_precision import (MIN_8BIT_NUMEL, check_state_precision,
+from memkern.optim.state_precision import (check_state_precision,
                                            wants_8bit_state)
 from memkern.optim.local_grads import LocalGrads
 from memkern.optim.segment import Segment
@@ -44,12 +44,12 @@ class AdamW:
     @staticmethod
     def zero_quantized_state(weights: torch.Tensor,
                              group: dict[str, Any]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        n, device = weights.numel(), weights.device
+        n = weights.numel()  # made from the weights: where they are (the planner follows)
         return {
-            "exp_avg": (torch.zeros(n, dtype=torch.int8, device=device),
-                        torch.zeros(num_blocks(n), dtype=torch.float32, device=device)),
-            "exp_avg_sq": (torch.zeros(n, dtype=torch.uint8, device=device),
-                           torch.zeros(num_blocks(n), dtype=torch.float32, device=device)),
+            "exp_avg": (weights.new_zeros(n, dtype=torch.int8),
+                        weights.new_zeros(num_blocks(n), dtype=torch.float32)),
+            "exp_avg_sq": (weights.new_zeros(n, dtype=torch.uint8),
+                           weights.new_zeros(num_blocks(n), dtype=torch.float32)),
         }
 
     @staticmethod

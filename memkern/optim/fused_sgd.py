@@ -50,10 +50,9 @@ class SGD:
                              group: dict[str, Any]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         if group["momentum"] == 0:
             return {}  # no momentum, no state: nothing to quantize
-        n, device = weights.numel(), weights.device
-        return {"momentum_buffer": (torch.zeros(n, dtype=torch.int8, device=device),
-                                    torch.zeros(num_blocks(n), dtype=torch.float32,
-                                                device=device))}
+        n = weights.numel()  # made from the weights: where they are (the planner follows)
+        return {"momentum_buffer": (weights.new_zeros(n, dtype=torch.int8),
+                                    weights.new_zeros(num_blocks(n), dtype=torch.float32))}
 
     @staticmethod
     def update(seg: Segment, group: dict[str, Any], grad_multiplier: torch.Tensor | None,

@@ -69,7 +69,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -278,8 +278,9 @@ class OverlappedHostStep:
         # One thread runs the host steps in the order their gradients arrived; each step's
         # kernel runs on the intra-op threads (with OpenMP the thread's own team, whose size
         # is the thread's own setting: made the process's).
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="memkern-host-step",
-                                          initializer=_use_threads, initargs=(num_threads,))
+        self._worker = _fake.thread_pool(host.weights[0], 1,
+                                         thread_name_prefix="memkern-host-step",
+                                         initializer=_use_threads, initargs=(num_threads,))
         self._lock = threading.Lock()
         pinned = host.transfers.pinned
         self._spec = _host.empty(1, torch.float32, pinned=pinned, holds="optimizer state")
