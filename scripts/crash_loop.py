@@ -9,10 +9,10 @@ Targets, run in turn (run 0 of each, then run 1 of each, ...), so that they shar
 - ``memkern``: ``tests/scripts/zero_exit.py``, a ZeRO-2 ``ShardedOptimizer`` run on 2 gloo
   ranks written as users write it (``torch.multiprocessing.spawn``, steps,
   ``destroy_process_group()``, return: no ``os._exit``).
-- ``plain``: the same script's plain-torch twin (``--plain``: memkern never imported, the same
-  asynchronous reduce-scatters and all-gathers, the shards stepped by ``torch.optim.AdamW``).
-- ``plain-hand``: the twin stepping its shards by hand, no torch optimizer (``--plain
-  --hand-step``).
+- ``plain``: its plain-torch twin, ``tests/scripts/zero_exit_torch.py`` (memkern never
+  imported, the same asynchronous reduce-scatters and all-gathers, the shards stepped by
+  ``torch.optim.AdamW``).
+- ``plain-hand``: the twin stepping its shards by hand, no torch optimizer (``--hand-step``).
 - ``launch``: the world-size-2 launch of ``tests/test_optim_distributed.py`` (its scenarios,
   two ranks, gloo on a file store).
 
@@ -33,11 +33,12 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-USER_SCRIPT = os.path.join(REPO, "tests", "scripts", "zero_exit.py")
+SCRIPTS = os.path.join(REPO, "tests", "scripts")
 TEST = os.path.join(REPO, "tests", "test_optim_distributed.py")
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
-USER_TARGETS = {"memkern": [], "plain": ["--plain"], "plain-hand": ["--plain", "--hand-step"]}
+USER_TARGETS = {"memkern": ["zero_exit.py"], "plain": ["zero_exit_torch.py"],
+                "plain-hand": ["zero_exit_torch.py", "--hand-step"]}
 
 
 def _cores_on() -> None:
@@ -47,7 +48,8 @@ def _cores_on() -> None:
 def _commands(target: str, out: str, seed: int) -> list[list[str]]:
     """The processes of one run of ``target`` (started together, in ``out``)."""
     if target in USER_TARGETS:
-        return [[sys.executable, USER_SCRIPT, *USER_TARGETS[target]]]
+        script, *flags = USER_TARGETS[target]
+        return [[sys.executable, os.path.join(SCRIPTS, script), *flags]]
     from launch_ranks import new_store
     from test_optim_distributed import LAUNCHES
 
