@@ -85,6 +85,7 @@ from memkern.optim.fused_adamw import AdamW
 from memkern.optim.fused_sgd import SGD
 from memkern.optim.grad_buffer import GradBuffer
 from memkern.optim.offload import OverlappedHostStep
+from memkern.optim.process_group import WeakGroup
 from memkern.optim.scaling import (grad_multiplier, loss_scaler_for, scaled_grad_norm,
                                    unclipped_multiplier)
 from memkern.optim.state_io import StateIO
@@ -182,6 +183,10 @@ class ShardedOptimizer(FlatOptimizer):
 
     # It scales and checks its own gradients: torch.amp.GradScaler must not drive it.
     _step_supports_amp_scaling = False
+
+    process_group = WeakGroup("memkern.ShardedOptimizer")
+    """The process group it runs on (None: one process), held weakly
+    (:mod:`memkern.optim.process_group`)."""
 
     def __init__(self, params: Any, optimizer: str = "adamw", *, lr: float,
                  grad_dtype: torch.dtype | None = None, zero_stage: int = 1,

@@ -16,6 +16,7 @@ import torch
 
 from memkern.amp.loss_scaler import LossScaler
 from memkern.optim.flat_state import FlatOptimizer, Segment
+from memkern.optim.process_group import WeakGroup
 from memkern.optim.window import AccumulationWindow
 from memkern.optim.zero import Shards
 
@@ -34,6 +35,8 @@ class StateIO:
         skipped: its count of skipped windows (0-dim int64 device tensor).
         process_group, rank, world_size: where it runs (group None: one process).
     """
+
+    process_group = WeakGroup("memkern.ShardedOptimizer")
 
     def __init__(self, opt: FlatOptimizer, shards: Shards | None, window: AccumulationWindow,
                  scaler: LossScaler, skipped: torch.Tensor, process_group: Any, rank: int,

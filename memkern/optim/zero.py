@@ -73,6 +73,7 @@ from memkern import _fake
 from memkern.optim.flat_state import Segment
 from memkern.optim.grad_buffer import ALIGN, Bucket, GradBuffer, aligned, check_params
 from memkern.optim.offload import HostOffload
+from memkern.optim.process_group import WeakGroup
 
 IN_FLIGHT = 2
 """Asynchronous collectives a rank keeps running at once. Each holds unit-sized buffers (the
@@ -222,6 +223,8 @@ class Shards:
         offload: None or ``"cpu"``.
         bucket_size_mb: the largest unit, in MiB of gradients.
     """
+
+    group = WeakGroup("memkern.ShardedOptimizer")
 
     def __init__(self, group: Any, rank: int, world: int, zero_stage: int, offload: str | None,
                  bucket_size_mb: float) -> None:
