@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clean_exit import exit_without_finalizing
+from clean_exit import check_group_freed, exit_without_finalizing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH_TIMEOUT = 300
@@ -42,6 +42,12 @@ GRACE = 10
 
 Scenario = Callable[[int, int, int, str], object]
 
+DTENSOR_CACHES = ("torch's DTensor redistribution caches (torch.distributed.tensor._redistribute"
+                  "'s _planner_cache and _gen_transform_infos's functools.cache hold each device "
+                  "mesh they saw, and so its process groups)")
+"""What keeps the process group alive past ``destroy_process_group()`` where DTensors were
+redistributed (FSDP2, tensor parallelism): :func:`serve`'s ``group_kept_by``."""
+
 
 def scenarios_of(namespace: dict[str, object]) -> dict[str, Scenario]:
     """A module's ``scenario_<name>`` functions by name (pass ``globals()``)."""
@@ -49,11 +55,14 @@ def scenarios_of(namespace: dict[str, object]) -> dict[str, Scenario]:
             if name.startswith("scenario_")}
 
 
-def serve(namespace: dict[str, object]) -> None:
+def serve(namespace: dict[str, object], group_kept_by: str | None = None) -> None:
     """A test file run as a script by :func:`launch` (``script worker ...``): one rank running
-    the file's scenarios (pass ``globals()``)."""
+    the file's scenarios (pass ``globals()``). A rank ends as a user's script does, through
+    the interpreter's finalization, after checking that ``destroy_process_group()`` freed the
+    group (tests/clean_exit.py); ``group_kept_by``: what in torch keeps it alive in this
+    file's scenarios, where a rank ends without the interpreter's finalization instead."""
     if sys.argv[1:2] == ["worker"]:
-        worker(sys.argv[2:], scenarios_of(namespace))
+        worker(sys.argv[2:], scenarios_of(namespace), group_kept_by)
 
 
 def fresh_seed() -> int:
@@ -63,8 +72,10 @@ def fresh_seed() -> int:
     return seed
 
 
-def worker(argv: list[str], scenarios: dict[str, Scenario]) -> None:
-    """One rank: joins the process group and runs the scenarios named on its command line."""
+def worker(argv: list[str], scenarios: dict[str, Scenario], group_kept_by: str | None = None
+           ) -> None:
+    """One rank: joins the process group and runs the scenarios named on its command line
+    (``group_kept_by``: :func:`serve`)."""
     parser = argparse.ArgumentParser()
     for arg in ("rank", "world", "seed"):
         parser.add_argument(f"--{arg}", type=int, required=True)
@@ -82,7 +93,9 @@ def worker(argv: list[str], scenarios: dict[str, Scenario]) -> None:
             torch.save(result, os.path.join(args.out, f"{name}.{args.rank}.pt"))
     finally:
         dist.destroy_process_group()
-    exit_without_finalizing()
+    if group_kept_by is not None:
+        exit_without_finalizing()
+    check_group_freed()
 
 
 def new_store(parent: str) -> str:

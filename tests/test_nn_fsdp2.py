@@ -144,7 +144,7 @@ def scenario_gradients(rank, world, seed, out):
 
 
 if __name__ == "__main__":
-    launch_ranks.serve(globals())
+    launch_ranks.serve(globals(), group_kept_by=launch_ranks.DTENSOR_CACHES)
 
 
 @pytest.fixture(scope="module")

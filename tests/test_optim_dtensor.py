@@ -322,7 +322,7 @@ def scenario_checkpoint_load(rank, world, seed, out):
 
 
 if __name__ == "__main__":
-    launch_ranks.serve(globals())
+    launch_ranks.serve(globals(), group_kept_by=launch_ranks.DTENSOR_CACHES)
 
 
 # ---------------------------------------------------------------------------------- tests
