@@ -23,6 +23,7 @@ Documentation: docs/ in the repository (start with docs/index.md).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -33,7 +34,8 @@ from collections.abc import Sequence
 
 import torch
 
-from memkern.bench.configs import BASELINE, CONFIGS, DEFAULT_CONFIGS, MAX_GRAD_NORM, MIN_STEPS
+from memkern.bench.configs import (BASELINE, CONFIGS, DEFAULT_CONFIGS, DESCRIPTIONS,
+                                    MAX_GRAD_NORM, MIN_STEPS)
 from memkern.bench.model import SIZES, GPTConfig
 
 
@@ -182,7 +184,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a small GPT (on the Python standard library's own sources) under "
         "plain torch, torch AMP and memkern configurations, the same steps on the same "
         "batches, and print each one's peak memory, saved activations, optimizer-side bytes "
-        "per parameter and step time side by side, with ratios against torch AMP.")
+        "per parameter and step time side by side, with ratios against torch AMP.",
+        epilog=_configurations_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags(bench, batch=8)
     bench.add_argument("--steps", type=_at_least(MIN_STEPS, " (one warm-up, one profiled, "
                                                  "one timed)"), default=20,
@@ -207,7 +210,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="run the memkern configurations' forward under torch.compile")
     bench.add_argument("--threads", type=_at_least(1),
                        help="torch's intra-op threads (default: OMP_NUM_THREADS if set, else "
-                       "the cores other processes leave free by the load average, at least 1)")
+                       "the cores other processes leave free, measured as the run starts, at "
+                       "least 1; the header says how many and why)")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
 
     report = sub.add_parser(
@@ -243,6 +247,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _configurations_help() -> str:
+    """``memkern bench --help``'s list of the configurations, what each one is."""
+    name_width = max(map(len, CONFIGS)) + 2
+    lines = ["configurations:"]
+    for name, what in DESCRIPTIONS.items():
+        wrapped = textwrap.wrap(what, width=96 - name_width)
+        lines.append(f"  {name:<{name_width}}{wrapped[0]}")
+        lines += [" " * (name_width + 2) + more for more in wrapped[1:]]
+    return "\n".join(lines)
+
+
 def _model_config(args: argparse.Namespace, device: torch.device) -> GPTConfig:
     cfg = SIZES[args.size]
     seq = args.seq or (min(cfg.seq, 128) if device.type == "cpu" else cfg.seq)
@@ -255,26 +270,46 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):.1f}"
 
 
-def _legend(*parts: str) -> str:
-    """Legend lines under a table, wrapped to the output's width."""
+def _legend(*parts: str, indent: str = "") -> str:
+    """Legend lines under a table, wrapped to the output's width (lines after the first
+    indented by ``indent``)."""
     from memkern.output import width
 
-    return textwrap.fill("; ".join(parts), width=min(width(), 100), break_on_hyphens=False)
+    return textwrap.fill("; ".join(parts), width=min(width(), 100), break_on_hyphens=False,
+                         subsequent_indent=indent)
 
 
-def _print_bench(rows, cfg: GPTConfig, args, device: torch.device, threads) -> None:
-    from memkern.output import table
-    from memkern.bench.timing import ratio
+def _print_bench_header(cfg: GPTConfig, args, device: torch.device, threads) -> None:
+    """What is about to run, printed before the training starts: the model, the batch, the
+    steps and rounds, the thread count and why."""
+    from memkern.bench.model import GPT
+    from memkern.bench.runner import untimed_steps
 
-    base = next((r for r in rows if r.config == BASELINE), None)
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in GPT(cfg).parameters())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ranks = (f", {world} ranks (memkern configurations sharded across them, torch ones "
              "replicated; figures are rank 0's)") if world > 1 else ""
-    print("\n" + _legend(
-        f"memkern bench: GPT {args.size} ({rows[0].num_params / 1e6:.2f}M params, {cfg.layers} "
+    rounds = args.steps - untimed_steps(args.steps)
+    print(_legend(
+        f"memkern bench: GPT {args.size} ({num_params / 1e6:.2f}M params, {cfg.layers} "
         f"layers, width {cfg.width}), batch {args.batch} x seq {cfg.seq} per rank, {args.steps} "
-        f"steps on {device}{ranks} (torch {torch.__version__}), {threads.count} "
-        f"thread{'s' * (threads.count > 1)} ({threads.reason})"))
+        f"steps ({rounds} timed round{'s' * (rounds > 1)}) on {device}{ranks} (torch "
+        f"{torch.__version__}), {threads.count} thread{'s' * (threads.count > 1)} "
+        f"({threads.reason})"), flush=True)
+
+
+MIN_ROUNDS_FOR_SPREAD = 4
+"""Timed rounds below which a time ratio has no spread to show (quartiles of fewer values say
+nothing) and the table is marked as a few measurements only."""
+
+
+def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
+    from memkern.output import table
+    from memkern.bench.runner import untimed_steps
+    from memkern.bench.timing import ratio
+
+    base = next((r for r in rows if r.config == BASELINE), None)
     vs = f" vs {BASELINE}" if base is not None else ""
     memory = [[r.config, _mib(r.peak_bytes), _mib(r.held_bytes),
                _mib(r.saved_activation_bytes), f"{r.optimizer_side_bytes_per_param:.2f}"]
@@ -286,16 +321,21 @@ def _print_bench(rows, cfg: GPTConfig, args, device: torch.device, threads) -> N
         "peak: persistent state + the step's peak allocation "
         + ("(CUDA allocator)" if device.type == "cuda" else "(profiler allocation trace)"),
         "held: " + ("device memory allocated between steps" if device.type == "cuda"
-                    else "persistent state (params, grads, master, optimizer state)"),
+                    else "what stays allocated between steps (parameters, master weights, "
+                    "optimizer state, and the gradients where they stay: memkern's flat "
+                    "gradient buffer does; the torch rows free their gradients at zero_grad "
+                    "and allocate them again in each backward, which peak counts)"),
         "saved for backward: what one micro-batch's forward saves",
         "optimizer bytes/param: gradients + the fp32 weights the optimizer updates (master "
         "copies, or fp32 parameters updated in place) + optimizer state, per parameter"))
     ratios = {r.config: ratio(r.step_times, base.step_times) for r in rows} if base else {}
+    rounds = len(rows[0].step_times)
+    few = rounds < MIN_ROUNDS_FOR_SPREAD
     speed = [[r.config, f"{r.step_seconds * 1e3:.1f}", f"{r.tokens_per_second:.0f}",
               f"{r.final_loss:.4f}"]
-             + ([f"{ratios[r.config].median:.2f}x", f"{ratios[r.config].spread:.0%}"]
-                if base else []) for r in rows]
-    rounds = len(rows[0].step_times)
+             + ([f"{ratios[r.config].median:.2f}x",
+                 "-" if few else f"{ratios[r.config].spread:.0%}"] if base else [])
+             for r in rows]
     title = _legend(f"time, ms per step: {rounds} round{'s' * (rounds > 1)} of one timed step of "
                     "each configuration, the order rotated")
     print(f"\n{title}\n" + table(["configuration", "step", "tokens/s", "final loss"]
@@ -310,8 +350,19 @@ def _print_bench(rows, cfg: GPTConfig, args, device: torch.device, threads) -> N
         print("\nper step on the GPU: host = issuing the step (wall time until the call "
               "returns), GPU = its kernels' summed time (profiler); the larger one bounds it")
         print("\n".join(host_device_table([(r.config, r.host_device) for r in rows])))
+    print("\nconfigurations:")
+    for r in rows:
+        name = r.config.removesuffix("+compile")
+        compiled = ", its forward under torch.compile" if name != r.config else ""
+        print(_legend(f"  {r.config}: {DESCRIPTIONS[name]}{compiled}", indent="      "))
     spread = [f"{name} {r.spread:.0%}" for name, r in ratios.items() if r.spread > SPREAD_LIMIT]
-    if spread:
+    if base and few:
+        enough = next(n for n in itertools.count(MIN_STEPS)
+                      if n - untimed_steps(n) >= MIN_ROUNDS_FOR_SPREAD)
+        print(_legend(f"note: only {rounds} timed round{'s' * (rounds > 1)}: each time ratio "
+                      "is one or a few measurements, with no spread to tell how far it can be "
+                      f"trusted; run with --steps {enough} or more"))
+    elif spread:
         print(_legend(f"note: time ratios spread over {SPREAD_LIMIT:.0%} in {', '.join(spread)}"
                       f"{_load()}: those ratios are uncertain; run again with more --steps "
                       "(rounds), or on a quieter machine"))
@@ -336,13 +387,15 @@ def _bench(args: argparse.Namespace) -> int:
     device = args.device
     cfg = _model_config(args, device)
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
+        _print_bench_header(cfg, args, device, threads)
     rows = run(args.configs, cfg, stdlib_corpus(), steps=args.steps, batch=args.batch,
                device=device, seed=args.seed, progress=rank0 and not args.quiet,
                compile=args.compile, memory_budget=args.memory_budget,
                max_grad_norm=args.max_grad_norm)
     if not rank0:
         return 0
-    _print_bench(rows, cfg, args, device, threads)
+    _print_bench(rows, cfg, args, device)
     if args.json:
         base = next((r for r in rows if r.config == BASELINE), None)
 

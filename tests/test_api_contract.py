@@ -56,10 +56,18 @@ CONTRACT = [
                             fsdp2=False)),
     ("MemkernTrainerMixin", dict(model=None, args=None, patch=True, offload=None,
                                  zero_stage=None, fsdp2=False)),
+    ("MemkernOptimWrapper", dict(optimizer=INF, accumulative_counts=1, clip_grad=None,
+                                 dtype=None, loss_scale="auto", state_precision="32bit",
+                                 offload=None, zero_stage=1, grad_dtype=None,
+                                 bucket_size_mb=25)),
 ]
 
 
 def resolve(dotted: str):
+    if dotted == "MemkernOptimWrapper":
+        pytest.importorskip("mmengine")
+        from memkern.integrations import mmengine
+        return mmengine.MemkernOptimWrapper
     if dotted.startswith("MemkernTrainer"):
         from memkern.integrations import transformers
         return getattr(transformers, dotted)

@@ -63,6 +63,24 @@ def test_bench_progress_is_plain_lines_without_a_terminal(bench_json):
     assert bars == list(cli.DEFAULT_CONFIGS), stderr
 
 
+def test_held_is_what_each_row_keeps_between_steps(bench_json):
+    """What the legend says, against the bytes measured: the torch rows hold parameters and
+    optimizer state (their gradients are freed at zero_grad: None between steps); memkern-full
+    holds its 16-bit parameters, the flat gradient buffer, the float32 masters and the
+    moments."""
+    data, stdout, _ = bench_json
+    assert "the torch rows free their gradients at zero_grad" in " ".join(stdout.split())
+    rows = {r["config"]: r for r in data["rows"]}
+    for name in ("torch-fp32", "torch-amp"):
+        r = rows[name]
+        assert r["held_bytes"] == r["params_bytes"] + r["optimizer_state_bytes"] > 0
+        assert r["grads_bytes"] == r["params_bytes"]  # they exist after backward
+    r = rows["memkern-full"]
+    assert r["held_bytes"] == (r["params_bytes"] + r["grads_bytes"] + r["master_bytes"]
+                               + r["optimizer_state_bytes"])
+    assert r["grads_bytes"] > 0 and r["master_bytes"] == 2 * r["params_bytes"]
+
+
 def test_bench_compiled_amp_with_a_memory_budget_saves_less_than_without(bench_json):
     """torch's automatic recomputation takes effect: each compiled configuration compiles its
     own graph with its own settings (none reuses an earlier configuration's graph)."""
@@ -296,11 +314,8 @@ def _row(name: str, step_times_ms: list[float]):
 
 def _bench_output(capsys, monkeypatch, rows, columns: int = 100) -> str:
     args = cli._parser().parse_args(["bench", "--size", "tiny", "--steps", "9"])
-    from memkern.bench.timing import Threads
-
-    threads = Threads(1, "--threads")
     monkeypatch.setenv("COLUMNS", str(columns))
-    cli._print_bench(rows, SIZES["tiny"], args, torch.device("cpu"), threads)
+    cli._print_bench(rows, SIZES["tiny"], args, torch.device("cpu"))
     return capsys.readouterr().out
 
 

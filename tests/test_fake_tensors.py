@@ -95,11 +95,13 @@ def _block():
     return torch.nn.Sequential(mk.nn.LayerNorm(13), mk.nn.MLP(13, 29), mk.nn.Linear(13, 13))
 
 
-@pytest.mark.parametrize("policy", ["full", "selective", "offload"])
+@pytest.mark.parametrize("policy", ["full", "selective", "offload", "full-host"])
 def test_checkpoint_policies(policy):
     with pytest.warns() if policy == "offload" else contextlib.nullcontext():  # CPU: "full"
-        _check(_fwd_bwd(lambda: mk.checkpoint(_block(), policy), (3, 5, 13), torch.float32),
-               strides=False)
+        # two blocks: under "full-host" the first one's input goes to (fake) host memory
+        _check(_fwd_bwd(lambda: torch.nn.Sequential(mk.checkpoint(_block(), policy),
+                                                    mk.checkpoint(_block(), policy)),
+                        (3, 5, 13), torch.float32), strides=False)
 
 
 def _hf_model(family: str, patch: dict | None):

@@ -198,3 +198,10 @@ def test_positional_arguments_in_another_order_are_refused():
     cls = type("MemkernDPOTrainer", (MemkernTrainerMixin, trl.DPOTrainer), {})
     with pytest.raises(TypeError, match=r"args must be a TrainingArguments .* by keyword"):
         cls(tiny_llama(), tiny_llama())  # DPOTrainer(model, ref_model, args, ...)
+
+
+def test_a_model_name_is_refused():
+    """trl's trainers load a model from a name; the mixin patches a model it is given."""
+    cls = type("MemkernSFTTrainer", (MemkernTrainerMixin, trl.SFTTrainer), {})
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got str; load it"):
+        cls(model="some/model")

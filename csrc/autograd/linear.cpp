@@ -143,6 +143,12 @@ bool linear_is_torch_linear(bool has_recipe, bool transposed, bool weight_has_gr
   return !has_recipe && !transposed && !weight_has_grad;
 }
 
+// Whether `weight` is a leaf holding a .grad to add into. A computed weight (torch's pruning:
+// weight_orig * weight_mask) has none, and reading its .grad makes torch warn on every call.
+bool leaf_with_grad(const at::Tensor& weight) {
+  return weight.is_leaf() && weight.grad().defined();
+}
+
 // memkern.nn.functional.linear in eager mode: memkern::linear_layer with x's norm recipe
 // (gemm_input), or torch's own linear (linear_is_torch_linear). None for a call
 // memkern.nn.functional.linear refuses with its error.
@@ -155,7 +161,7 @@ OptTensor linear_layer(py::handle x_obj, const at::Tensor& weight, const OptTens
   const NormRecipe& recipe = in->recipe;
   if (!autocast_on(in->x.device().type()) &&
       linear_is_torch_linear(recipe.kind != kNoNorm, transposed,
-                             weight.grad().defined())) {
+                             leaf_with_grad(weight))) {
     return at::linear(in->x, weight, bias);
   }
   static const auto op =

@@ -1,30 +1,6 @@
 """The training configurations ``memkern bench`` compares, each built from the same seeded
-model and trained on the same batches.
-
-=====================  ====================================================================
-torch-fp32             plain torch: fp32 model, ``AdamW(fused=True)``, ``clip_grad_norm_``
-torch-amp              torch AMP: autocast(bf16) + ``GradScaler`` + clipping + fused AdamW
-torch-amp-compiled     torch-amp with the model's forward under ``torch.compile`` (the
-                       strongest plain-torch composition on a GPU)
-torch-amp-compiled-    torch-amp-compiled with torch's automatic recomputation: the
-budget                 compiler's activation memory budget at ``MEMORY_BUDGET`` (0.5), so
-                       its partitioner recomputes instead of saving what it can (the
-                       plain-torch memory bar)
-memkern-modules        ``memkern.patch``-ed model + fused linear cross-entropy head, fp32,
-                       the same torch optimizer (modules only)
-memkern-full           memkern modules, bf16 parameters, the flat bf16 gradient buffer and
-                       ``ShardedOptimizer`` (dynamic loss scale, clipping, fused AdamW on fp32
-                       master weights)
-memkern-full-ckpt      memkern-full with every transformer block under ``memkern.checkpoint``
-memkern-full-8bit      memkern-full with ``state_precision="8bit"`` (block-wise 8-bit Adam
-                       moments for parameters of >= 4096 elements)
-memkern-full-offload   memkern-full with ``offload="cpu"``: master weights and Adam moments in
-                       host memory, each bucket's host step started during backward
-                       (:mod:`memkern.optim.offload`); not in the default set
-memkern-fit            memkern-full with each block's recomputation chosen by
-                       :func:`memkern.fit` so that the step fits ``memory_budget`` on the
-                       device (``memkern bench --memory-budget``); not in the default set
-=====================  ====================================================================
+model and trained on the same batches: :data:`DESCRIPTIONS` says what each one is (``memkern
+bench`` prints it under its tables and in ``--help``).
 
 ``compile=True`` puts the memkern configurations' forward under ``torch.compile`` too (their
 ops are ``torch.library`` ops with fake implementations, so they compile as opaque nodes).
@@ -42,9 +18,34 @@ import torch
 import memkern
 from memkern.bench.model import GPT, GPTConfig
 
-CONFIGS = ("torch-fp32", "torch-amp", "torch-amp-compiled", "torch-amp-compiled-budget",
-           "memkern-modules", "memkern-full", "memkern-full-ckpt", "memkern-full-8bit",
-           "memkern-full-offload", "memkern-fit")
+MEMORY_BUDGET = 0.5
+"""torch-amp-compiled-budget's activation memory budget: the fraction of the activations the
+compiled graph may keep (the rest it recomputes in backward)."""
+DESCRIPTIONS = {
+    "torch-fp32": "plain torch: float32 model, AdamW(fused=True), clip_grad_norm_",
+    "torch-amp": "torch AMP: autocast(bf16) + GradScaler + clipping + fused AdamW",
+    "torch-amp-compiled": "torch-amp with the model's forward under torch.compile (the "
+                          "strongest plain-torch composition on a GPU)",
+    "torch-amp-compiled-budget": "torch-amp-compiled with torch's automatic recomputation: "
+                                 f"the compiler's activation memory budget at {MEMORY_BUDGET}, "
+                                 "so its partitioner recomputes instead of saving what it can",
+    "memkern-modules": "memkern.patch-ed model + fused linear cross-entropy head, float32, "
+                       "torch's AdamW: memkern's layers only",
+    "memkern-full": "memkern's layers, bf16 parameters, the flat bf16 gradient buffer and "
+                    "ShardedOptimizer (dynamic loss scale, clipping, fused AdamW on float32 "
+                    "master weights)",
+    "memkern-full-ckpt": "memkern-full with every transformer block under memkern.checkpoint "
+                         "(ckpt: recomputed in backward)",
+    "memkern-full-8bit": "memkern-full with state_precision='8bit' (block-wise 8-bit Adam "
+                         "moments for parameters of >= 4096 elements)",
+    "memkern-full-offload": "memkern-full with offload='cpu': master weights and Adam moments "
+                            "in host memory, each bucket's host step started during backward; "
+                            "not in the default set",
+    "memkern-fit": "memkern-full with each block's recomputation chosen by memkern.fit so that "
+                   "the step fits --memory-budget; not in the default set",
+}
+"""What each configuration is, one line each."""
+CONFIGS = tuple(DESCRIPTIONS)
 DEFAULT_CONFIGS = CONFIGS[:-2]
 """What ``memkern bench`` runs by default: memkern-fit needs a memory budget, and
 memkern-full-offload is measured against memkern-full when asked for (its host step takes the
@@ -53,9 +54,6 @@ BASELINE = "torch-amp"
 LR, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-3, 0.01, 1.0
 MIN_STEPS = 3
 """Steps a run needs: one warm-up, one profiled for memory, at least one timed."""
-MEMORY_BUDGET = 0.5
-"""torch-amp-compiled-budget's activation memory budget: the fraction of the activations the
-compiled graph may keep (the rest it recomputes in backward)."""
 
 
 @dataclasses.dataclass

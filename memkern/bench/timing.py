@@ -11,13 +11,16 @@ says how far it can be trusted.
 
 Oversubscription is the other source of noise: torch's intra-op threads, one per core by
 default, fight other processes for cores and a step waits for its slowest thread.
-:func:`choose_threads` takes the cores other processes are not using.
+:func:`choose_threads` takes the cores other processes are not using now (:func:`busy_cores`),
+not by the load average, which decays over a minute: run right after ``scripts/install.sh``,
+the finished compile still counted as a busy core and the bench chose 1 thread of 2.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import statistics
+import time
 from collections.abc import Callable, Sequence
 
 
@@ -81,15 +84,41 @@ class Threads:
     reason: str
 
 
+BUSY_SAMPLE_SECONDS = 0.25
+"""How long :func:`busy_cores` watches the machine's CPU time."""
+
+
+def busy_cores(seconds: float = BUSY_SAMPLE_SECONDS) -> float | None:
+    """How many cores the machine's other processes keep busy now: its non-idle CPU time over
+    ``seconds`` (``/proc/stat``, Linux) while this process sleeps, in cores. None where
+    ``/proc/stat`` cannot be read."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            # cpu  user nice system idle iowait irq softirq steal (guest time is in user)
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+        return sum(ticks), ticks[3] + ticks[4]
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = total1 - total0
+    if total <= 0:
+        return None
+    return (total - (idle1 - idle0)) / total * (os.cpu_count() or 1)
+
+
 def choose_threads(requested: int | None = None, *, default: int,
                    cores: int | None = None, load: float | None = None) -> Threads:
     """How many intra-op threads a timed run should use.
 
     ``requested`` (a flag) wins; then ``OMP_NUM_THREADS``, which torch has already applied
-    (``default`` is torch's current count); else the cores this process may run on less the
-    other processes' load (the 1-minute load average, read before the run starts, rounded),
-    at least 1 and at most ``default``. ``cores`` and ``load`` are read from the machine when
-    not given."""
+    (``default`` is torch's current count); else the cores this process may run on less those
+    other processes keep busy, rounded, at least 1 and at most ``default``: ``load`` cores
+    when given, else measured now (:func:`busy_cores`), else the 1-minute load average (read
+    before the run starts). ``cores`` is read from the machine when not given."""
     if requested is not None:
         return Threads(requested, "--threads")
     if os.environ.get("OMP_NUM_THREADS"):
@@ -98,6 +127,11 @@ def choose_threads(requested: int | None = None, *, default: int,
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
             (os.cpu_count() or 1)
     if load is None:
+        busy = busy_cores()
+        if busy is not None:
+            free = max(1, min(default, cores - round(busy)))
+            return Threads(free, f"{cores} cores, {busy:.1f} busy with other processes now "
+                                 f"(measured over {BUSY_SAMPLE_SECONDS} s)")
         try:
             load = os.getloadavg()[0]
         except (AttributeError, OSError):  # not on every platform

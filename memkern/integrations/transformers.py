@@ -215,9 +215,10 @@ class MemkernTrainerMixin:
                              "run; use bf16=True or float32")
         if self.optimizer is not None:
             # fully_shard replaces the parameters: one built before would step the old ones.
-            raise ValueError(f"{name}: optimizers=(opt, ...) is not supported; it "
-                             "builds FusedAdamW or FusedSGD on the sharded parameters from "
-                             "TrainingArguments.optim ('adamw_torch' or 'sgd')")
+            raise ValueError(f"{name}: optimizers=(opt, ...) is not supported; "
+                             f"{type(self).__name__} builds FusedAdamW or FusedSGD on the "
+                             "sharded parameters from TrainingArguments.optim ('adamw_torch' "
+                             "or 'sgd')")
         if not torch.distributed.is_initialized():
             raise ValueError(f"{name}: FSDP2 needs a process group: launch with torchrun or "
                              "accelerate launch (one process: torchrun --nproc-per-node 1)")

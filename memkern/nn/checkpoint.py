@@ -12,6 +12,11 @@ policy         what is kept between forward and backward
                is saved, and copied back on a side stream ahead of use: when the backward reaches
                a module, its saved tensors and those of the module before it (in forward order)
                are prefetched. CUDA tensors only: on the CPU it degrades to "full" with a warning.
+"full-host"    as "full", but the kept input (the first positional argument, one tensor) waits in
+               host memory: copied there while the next block runs its forward, brought back
+               when the next block's backward starts (one block ahead), so the device holds at
+               most two blocks' inputs (:mod:`memkern.nn.input_offload`). Runs the same steps
+               on the CPU, with plain copies.
 =============  ==================================================================================
 
 The module is changed in place (its ``forward`` is wrapped) and returned; calling
@@ -34,9 +39,11 @@ import torch.utils.checkpoint as tcp
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from memkern.nn import input_offload
+from memkern.nn._copies import dense, side_stream
 from memkern.profile.saved import is_parameter, note_saved, reporting
 
-POLICIES = ("full", "selective", "offload")
+POLICIES = ("full", "selective", "offload", input_offload.POLICY)
 
 _SAVE_OP_NAMES = (
     "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution",
@@ -104,25 +111,7 @@ class _Packed:
         self.loaded = None
 
 
-_streams: dict[torch.device, torch.cuda.Stream] = {}
 _local = threading.local()
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _streams:
-        _streams[device] = torch.cuda.Stream(device)
-    return _streams[device]
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """``t``'s elements exactly fill ``t.numel()`` distinct slots (a permutation of strides)."""
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz != 1)
-    expected = 1
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
 
 
 class _OffloadCall:
@@ -139,10 +128,10 @@ class _OffloadCall:
         if (not t.is_cuda or is_parameter(t)
                 or t.numel() * t.element_size() < self.min_bytes):
             return t
-        stream = _side_stream(t.device)
+        stream = side_stream(t.device)
         stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(stream):
-            if _dense(t):  # same strides on the host, so the restored tensor is t's twin
+            if dense(t):  # same strides on the host, so the restored tensor is t's twin
                 host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu",
                                            pin_memory=True)
             else:  # overlapping / gapped views (e.g. expanded): copied densely
@@ -159,7 +148,7 @@ class _OffloadCall:
     def fetch(p: _Packed) -> None:
         if p.gpu is not None:
             return
-        stream = _side_stream(p.device)
+        stream = side_stream(p.device)
         with torch.cuda.stream(stream):
             stream.wait_event(p.stored)
             p.gpu = p.host.to(p.device, non_blocking=True)
@@ -208,10 +197,19 @@ def _offload_forward(owner, forward, min_bytes, args, kwargs):
 # ----------------------------------------------------------------------------------------------
 
 
-def _full_forward(forward, args, kwargs):
+def _full_forward(forward, args, kwargs, kept_on_device=None):
+    """``forward`` checkpointed, keeping its arguments (reported to :mod:`memkern.profile` as
+    saved: ``kept_on_device``, default all of them)."""
     if reporting():
-        note_saved(*(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)))
+        kept = (args, kwargs) if kept_on_device is None else kept_on_device
+        note_saved(*(t for t in tree_leaves(kept) if isinstance(t, torch.Tensor)))
     return tcp.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _full_host_forward(forward, args, kwargs, buffers):
+    return input_offload.run(
+        lambda: _full_forward(forward, args, kwargs, kept_on_device=(args[1:], kwargs)),
+        args, buffers)
 
 
 def recompute_in_backward(fn, *args: Any, **kwargs: Any) -> Any:
@@ -234,6 +232,8 @@ class _CheckpointedForward:
         self.original = forward
         self.policy = policy
         self.offload_min_bytes = offload_min_bytes
+        self.host_buffers = (input_offload.HostBuffers() if policy == input_offload.POLICY
+                             else None)
         self.warned = False
         functools.update_wrapper(self, forward)
 
@@ -244,6 +244,8 @@ class _CheckpointedForward:
             return _full_forward(self.original, args, kwargs)
         if self.policy == "selective":
             return _selective_forward(self.original, args, kwargs)
+        if self.host_buffers is not None:
+            return _full_host_forward(self.original, args, kwargs, self.host_buffers)
         return _offload_forward(self, self.original, self.offload_min_bytes, args, kwargs)
 
 
