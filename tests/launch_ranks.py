@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clean_exit import check_group_freed, exit_without_finalizing
+from clean_exit import end_finished_rank
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH_TIMEOUT = 300
@@ -41,12 +41,6 @@ GRACE = 10
 """Seconds the other ranks get to finish once one rank has failed."""
 
 Scenario = Callable[[int, int, int, str], object]
-
-DTENSOR_CACHES = ("torch's DTensor redistribution caches (torch.distributed.tensor._redistribute"
-                  "'s _planner_cache and _gen_transform_infos's functools.cache hold each device "
-                  "mesh they saw, and so its process groups)")
-"""What keeps the process group alive past ``destroy_process_group()`` where DTensors were
-redistributed (FSDP2, tensor parallelism): :func:`serve`'s ``group_kept_by``."""
 
 
 def scenarios_of(namespace: dict[str, object]) -> dict[str, Scenario]:
@@ -59,8 +53,8 @@ def serve(namespace: dict[str, object], group_kept_by: str | None = None) -> Non
     """A test file run as a script by :func:`launch` (``script worker ...``): one rank running
     the file's scenarios (pass ``globals()``). A rank ends as a user's script does, through
     the interpreter's finalization, after checking that ``destroy_process_group()`` freed the
-    group (tests/clean_exit.py); ``group_kept_by``: what in torch keeps it alive in this
-    file's scenarios, where a rank ends without the interpreter's finalization instead."""
+    group; ``group_kept_by``: what keeps it alive in this file's scenarios, where a rank ends
+    without the interpreter's finalization instead (tests/clean_exit.py)."""
     if sys.argv[1:2] == ["worker"]:
         worker(sys.argv[2:], scenarios_of(namespace), group_kept_by)
 
@@ -93,9 +87,7 @@ def worker(argv: list[str], scenarios: dict[str, Scenario], group_kept_by: str |
             torch.save(result, os.path.join(args.out, f"{name}.{args.rank}.pt"))
     finally:
         dist.destroy_process_group()
-    if group_kept_by is not None:
-        exit_without_finalizing()
-    check_group_freed()
+    end_finished_rank(group_kept_by)
 
 
 def new_store(parent: str) -> str:

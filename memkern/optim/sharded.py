@@ -155,7 +155,9 @@ class ShardedOptimizer(FlatOptimizer):
             else one process. Every rank of the group builds the optimizer with the same
             parameters (shapes, order, param groups) and arguments, which is checked at
             construction (a mismatch raises ValueError on every rank); the weights are then
-            broadcast from the group's rank 0, as ``DistributedDataParallel`` does.
+            broadcast from the group's rank 0, as ``DistributedDataParallel`` does. Held
+            weakly: ``destroy_process_group()`` frees it even while the optimizer lives
+            (whose collectives then raise RuntimeError).
         accumulation_steps: micro-batches per optimizer step (>= 1).
         loss_scale: None (no scaling), ``"dynamic"`` (``LossScaler()``'s defaults), a number
             (a static scale) or a :class:`~memkern.LossScaler` for custom settings.

@@ -39,7 +39,7 @@ from memkern.optim import checkpoint
 from memkern.optim.fused_adamw import AdamW
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from clean_exit import check_group_freed  # noqa: E402  (tests/)
+from clean_exit import end_finished_rank  # noqa: E402  (tests/)
 
 ACCUMULATION, BATCH = 2, 8
 POISONED = (5, 1)  # (window, micro-batch) whose loss is inf on rank 1: a skipped window
@@ -213,7 +213,7 @@ def start_rank(directory: str) -> int:
 @contextlib.contextmanager
 def killable_rank(directory: str):
     """This rank, one thread, in the process group, with its :class:`Killer` armed: yields
-    ``(rank, killer)``; after the runs, the group destroyed, and freed with its threads
+    ``(rank, killer)``; after the runs, the group destroyed and the rank ended
     (tests/clean_exit.py)."""
     torch.set_num_threads(1)
     rank = start_rank(directory)
@@ -223,7 +223,7 @@ def killable_rank(directory: str):
         yield rank, killer
     finally:
         dist.destroy_process_group()
-    check_group_freed()
+    end_finished_rank()
 
 
 def main() -> None:

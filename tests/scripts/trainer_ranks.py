@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from clean_exit import check_group_freed  # noqa: E402
+from clean_exit import end_finished_rank  # noqa: E402
 from test_integrations_transformers import Sequences, arguments, tiny_llama  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
@@ -130,4 +130,4 @@ if __name__ == "__main__":
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-        check_group_freed()
+        end_finished_rank()
