@@ -26,12 +26,12 @@ from memkern.profile.plan import TrainingSetup, plan_training_step
 TOLERANCE = 0.03
 
 
-def _parts(offload, state_precision="32bit", window=1, sizes=(37, 41, 3)):
+def _parts(offload, state_precision="32bit", window=1, sizes=(37, 41, 3), gradients="device"):
     model = torch.nn.Sequential(torch.nn.Linear(sizes[0], sizes[1]), torch.nn.Tanh(),
                                 torch.nn.Linear(sizes[1], sizes[2])).to(torch.bfloat16)
     opt = mk.optim.ShardedOptimizer(model.parameters(), "adamw", lr=1e-3, offload=offload,
                                     state_precision=state_precision, max_grad_norm=1.0,
-                                    accumulation_steps=window)
+                                    accumulation_steps=window, gradients=gradients)
     x = torch.randn(window, 5, sizes[0], dtype=torch.bfloat16)
 
     def step():
@@ -43,9 +43,9 @@ def _parts(offload, state_precision="32bit", window=1, sizes=(37, 41, 3)):
     return model, opt, x, step
 
 
-def _build(offload, state_precision="32bit", window=1, sizes=(37, 41, 3)):
+def _build(offload, state_precision="32bit", window=1, sizes=(37, 41, 3), gradients="device"):
     def build() -> TrainingSetup:
-        model, opt, _, step = _parts(offload, state_precision, window, sizes)
+        model, opt, _, step = _parts(offload, state_precision, window, sizes, gradients)
         return TrainingSetup(model, opt, step)
 
     return build
@@ -98,21 +98,24 @@ def test_offload_on_one_rank_of_two_for_a_gpu_keeps_its_shard_on_the_host():
 
 
 @pytest.mark.parametrize("state_precision", ["32bit", "8bit"])
-@pytest.mark.parametrize("offload", [None, "cpu"])
-def test_offload_plan_matches_the_measured_cpu_step(monkeypatch, offload, state_precision):
+@pytest.mark.parametrize("offload,gradients", [(None, "device"), ("cpu", "device"),
+                                               (None, "host")])
+def test_offload_plan_matches_the_measured_cpu_step(monkeypatch, offload, gradients,
+                                                     state_precision):
     """On the CPU host memory is the device's: the planned peak is the measured one. The host
     steps run on the step's thread, as the planner runs them (a worker thread's race with
     step() decides which buckets a real run steps speculatively, with a copy of their state;
     the plan counts them all)."""
     monkeypatch.setattr(_fake, "thread_pool",
                         lambda like, workers, **kwargs: _fake._OnTheCallersThread())
-    plan = plan_training_step(_build(offload, state_precision, 2, (61, 97, 5)), device="cpu")
+    plan = plan_training_step(_build(offload, state_precision, 2, (61, 97, 5), gradients),
+                              device="cpu")
     torch.manual_seed(1)
-    model, opt, x, step = _parts(offload, state_precision, 2, sizes=(61, 97, 5))
+    model, opt, x, step = _parts(offload, state_precision, 2, (61, 97, 5), gradients)
     step()  # the optimizer's state (and offload's copies) exist from here on, as in the plan
     measured = reachable_bytes(model, opt, x) + allocation_stats(step).peak
     assert abs(plan.peak_bytes / measured - 1) <= TOLERANCE, (plan.peak_bytes, measured)
-    assert (plan.host_peak > 0) == (offload is not None)
+    assert (plan.host_peak > 0) == (offload is not None or gradients == "host")
 
 
 def test_host_allocator_rounds_pinned_blocks_and_reuses_them_by_size():

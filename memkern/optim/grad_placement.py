@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from memkern.optim.process_group import WeakGroup
 from memkern.optim.segment import Segment
 from memkern.optim.grad_buffer import Bucket, GradBuffer
 
@@ -82,6 +83,8 @@ class GradPlacement:
     """
 
     on_host = False
+    group = WeakGroup("memkern.ShardedOptimizer")
+    """The process group, held weakly (:mod:`memkern.optim.process_group`)."""
 
     def __init__(self, group: Any = None, rank: int = 0, world: int = 1) -> None:
         self.group, self.rank, self.world = group, rank, world

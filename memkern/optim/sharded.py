@@ -94,6 +94,7 @@ from memkern.optim.fused_sgd import SGD
 from memkern.optim.grad_placement import GradPlacement
 from memkern.optim.local_grads import LocalGrads
 from memkern.optim.offload import HostStep, OverlappedHostStep
+from memkern.optim.process_group import WeakGroup
 from memkern.optim.scaling import grad_multiplier, loss_scaler_for, unclipped_multiplier
 from memkern.optim.segment import Segment
 from memkern.optim.state_io import StateIO
@@ -179,7 +180,9 @@ class ShardedOptimizer(FlatOptimizer):
             else one process. Every rank of the group builds the optimizer with the same
             parameters (shapes, order, param groups) and arguments, which is checked at
             construction (a mismatch raises ValueError on every rank); the weights are then
-            broadcast from the group's rank 0, as ``DistributedDataParallel`` does.
+            broadcast from the group's rank 0, as ``DistributedDataParallel`` does. Held
+            weakly: ``destroy_process_group()`` frees it even while the optimizer lives
+            (whose collectives then raise RuntimeError).
         accumulation_steps: micro-batches per optimizer step (>= 1).
         loss_scale: None (no scaling), ``"dynamic"`` (``LossScaler()``'s defaults), a number
             (a static scale) or a :class:`~memkern.LossScaler` for custom settings.
@@ -215,6 +218,10 @@ class ShardedOptimizer(FlatOptimizer):
 
     # It scales and checks its own gradients: torch.amp.GradScaler must not drive it.
     _step_supports_amp_scaling = False
+
+    process_group = WeakGroup("memkern.ShardedOptimizer")
+    """The process group it runs on (None: one process), held weakly
+    (:mod:`memkern.optim.process_group`)."""
 
     def __init__(self, params: Any, optimizer: str = "adamw", *, lr: float,
                  grad_dtype: torch.dtype | None = None, zero_stage: int = 1,

@@ -20,6 +20,7 @@ import torch
 from memkern.amp.loss_scaler import LossScaler
 from memkern.optim.flat_state import FlatOptimizer
 from memkern.optim.grad_placement import GradPlacement
+from memkern.optim.process_group import WeakGroup
 from memkern.optim.segment import Segment
 from memkern.optim.step_placement import StepPlacement
 from memkern.optim.window import AccumulationWindow
@@ -42,6 +43,8 @@ class StateIO:
         skipped: its count of skipped windows (0-dim int64 device tensor).
         process_group, rank, world_size: where it runs (group None: one process).
     """
+
+    process_group = WeakGroup("memkern.ShardedOptimizer")
 
     def __init__(self, opt: FlatOptimizer, grads: GradPlacement, steps: StepPlacement,
                  window: AccumulationWindow, scaler: LossScaler, skipped: torch.Tensor,

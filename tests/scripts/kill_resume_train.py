@@ -40,7 +40,7 @@ from memkern.optim import checkpoint
 from memkern.optim.fused_adamw import AdamW
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from clean_exit import exit_without_finalizing  # noqa: E402  (tests/)
+from clean_exit import end_finished_rank  # noqa: E402  (tests/)
 
 ACCUMULATION, BATCH = 2, 8
 POISONED = (5, 1)  # (window, micro-batch) whose loss is inf on rank 1: a skipped window
@@ -226,8 +226,8 @@ def start_rank(directory: str) -> int:
 @contextlib.contextmanager
 def killable_rank(directory: str):
     """This rank, one thread, in the process group, with its :class:`Killer` armed: yields
-    ``(rank, killer)``; after the runs, the group destroyed and the process ended without
-    Python's finalisation (tests/clean_exit.py)."""
+    ``(rank, killer)``; after the runs, the group destroyed and the rank ended
+    (tests/clean_exit.py)."""
     torch.set_num_threads(1)
     rank = start_rank(directory)
     killer = Killer(directory, rank)
@@ -236,7 +236,7 @@ def killable_rank(directory: str):
         yield rank, killer
     finally:
         dist.destroy_process_group()
-    exit_without_finalizing()
+    end_finished_rank()
 
 
 def main() -> None:
