@@ -35,7 +35,8 @@ void add_constants(py::module_& m) {
       {"native_layer_norm", autograd::kNativeLayerNorm},
       {"layer_norm", autograd::kLayerNorm},
       {"rms_norm", autograd::kRmsNorm},
-      {"modulated_layer_norm", autograd::kModulatedLayerNorm}};
+      {"modulated_layer_norm", autograd::kModulatedLayerNorm},
+      {"swiglu_unit", autograd::kSwiGLUUnit}};
   // memkern/nn/_saved.py
   m.attr("NORM_RECIPE_ATTR") = autograd::kNormRecipeAttr;
   // memkern/ops/activation.py, memkern/nn/mlp.py

@@ -40,6 +40,8 @@ PYBIND11_MODULE(_C, m) {
   memkern::autograd::add_linear_entries(m);
   memkern::autograd::add_mlp_entries(m);
   memkern::autograd::add_swiglu_entries(m);
+  memkern::autograd::add_lora_entries(m);
+  memkern::autograd::add_swiglu_unit_entries(m);
   memkern::lce::add_entries(m);
   memkern::add_constants(m);
 }

@@ -9,7 +9,9 @@ own behaviour is worked around, so that a change in a torch release is fixed her
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 
 import torch
 
@@ -51,12 +53,60 @@ def fake_mode():
     kernels never read (they return their input themselves); so this mode memoizes only the
     real tensors it converts (constants it folds), and the fake tensors made inside it have
     no weak references.
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode()
+    A data-dependent scalar read (``.item()``, ``bool(t)``: ``aten._local_scalar_dense``) of a
+    fake tensor has no value to read (but for constants the mode follows, such as
+    ``torch.optim``'s step counters); torch's fake mode raises. This one reads 0 (``False``,
+    ``0``, ``0.0``), on every thread (a fake tensor dispatches to its own mode, even on a thread
+    whose mode stack does not hold it): a planned step takes the branch a zero takes, which
+    memkern's code makes the common case (``found_inf`` 0: the step runs).
+    """
+    mode = _zero_scalars_fake_mode()()
     mode.fake_tensor_converter.set_tensor_memo = lambda tensor, fake: None
     return mode
+
+
+@functools.cache
+def _zero_scalars_fake_mode() -> type:
+    """:func:`fake_mode`'s class (made on first use: importing ``torch._subclasses`` is slow)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    class ZeroScalarsFakeMode(FakeTensorMode):
+        def dispatch(self, func, types, args=(), kwargs=None):
+            try:
+                return super().dispatch(func, types, args, kwargs)
+            except DataDependentOutputException:
+                # a scalar it does not know (it knows constants': torch.optim's step counters)
+                if func is not torch.ops.aten._local_scalar_dense.default:
+                    raise
+                dtype = args[0].dtype
+                return (False if dtype is torch.bool else
+                        0.0 if dtype.is_floating_point or dtype.is_complex else 0)
+
+    return ZeroScalarsFakeMode
+
+
+class _OnTheCallersThread(concurrent.futures.Executor):
+    """An executor that runs each job at once, on the thread that submits it."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        done = concurrent.futures.Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # the job's error, re-raised by result() as a pool's is
+            done.set_exception(exc)
+        return done
+
+
+def thread_pool(like: torch.Tensor, max_workers: int, **kwargs) -> concurrent.futures.Executor:
+    """``ThreadPoolExecutor(max_workers, **kwargs)`` for jobs on tensors like ``like``; for fake
+    tensors an executor that runs each job at once on the submitting thread. torch's fake mode
+    is not thread-safe (its ``in_kernel_invocation`` flag is one for all threads: a fake op on
+    another thread while one runs here fails), and a planned step's dispatch modes see only
+    its own thread's ops."""
+    if is_fake(like):
+        return _OnTheCallersThread()
+    return concurrent.futures.ThreadPoolExecutor(max_workers, **kwargs)
 
 
 def without_dispatch_modes():

@@ -6,6 +6,7 @@
         --variant patch:recompute=full
     memkern plan --hf xlm-roberta --task sequence-classification --dtype float32 \\
         --autocast float16 --batch 8 --seq 256
+    memkern plan --hf llama --lora r=16 --batch 2 --seq 2048   # PEFT's LoRA on every linear layer
 
 Each configuration or variant is one :func:`memkern.profile.plan_training_step`; the command
 prints a row per plan (its peak, where it is, what it is made of, the second-highest moment),
@@ -26,8 +27,10 @@ from memkern.profile.plan import CATEGORIES, StepPlan, plan_training_step
 from memkern.output import table
 from memkern.profile.plan_report import MIB, SHORT, format_plan, legend, plan_chart
 from memkern.profile.targets import TARGETS
-from memkern.profile.workloads import (OPTIMIZERS, PATCH_OPTIONS, SHARDINGS, TASKS, default_seq,
-                                       hf_config, hf_workload)
+from memkern.nn.checkpoint import POLICIES
+from memkern.profile.workloads import (DEFAULT_OPTIMIZER, OPTIMIZERS, PATCH_OPTIONS, SHARDINGS,
+                                       TASKS, default_seq, hf_config, hf_workload,
+                                       lora_options, uses_kv_cache)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -91,9 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser, size_choices, config_names,
                         "patch)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                         help="with --hf: parameter dtype (default: bfloat16)")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw-fused",
-                        help="with --hf: torch AdamW fused (default) or foreach, memkern's "
-                        "FusedAdamW (32-bit or 8-bit state), or ShardedOptimizer")
+    add_lora_argument(parser)
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=DEFAULT_OPTIMIZER,
+                        help="with --hf: memkern's ShardedOptimizer (default, as memkern fit: "
+                        "AdamW, float32 master weights, clipping at 1.0, dynamic loss scale), "
+                        "torch AdamW fused or foreach on the parameters as they are, or "
+                        "memkern's FusedAdamW (32-bit or 8-bit state)")
+    add_mode_arguments(parser)
     parser.add_argument("--world-size", type=positive_int, default=1,
                         help="with --hf and --sharding: plan one rank of this many (default: 1)")
     parser.add_argument("--sharding", choices=SHARDINGS,
@@ -107,6 +114,54 @@ def add_arguments(parser: argparse.ArgumentParser, size_choices, config_names,
                         help="also write the plans as JSON")
 
 
+def _lora(text: str) -> dict:
+    try:
+        return lora_options(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+
+
+def add_lora_argument(parser: argparse.ArgumentParser) -> None:
+    """``--lora`` (``memkern plan`` and ``memkern fit``)."""
+    parser.add_argument("--lora", metavar="OPTIONS", type=_lora, nargs="?", const=lora_options(""),
+                        help="with --hf: train PEFT's LoRA adapters instead of the whole model "
+                        "(peft.get_peft_model before memkern.patch), e.g. r=16,alpha=32,"
+                        "dropout=0.05,targets=q_proj+v_proj (default: r=16, alpha=32, no "
+                        "dropout, every linear layer but the output layer)")
+def add_mode_arguments(parser: argparse.ArgumentParser) -> None:
+    """The memory-saving modes of ``ShardedOptimizer`` and :func:`memkern.checkpoint`, as
+    ``memkern plan`` takes them (with --hf)."""
+    parser.add_argument("--state-precision", choices=("32bit", "8bit"),
+                        help="with --hf and --optimizer sharded: the optimizer state's precision "
+                        "(default: 32bit)")
+    parser.add_argument("--offload", choices=("cpu",),
+                        help="with --hf and --optimizer sharded: the float32 master weights and "
+                        "the optimizer state in host memory, stepped there (ShardedOptimizer's "
+                        "offload='cpu'); the plan shows the host memory too")
+    parser.add_argument("--gradients", choices=("host",),
+                        help="with --hf and --optimizer sharded: stream each bucket's gradients "
+                        "to host memory as backward makes them (no gradient buffer on the "
+                        "device; the optimizer on the host: ShardedOptimizer's gradients='host')")
+    parser.add_argument("--checkpoint", choices=POLICIES,
+                        help="with --hf: memkern.checkpoint each decoder layer (each block of "
+                        "the model's largest list of repeated blocks) with this policy")
+
+
+def optimizer_options(args: argparse.Namespace) -> dict:
+    """The ShardedOptimizer keyword arguments the mode flags ask for."""
+    options = {}
+    if args.state_precision:
+        options["state_precision"] = args.state_precision
+    if args.offload:
+        options["offload"] = args.offload
+    if args.gradients:
+        options["gradients"] = args.gradients
+    if options and args.optimizer != "sharded":
+        raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in options)} "
+                         "go with --optimizer sharded (memkern's ShardedOptimizer)")
+    return options
+
+
 def _plans(args: argparse.Namespace) -> list[tuple[str, StepPlan]]:
     if args.hf:
         cfg = hf_config(args.hf, args.set)
@@ -115,16 +170,20 @@ def _plans(args: argparse.Namespace) -> list[tuple[str, StepPlan]]:
         if (args.world_size > 1) != (args.sharding is not None):
             raise ValueError("--world-size above 1 and --sharding go together")
         autocast = DTYPES[args.autocast] if args.autocast else None
+        options = optimizer_options(args)
         return [(name, plan_training_step(
             hf_workload(cfg, batch=args.batch, seq=seq, dtype=DTYPES[args.dtype], patch=patch,
                         optimizer=args.optimizer, task=args.task, autocast=autocast,
-                        sharding=args.sharding),
+                        sharding=args.sharding, optimizer_options=options,
+                        checkpoint=args.checkpoint, kv_cache=False, lora=args.lora),
             device=args.device, world_size=args.world_size))
                 for name, patch in variants]
     if (args.set or args.variant or args.sharding or args.world_size > 1
-            or args.task != "causal-lm" or args.autocast):
-        raise ValueError("--set, --variant, --sharding, --world-size, --task and --autocast go "
-                         "with --hf")
+            or args.task != "causal-lm" or args.autocast or args.state_precision
+            or args.offload or args.gradients or args.checkpoint or args.lora is not None):
+        raise ValueError("--set, --variant, --sharding, --world-size, --task, --autocast, "
+                         "--state-precision, --offload, --gradients, --checkpoint and --lora "
+                         "go with --hf")
     names = args.configs or [c for c in DEFAULT_CONFIGS if "compiled" not in c]
     return [(name, plan_training_step(bench_workload(name, args.size, batch=args.batch,
                                                      seq=args.seq), device=args.device))
@@ -132,16 +191,39 @@ def _plans(args: argparse.Namespace) -> list[tuple[str, StepPlan]]:
 
 
 def _summary(plans: list[tuple[str, StepPlan]]) -> str:
-    """Two tables: each plan's peak and second-highest moment, then its peak by category."""
-    peaks = table(["plan", "peak", "phase", "2nd highest", "its phase"],
+    """Two tables: each plan's peak and second-highest moment (and its host memory, when a plan
+    offloads), then its peak by category."""
+    host = any(p.host_peak for _, p in plans)
+    peaks = table(["plan", "peak", "phase", "2nd highest", "its phase",
+                   *(["host"] if host else [])],
                   [[name, f"{p.peak_bytes / MIB:.1f}", p.peak.phase,
                     *([f"{p.second.allocated / MIB:.1f}", p.second.phase] if p.second
-                      else ["", ""])] for name, p in plans])
+                      else ["", ""]), *([f"{p.host_peak / MIB:.1f}"] if host else [])]
+                   for name, p in plans])
     parts = table(["plan", *(SHORT[c] for c in CATEGORIES)],
                   [[name, *(f"{p.peak.by_category[c] / MIB:.1f}" for c in CATEGORIES)]
                    for name, p in plans])
-    return (f"peaks, MiB (2nd highest: the highest moment of another phase)\n{peaks}\n\n"
+    what = "; host: the host memory offloading holds" if host else ""
+    return (f"peaks, MiB (2nd highest: the highest moment of another phase{what})\n{peaks}\n\n"
             f"each peak by category, MiB (allocator blocks)\n{parts}\n{legend()}")
+
+
+def what_is_trained(args: argparse.Namespace) -> str:
+    """The optimizer and the variants, as code and in words (``memkern plan --hf``)."""
+    spec = OPTIMIZERS[args.optimizer].with_options(**optimizer_options(args))
+    masters = ("the float32 parameters are the master weights" if args.dtype == "float32"
+               else f"float32 master weights of the {args.dtype} parameters"
+               if args.optimizer == "sharded" or args.optimizer.startswith("memkern")
+               else f"no master weights: it updates the {args.dtype} parameters themselves")
+    lines = [f"optimizer: {spec.code()} ({masters}; the default of memkern plan and memkern "
+             "fit is ShardedOptimizer: --optimizer to change)"]
+    if uses_kv_cache(hf_config(args.hf, args.set)):
+        lines.append("no key/value cache in training (use_cache=False), as memkern fit plans it")
+    names = {name for name, _ in (args.variant or [("plain", None), ("patch", {})])}
+    if "plain" in names:
+        lines.append(f"plain: the transformers model as it is, {args.dtype} parameters (torch "
+                     "AMP, the README's baseline, is --dtype float32 --autocast bfloat16)")
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
              else "")
     print(f"memkern plan: {TARGETS[args.device].describe()}; planned on fake tensors "
           f"(torch {torch.__version__}){ranks}")
+    if args.hf:
+        print(what_is_trained(args))
     print(_summary(plans))
     for name, p in plans:
         print(f"\n=== {name}\n{format_plan(p)}")

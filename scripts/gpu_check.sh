@@ -33,7 +33,10 @@
 # A step that cannot run (a missing script, option or configuration, no compute-sanitizer)
 # prints a line saying why and frees its time for the suite. Further steps that no default
 # run has time for: gpt2-eager, hf (Llama 160M), front-end, lce-sweep (the linear
-# cross-entropy's vocabulary block against its backward GEMMs), 8bit-step; GPU_CHECK_STEPS="..."
+# cross-entropy's vocabulary block against its backward GEMMs), 8bit-step, one-gpu (issue 42:
+# a 1.1B Llama with its optimizer on the GPU, on the host, with 8-bit state and with streamed
+# gradients: each step's measured peak against its plan, step times against the GPU
+# optimizer's; GPU_CHECK_STEPS="build one-gpu", 300 s); GPU_CHECK_STEPS="..."
 # runs exactly the steps it names, in plan order (e.g. GPU_CHECK_STEPS="build hf front-end" for
 # a second call), GPU_CHECK_SKIP="..." leaves the named ones out.
 #
@@ -337,6 +340,10 @@ step lce-sweep 120 "#37.5 LCE backward GEMMs: vocab block sweep" "" \
 step 8bit-step 120 "8-bit state step and bytes" "" "tail -n 1 \"$out/8bit-step.log\"" -- \
   "$python" benchmarks/bench_8bit_state.py --device cuda --sections step,bytes \
   --save "$out/8bit-step.json"
+step one-gpu 300 "#42.5 1.1B Llama: optimizer on the GPU vs host; peak vs plan" \
+  "$(missing_file benchmarks/bench_one_gpu.py)" \
+  "grep -E 'the GPU optimizer' \"$out/one-gpu.log\" | tr '\n' ';'" -- \
+  "$python" benchmarks/bench_one_gpu.py --save "$out/one-gpu.json"
 
 if [ "$dry_run" -eq 1 ]; then
   echo "limits: ${planned}s of the ${budget}s budget (a step N+ counted as N; it takes all that is left)"

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 from test_optim_kill_resume import (check_run, torchrun_command,  # noqa: E402
                                     torchrun_env)
 
-MODES = ["zero2", "offload-8bit"]
+MODES = ["zero2", "offload-8bit", "streamed-8bit", "offload-1proc"]
 
 
 def starts(directory: str) -> int:

@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clean_exit import exit_without_finalizing
+from clean_exit import end_finished_rank
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH_TIMEOUT = 300
@@ -49,11 +49,14 @@ def scenarios_of(namespace: dict[str, object]) -> dict[str, Scenario]:
             if name.startswith("scenario_")}
 
 
-def serve(namespace: dict[str, object]) -> None:
+def serve(namespace: dict[str, object], group_kept_by: str | None = None) -> None:
     """A test file run as a script by :func:`launch` (``script worker ...``): one rank running
-    the file's scenarios (pass ``globals()``)."""
+    the file's scenarios (pass ``globals()``). A rank ends as a user's script does, through
+    the interpreter's finalization, after checking that ``destroy_process_group()`` freed the
+    group; ``group_kept_by``: what keeps it alive in this file's scenarios, where a rank ends
+    without the interpreter's finalization instead (tests/clean_exit.py)."""
     if sys.argv[1:2] == ["worker"]:
-        worker(sys.argv[2:], scenarios_of(namespace))
+        worker(sys.argv[2:], scenarios_of(namespace), group_kept_by)
 
 
 def fresh_seed() -> int:
@@ -63,8 +66,10 @@ def fresh_seed() -> int:
     return seed
 
 
-def worker(argv: list[str], scenarios: dict[str, Scenario]) -> None:
-    """One rank: joins the process group and runs the scenarios named on its command line."""
+def worker(argv: list[str], scenarios: dict[str, Scenario], group_kept_by: str | None = None
+           ) -> None:
+    """One rank: joins the process group and runs the scenarios named on its command line
+    (``group_kept_by``: :func:`serve`)."""
     parser = argparse.ArgumentParser()
     for arg in ("rank", "world", "seed"):
         parser.add_argument(f"--{arg}", type=int, required=True)
@@ -82,7 +87,7 @@ def worker(argv: list[str], scenarios: dict[str, Scenario]) -> None:
             torch.save(result, os.path.join(args.out, f"{name}.{args.rank}.pt"))
     finally:
         dist.destroy_process_group()
-    exit_without_finalizing()
+    end_finished_rank(group_kept_by)
 
 
 def new_store(parent: str) -> str:

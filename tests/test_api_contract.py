@@ -51,7 +51,7 @@ CONTRACT = [
     ("mk.optim.ShardedOptimizer",
      dict(params=INF, optimizer="adamw", lr=INF, grad_dtype=None, zero_stage=1,
           process_group=None, accumulation_steps=1, loss_scale=None, max_grad_norm=None,
-          offload=None, bucket_size_mb=25)),
+          offload=None, gradients="device", bucket_size_mb=25)),
     ("MemkernTrainer", dict(model=None, args=None, patch=True, offload=None, zero_stage=None,
                             fsdp2=False)),
     ("MemkernTrainerMixin", dict(model=None, args=None, patch=True, offload=None,

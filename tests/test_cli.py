@@ -160,6 +160,9 @@ def test_bench_max_grad_norm_reaches_every_configuration(monkeypatch):
     (["bench", "--max-grad-norm", "nan"], "argument --max-grad-norm: must be a finite number"),
     (["bench", "--max-grad-norm", "one"], "argument --max-grad-norm: must be a number"),
     (["bench", "--size", "tiny", "--batch", "1000000000", "--steps", "3"], "does not fit"),
+    (["plan", "--hf", "llama", "--lora", "rank=8"], "argument --lora: LoRA option 'rank=8'"),
+    (["fit", "--hf", "llama", "--batch", "1", "--seq", "8", "--memory-budget", "1GiB", "--lora",
+      "r=0"], "argument --lora: LoRA options 'r=0': r must be at least 1"),
 ])
 def test_bad_flags_give_one_line_error(flags, needle):
     proc = _run_cli(*flags)
@@ -525,85 +528,3 @@ def test_plan_tables_headers_stay_apart_and_whole_at_every_width(monkeypatch, co
         assert _headers_by_column(lines[top:rule], body) in expected, block
         assert "params: parameters; grads: gradients;" in block or tables == 1
     assert tables == 3
-
-
-TINY_LLAMA = ["--hf", "llama", "--set", "hidden_size=32", "--set", "intermediate_size=64",
-              "--set", "num_hidden_layers=2", "--set", "num_attention_heads=2",
-              "--set", "num_key_value_heads=1", "--set", "vocab_size=96"]
-
-
-def test_fit_prints_the_configuration_and_its_planned_peak(capsys):
-    """A budget the step fits as it is: 32-bit state, no recomputation, and the planned peak
-    is the one ``memkern plan`` computes for the same patched model and ShardedOptimizer."""
-    from memkern.profile import plan_training_step
-    from memkern.profile.workloads import hf_config, hf_workload
-
-    assert cli.main(["fit", *TINY_LLAMA, "--batch", "3", "--seq", "17", "--memory-budget",
-                     "1GiB", "--device", "cpu"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[1] == "fits with: memkern.patch(model), 32-bit optimizer state"
-    assert out[3] == "  recomputes nothing beyond memkern's layers' defaults"
-    cfg = hf_config("llama", [s for s in TINY_LLAMA[2:] if s != "--set"])
-    plan = plan_training_step(hf_workload(cfg, batch=3, seq=17, patch={}, optimizer="sharded"),
-                              device="cpu")
-    assert out[2].startswith(f"  planned peak {plan.peak_bytes / 2**20:.1f} MiB of 1.00 GiB")
-
-
-def _fake_fit(peaks: dict[str, tuple[int, int]], calls: list):
-    """memkern.fit's stand-in: ``peaks[precision] = (peak with no recomputation, peak with
-    every block full)``; the recomputed FLOPs grow as the budget falls between the two."""
-    from memkern.profile.fit import FitReport, MemoryBudgetError
-
-    def fit(budget: int, **kwargs) -> FitReport:
-        key = kwargs.get("state_precision", "32bit")
-        calls.append((key, budget))
-        keep, full = peaks[key]
-        if budget < full:
-            raise MemoryBudgetError("no", full + 1)
-        flops = 0 if budget >= keep else int(1e9 * (keep - budget) / (keep - full))
-        return FitReport(budget, "cuda", {"layers.0": "keep"}, min(keep, budget), keep, flops,
-                         400e12, False, 5, 1.0, None)
-
-    return fit
-
-
-@pytest.mark.parametrize("budget,chosen,tried", [
-    (1000, "32-bit optimizer state", ["32bit"]),              # fits as it is: nothing else tried
-    (850, "8-bit optimizer state", ["32bit", "8bit"]),        # 8-bit recomputes less
-    (690, "32-bit optimizer state", ["32bit", "8bit"]),       # only 32-bit fits (full blocks)
-    (500, "optimizer offloaded to host memory", ["32bit", "8bit", "32bit"]),
-    (100, None, ["32bit", "8bit", "32bit"]),
-])
-def test_fit_chooses_the_cheapest_configuration_that_fits(budget, chosen, tried):
-    """32-bit: 900 bytes as it is, 680 with every block recomputed; 8-bit: 800 and 700 (a
-    model where 8-bit state saves less than recomputation can); offload spares 12 bytes per
-    parameter of 20 parameters: the 32-bit plan less 240."""
-    from memkern import fit_command
-
-    calls = []
-    candidates = fit_command.choose(_fake_fit({"32bit": (900, 680), "8bit": (800, 700)}, calls),
-                                    budget, 20)
-    assert [key for key, _ in calls] == tried
-    if len(tried) == 3:
-        assert calls[2][1] == budget + 240  # offload: planned with what it keeps off the device
-    best = candidates[0]
-    assert (best.name if best.fits else None) == chosen
-    if chosen and "offload" in chosen:
-        assert best.peak == min(900, budget + 240) - 240
-
-
-def test_fit_says_by_how_much_the_closest_configuration_misses(monkeypatch, capsys):
-    import memkern
-
-    budget = 300 << 20
-
-    def fit(model, batch, limit, **kwargs):  # 100 MiB short; offloaded (a larger limit): 300
-        raise memkern.MemoryBudgetError("no", limit + ((100 if limit == budget else 300) << 20))
-
-    monkeypatch.setattr(memkern, "fit", fit)
-    assert cli.main(["fit", *TINY_LLAMA, "--batch", "1", "--seq", "8", "--memory-budget",
-                     "300MiB"]) == 1
-    out = capsys.readouterr().out.splitlines()
-    assert out[-1].startswith("nothing fits 300.0 MiB: the closest, 32-bit optimizer state "
-                              "with every block recomputed whole, needs 400.0 MiB: 100.0 MiB "
-                              "(33%) more than the budget; lower --batch or --seq"), out

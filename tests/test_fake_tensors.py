@@ -215,3 +215,45 @@ def test_fake_helpers_outside_a_fake_mode_say_where_to_call_them(call):
     with pytest.raises(RuntimeError, match=f"memkern._fake.{call} .* none is active: call it "
                                            "while planning"):
         getattr(_fake, call)(*args)
+
+
+def test_a_fake_scalar_with_no_value_reads_zero_and_a_known_one_its_value():
+    """memkern's fake mode reads a data-dependent scalar of a fake tensor as 0 (torch's raises),
+    on another thread too, while a constant the mode follows (torch.optim's step counter:
+    ``torch.tensor(0.0)`` then ``+= 1``) reads its value."""
+    import threading
+
+    with fake_mode():
+        data = torch.randn(7, 3)
+        flag = data.isinf().any()
+        step = torch.tensor(0.0)
+        step += 1
+        values = [data.sum().item(), bool(flag), data.argmax().item(), step.item()]
+        other = []
+        worker = threading.Thread(target=lambda: other.append(data.max().item()))
+        worker.start()
+        worker.join()
+    assert values == [0.0, False, 0, 1.0] and other == [0.0]
+    assert [type(v) for v in values] == [float, bool, int, float]
+    with FakeTensorMode(), pytest.raises(Exception, match="local_scalar_dense"):
+        torch.randn(3).sum().item()  # torch's own fake mode: no value to read
+
+
+def test_thread_pool_runs_fake_jobs_on_the_callers_thread_and_real_ones_on_a_worker():
+    import threading
+
+    from memkern._fake import thread_pool
+
+    with fake_mode():
+        fake = torch.empty(3)
+    threads = {}
+    for name, like in (("fake", fake), ("real", torch.empty(3))):
+        pool = thread_pool(like, 1, thread_name_prefix="test-pool")
+        threads[name] = pool.submit(lambda: threading.current_thread()).result()
+        failing = pool.submit(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            failing.result()
+        pool.shutdown()
+    assert threads["fake"] is threading.current_thread()
+    assert threads["real"] is not threading.current_thread()
+    assert threads["real"].name.startswith("test-pool")

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import memkern as mk
 import launch_ranks
+from clean_exit import DTENSOR_CACHES
 from compare import params_rel_err, rel_err
 
 transformers = pytest.importorskip("transformers")
@@ -144,7 +145,7 @@ def scenario_gradients(rank, world, seed, out):
 
 
 if __name__ == "__main__":
-    launch_ranks.serve(globals())
+    launch_ranks.serve(globals(), group_kept_by=DTENSOR_CACHES)
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ import torch
 from hypothesis import example, given, strategies as st
 
 import memkern as mk
-from memkern.optim.flat_state import MIN_8BIT_NUMEL
+from memkern.optim.state_precision import MIN_8BIT_NUMEL
 
 SHAPES = ((67, 65), (7,), (3, 5), (1,))
 """Odd sizes; the first one large enough for 8-bit state (>= 4096 elements)."""

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import memkern as mk
 import launch_ranks
+from clean_exit import DTENSOR_CACHES
 from compare import params_rel_err
 
 ALGORITHMS = {"adamw": (mk.optim.FusedAdamW, dict(lr=3e-2, weight_decay=0.1)),
@@ -322,7 +323,7 @@ def scenario_checkpoint_load(rank, world, seed, out):
 
 
 if __name__ == "__main__":
-    launch_ranks.serve(globals())
+    launch_ranks.serve(globals(), group_kept_by=DTENSOR_CACHES)
 
 
 # ---------------------------------------------------------------------------------- tests

@@ -1,11 +1,15 @@
-"""Killed anywhere, resumed exactly: a 2-rank ZeRO-2 run, and one with offload="cpu" and 8-bit
-state, checkpointing every EVERY windows under ``torchrun --max-restarts``, each rank SIGKILLed
-at seeded points (tests/scripts/kill_resume_train.py has the points and the hooks): inside
-backward, inside the fused step, inside the offloaded host step, between a checkpoint's
-publishing renames. torchrun restarts both ranks each time, the run resumes from the last
-complete checkpoint by itself, loses at most EVERY windows, and ends with parameters and
-optimizer state equal to the uninterrupted run's bit for bit. ``scripts/kill_resume.py`` kills
-at random moments instead, as many times as asked.
+"""Killed anywhere, resumed exactly: a 2-rank ZeRO-2 run, one with offload="cpu" and 8-bit
+state, one with gradients="host" (streamed to host memory) and 8-bit state, and one process's
+offload="cpu" on each rank (its host steps start during backward, on host copies of the
+weights; it resumes by loading the optimizer's state before the model's weights, which the
+optimizer must take rather than overwrite: issue 45). Each checkpoints every EVERY windows
+under ``torchrun --max-restarts``, each rank SIGKILLed at seeded points
+(tests/scripts/kill_resume_train.py has the points and the hooks): inside backward (also while
+buckets stream to the host), inside the fused step, inside the host step, between a
+checkpoint's publishing renames. torchrun restarts both ranks each time, the run resumes from
+the last complete checkpoint by itself, loses at most EVERY windows, and ends with parameters
+and optimizer state equal to the uninterrupted run's bit for bit. ``scripts/kill_resume.py``
+kills at random moments instead, as many times as asked.
 
 The same for ``MemkernTrainer`` (tests/scripts/kill_resume_trainer.py: Hugging Face's Trainer
 saving a checkpoint every TRAINER_EVERY steps, fp16 with skipped steps, ZeRO-2), killed in
@@ -23,7 +27,9 @@ SCRIPT = os.path.join(REPO, "tests", "scripts", "kill_resume_train.py")
 TRAINER_SCRIPT = os.path.join(REPO, "tests", "scripts", "kill_resume_trainer.py")
 EVERY, WINDOWS = 4, 10
 KILLS = ["zero2:backward:2:1", "zero2:step:5:0",
-         "offload-8bit:step:2:1", "offload-8bit:renamed:7:0"]
+         "offload-8bit:step:2:1", "offload-8bit:renamed:7:0",
+         "streamed-8bit:backward:3:0", "streamed-8bit:step:6:1",
+         "offload-1proc:step:2:0", "offload-1proc:backward:5:1"]
 """``<mode>:<point>:<window>:<rank>``: the seeded kills of the CI run."""
 TRAINER_EVERY, TRAINER_STEPS = 2, 8
 TRAINER_KILLS = ["trainer:backward:1:1", "trainer:step:4:0", "trainer:saved:5:0"]
@@ -111,7 +117,8 @@ def run_killed(directory, kills: list[str], **command) -> None:
 @pytest.mark.slow
 def test_killed_at_seeded_points_resumes_bit_for_bit(tmp_path):
     run_killed(tmp_path, KILLS)
-    assert check_run(str(tmp_path), ["zero2", "offload-8bit"], EVERY) == len(KILLS)
+    assert check_run(str(tmp_path), ["zero2", "offload-8bit", "streamed-8bit", "offload-1proc"],
+                     EVERY) == len(KILLS)
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import memkern as mk
+from compare import assert_same_bits
 
 WINDOWS, ACCUMULATION = 8, 2
 POISONED = 5
@@ -97,27 +98,6 @@ def train(model, opt, dtype, windows=WINDOWS, poisoned=POISONED) -> list[float]:
             opt.zero_grad()
         norms.append(opt.grad_norm)
     return norms
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[
-        t.element_size()])
-
-
-def assert_same_bits(a, b, what: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, what
-        assert torch.equal(bits(a), bits(b)), f"{what}: differs"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), what
-        for k in a:
-            assert_same_bits(a[k], b[k], f"{what}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), what
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_bits(x, y, f"{what}[{i}]")
-    else:
-        assert a == b or (a != a and b != b), f"{what}: {a!r} != {b!r}"
 
 
 def snapshot(model, opt):

@@ -13,7 +13,7 @@ import flat_oracle as fo
 import memkern as mk
 from flat_oracle import assert_close64, f64
 from memkern.kernels.state8bit import QBLOCK, num_blocks
-from memkern.optim.flat_state import MIN_8BIT_NUMEL
+from memkern.optim.state_precision import MIN_8BIT_NUMEL
 from memkern.optim.grad_buffer import ALIGN
 from net8bit import apply, gradient_steps, make_net, stored_state
 

@@ -244,6 +244,9 @@ def test_plan_command_writes_table_json_and_plot(tmp_path):
     (["--hf", "llama", "--variant", "patch:frobnicate=1"], "--variant"),
     (["--set", "hidden_size=64"], "--hf"),
     (["--hf", "not-a-model-type"], "not-a-model-type"),
+    (["--hf", "bert-base-uncased"], "Hub model ids are not fetched"),
+    (["--hf", "llama", "--optimizer", "adamw", "--offload", "cpu"], "--optimizer sharded"),
+    (["--offload", "cpu"], "--hf"),
     (["--configs", "torch-amp-compiled"], "compile"),
 ])
 def test_plan_command_bad_input_is_one_line(flags, needle):

@@ -82,8 +82,8 @@ def test_world_size_and_sharding_are_checked():
 
 @pytest.mark.parametrize("flags,needle", [
     (["--world-size", "2"], "--world-size above 1 and --sharding go together"),
-    (["--sharding", "zero2"], "use optimizer='sharded'"),
-    (["--sharding", "fsdp2", "--optimizer", "sharded"], "not 'sharded'"),
+    (["--sharding", "zero2", "--optimizer", "adamw"], "use optimizer='sharded'"),
+    (["--sharding", "fsdp2"], "not 'sharded'"),  # the default optimizer is ShardedOptimizer
 ])
 def test_plan_command_bad_sharding_is_one_line(flags, needle):
     import subprocess

@@ -16,27 +16,33 @@
 #include <optional>
 
 #include "../layer_constants.h"
+#include "dropout.h"
 #include "node.h"
 #include "python_entry.h"
 
-namespace {
+namespace memkern::autograd {
 
-using torch::autograd::variable_list;
-
-
-at::Tensor masked(const at::Tensor& x, const at::Tensor& seed, double p) {
+at::Tensor dropout_with_seed(const at::Tensor& x, const at::Tensor& seed, double p) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("memkern::dropout", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
   return op.call(x.contiguous(), seed, p);
 }
 
-at::Tensor seed_or_draw(const at::Tensor& x, const std::optional<at::Tensor>& seed) {
+at::Tensor dropout_seed(const at::Tensor& x, const std::optional<at::Tensor>& seed) {
   if (seed.has_value() && seed->defined()) {
     return *seed;
   }
   return at::randint(0, memkern::kDropoutSeedHigh, {}, x.options().dtype(at::kLong));
 }
+
+}  // namespace memkern::autograd
+
+namespace {
+
+using memkern::autograd::dropout_seed;
+using memkern::autograd::dropout_with_seed;
+using torch::autograd::variable_list;
 
 // The backward of one call; its one input (next edge) is x.
 struct DropoutBackward : public torch::autograd::Node {
@@ -48,7 +54,7 @@ struct DropoutBackward : public torch::autograd::Node {
     if (!grads[0].defined()) {
       return {at::Tensor()};
     }
-    return {masked(grads[0], seed.unpack(), p)};
+    return {dropout_with_seed(grads[0], seed.unpack(), p)};
   }
 
   void release_variables() override { seed.reset_data(); }
@@ -58,11 +64,11 @@ struct DropoutBackward : public torch::autograd::Node {
 
 at::Tensor dropout_layer_autograd(const at::Tensor& x, const std::optional<at::Tensor>& seed,
                                   double p) {
-  const at::Tensor s = seed_or_draw(x, seed);
+  const at::Tensor s = dropout_seed(x, seed);
   at::Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    out = masked(x, s, p);
+    out = dropout_with_seed(x, s, p);
   }
   if (torch::autograd::compute_requires_grad(x)) {
     auto node = memkern::autograd::make_node<DropoutBackward>();
@@ -76,7 +82,7 @@ at::Tensor dropout_layer_autograd(const at::Tensor& x, const std::optional<at::T
 
 at::Tensor dropout_layer_forward(const at::Tensor& x, const std::optional<at::Tensor>& seed,
                                  double p) {
-  return masked(x, seed_or_draw(x, seed), p);
+  return dropout_with_seed(x, dropout_seed(x, seed), p);
 }
 
 }  // namespace

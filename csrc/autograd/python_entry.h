@@ -114,5 +114,7 @@ void add_dropout_entries(pybind11::module_& m);         // dropout.cpp
 void add_linear_entries(pybind11::module_& m);          // linear.cpp
 void add_mlp_entries(pybind11::module_& m);             // mlp.cpp
 void add_swiglu_entries(pybind11::module_& m);          // swiglu.cpp
+void add_lora_entries(pybind11::module_& m);            // lora.cpp
+void add_swiglu_unit_entries(pybind11::module_& m);     // swiglu_unit.cpp
 
 }  // namespace memkern::autograd

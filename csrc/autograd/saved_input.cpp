@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include "norm.h"
+#include "swiglu_unit.h"
 
 namespace memkern::autograd {
 namespace {
@@ -15,13 +16,16 @@ bool uses_recipe(const at::Tensor& input, const NormRecipe& recipe) {
     return false;
   }
   const bool modulated = recipe.kind == kModulatedLayerNorm;
+  const bool unit = recipe.kind == kSwiGLUUnit;
   const auto present = [](const std::optional<at::Tensor>& t) {
     return t.has_value() && t->defined();
   };
-  TORCH_CHECK(recipe.kind >= kNativeLayerNorm && recipe.kind <= kModulatedLayerNorm &&
+  TORCH_CHECK(recipe.kind >= kNativeLayerNorm && recipe.kind <= kSwiGLUUnit &&
                   present(recipe.x) && recipe.dims >= 0 && recipe.dims <= recipe.x->dim() &&
                   (!modulated || (recipe.dims == 1 && present(recipe.weight) &&
-                                  present(recipe.bias))),
+                                  present(recipe.bias))) &&
+                  (!unit ||
+                   (present(recipe.weight) && recipe.weight->sizes() == recipe.x->sizes())),
               "memkern: invalid norm recipe (norm_kind=", recipe.kind, ", norm_dims=",
               recipe.dims, "); pass no norm_* arguments, or those of a memkern norm's output");
   return true;
@@ -47,6 +51,9 @@ at::Tensor rebuild_norm_output(const at::Tensor& x, const at::Tensor& weight,
   at::NoGradGuard no_grad;
   if (kind == kNativeLayerNorm) {
     return native_layer_norm(x, weight, bias, dims, eps);
+  }
+  if (kind == kSwiGLUUnit) {
+    return swiglu_unit(x, weight);
   }
   if (kind == kModulatedLayerNorm) {
     // torch's normalisation without affine parameters, then the sample's modulation, as

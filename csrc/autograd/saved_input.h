@@ -1,9 +1,11 @@
-// The input a GEMM layer's C++ autograd (linear.cpp, mlp.cpp, swiglu.cpp) saves for backward:
-// the tensor itself, or — when it is a memkern norm's output — the norm's *recipe*: its input
-// and parameters (storage the norm saved anyway) plus which norm, how many trailing dimensions
-// it normalises and its eps, from which backward rebuilds the output bit for bit. The
+// The input a GEMM layer's C++ autograd (linear.cpp, mlp.cpp, swiglu.cpp, lora.cpp) saves for
+// backward: the tensor itself, or — when it is a memkern norm's output — the norm's *recipe*:
+// its input and parameters (storage the norm saved anyway) plus which norm, how many trailing
+// dimensions it normalises and its eps, from which backward rebuilds the output bit for bit. The
 // modulated LayerNorm of adaLN (modulated_norm.cpp) leaves one too: its per-sample scale and
-// shift take the parameters' places. The layer ops take it as their norm_* arguments
+// shift take the parameters' places; and so does SwiGLU's gated unit (swiglu_unit.cpp), the one
+// producer that is not a norm: its gate and up, which it saves itself, take the input's and the
+// weight's. The layer ops take it as their norm_* arguments
 // (memkern/ops/_gemm_layer.py); in eager mode the layers' entry points (python_entry.h)
 // find it on the input, as the WeakNormRecipe the norm's entry left there, and check it is
 // still valid. (Under torch.compile tensors carry no recipe: there
@@ -27,6 +29,9 @@ enum NormKind : int64_t {
   // at::native_layer_norm without affine parameters over the last dimension, then
   // modulate(): weight = scale, bias = shift, both [batch, features] (modulated_norm.cpp)
   kModulatedLayerNorm = 4,
+  // memkern::swiglu_forward(x, weight): SwiGLU's gated unit silu(gate) * up, x = gate,
+  // weight = up (swiglu_unit.cpp); dims and eps unused
+  kSwiGLUUnit = 5,
 };
 
 // How to rebuild the layer input from the norm's tensors (not inputs of the layer's autograd
@@ -50,7 +55,7 @@ at::Tensor modulate(const at::Tensor& normed, const at::Tensor& scale, const at:
 
 // The norm's output rebuilt from its tensors (without building a graph) by the computation the
 // norm ran (norm.h): torch's native_layer_norm (modulated, for the modulated LayerNorm), or
-// memkern::norm_forward.
+// memkern::norm_forward; the gated unit's, memkern::swiglu_forward.
 at::Tensor rebuild_norm_output(const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& bias, int64_t kind, int64_t dims, double eps);
 

@@ -3,7 +3,8 @@
 Each module has the constructor, parameters and ``state_dict`` keys of its torch counterpart
 and documents what it saves for backward. A layer's module and the function deciding it (the
 call of the layer's op) share one file named by the layer (``linear.py``, ``norm.py``,
-``modulated_norm.py``, ``dropout.py``, ``mlp.py``, ``swiglu.py``, ``linear_cross_entropy.py``);
+``modulated_norm.py``, ``dropout.py``, ``mlp.py``, ``swiglu.py``, ``swiglu_unit.py``, ``lora.py``,
+``linear_cross_entropy.py``);
 :mod:`memkern.nn.functional` is the functions' public namespace. :func:`checkpoint` applies a
 recompute policy to any module and :func:`patch` swaps a model's torch layers for these in
 place.

@@ -39,8 +39,8 @@ import torch.utils.checkpoint as tcp
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from memkern._copies import dense, side_stream
 from memkern.nn import input_offload
-from memkern.nn._copies import dense, side_stream
 from memkern.profile.saved import is_parameter, note_saved, reporting
 
 POLICIES = ("full", "selective", "offload", input_offload.POLICY)

@@ -41,7 +41,7 @@ The block's input is its first positional argument, one tensor (it comes back wi
 when they are a permutation of a contiguous layout, else contiguous); its other arguments (an
 attention mask, rotary embeddings) are kept as "full" keeps them. On a device other than CUDA
 (the CPU in the tests, the CPU stand-in of a step :mod:`memkern.profile` plans) the same steps
-run with plain copies (:mod:`memkern.nn._copies`), so the same buffers live at the same moments.
+run with plain copies (:mod:`memkern._copies`), so the same buffers live at the same moments.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from memkern import _fake, _host
-from memkern.nn._copies import copies_for, dense
+from memkern._copies import copies_for, dense
 
 POLICY = "full-host"
 _local = threading.local()  # .tail: weakref to the chain's last call (see run)
@@ -132,7 +132,7 @@ class _BlockInput:
         self.copies = copies_for(x.device)
         self.buffers = buffers
         self.host: _HostBuffer | None = None
-        self.to_host = self.to_device = None  # the copies' ``done`` (see memkern.nn._copies)
+        self.to_host = self.to_device = None  # the copies' ``done`` (see memkern._copies)
         self.previous = weakref.ref(previous) if previous is not None else None
         self.position = previous.position + 1 if previous is not None else 0
         self.packed = False

@@ -19,7 +19,20 @@ What is swapped (each family can be turned off by its keyword):
   in two modules (:mod:`memkern.nn.split_mlp`); and Llama style ``down(silu(gate(x)) * up(x))``
   (``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``). The fused block reads its linear layers'
   weights; a layer replaced after ``patch`` (a LoRA adapter wrapping it) or given a hook makes
-  the block run its own forward, so the adapter or hook is never skipped.
+  the block run its own forward, so the adapter or hook is never skipped — a Llama-style MLP
+  calls its three layers with memkern's gated unit between them
+  (:mod:`memkern.nn.swiglu_unit`). Blocks are recognised through LoRA adapters.
+* ``lora``: PEFT's LoRA layers around linear layers (``peft.tuners.lora.Linear`` and its
+  bitsandbytes kin, recognised by structure: ``base_layer``, the per-adapter ``lora_A``,
+  ``lora_B``, ``lora_dropout``, ``scaling``, ``use_dora``) add their plain adapters through
+  :mod:`memkern.nn.lora` (which saves nothing after a norm and keeps no dropout mask); the
+  adapters' own layers are left as PEFT made them, and the wrapped layer is patched like any
+  other (a 4-bit one is left to bitsandbytes). ``patch`` before or after PEFT's
+  ``get_peft_model`` gives the same layers: a LoRA layer put into a patched model is patched
+  as it is put in (a module registration hook, process-wide, installed by the first ``patch``
+  call). Given a PEFT model, the attention and loss parts apply to the model it wraps
+  (``get_base_model()``); an output layer carrying an adapter keeps its logits and loss
+  unfused (the fused loss would skip the adapter), as the report says.
 * ``attention``: a ``transformers`` model whose attention implementation is SDPA runs it with
   its ``[batch, heads, tokens, tokens]`` probabilities recomputed in backward wherever SDPA
   would keep them (its math kernel: on the CPU, attention dropout on), the dropout mask
@@ -35,7 +48,8 @@ How: each module's class is replaced by a memkern subclass of it (``module.__cla
 so the module object, its parameters (identity, values, names, dtype, device,
 ``requires_grad``), buffers, hooks, ``state_dict`` keys and ``isinstance`` checks are all
 unchanged; only ``forward`` differs. Only exact classes are swapped (a subclass of
-``nn.Linear`` may have its own forward). Patching twice changes nothing.
+``nn.Linear`` may have its own forward: a 4-bit layer's), PEFT's LoRA layers aside, whose
+structure is read. Patching twice changes nothing.
 
 ``patch`` returns the model; :func:`patch_report` (or ``verbose=True``) tells what was swapped
 and what was recognised but left alone, and why.
@@ -56,14 +70,16 @@ from memkern.nn import modulated_norm as _modulated_norm
 from memkern.nn import dropout as _dropout_mod
 from memkern.nn import hf_attention as _hf_attention
 from memkern.nn import linear as _linear_mod
+from memkern.nn import lora as _lora
 from memkern.nn import norm as _norm_mod
 from memkern.nn import split_mlp as _split_mlp
-from memkern.nn.causal_lm_loss import fuse_causal_lm_loss
+from memkern.nn.causal_lm_loss import CausalLMHead, MemkernCausalLMHead, fuse_causal_lm_loss
 from memkern.nn.masked_lm_loss import fuse_masked_lm_loss
 from memkern.nn.linear import linear as _linear
 from memkern.nn.mlp import RECOMPUTE, mlp as _mlp
 from memkern.nn.norm import rms_norm as _rms_norm
 from memkern.nn.swiglu import swiglu as _swiglu
+from memkern.nn.swiglu_unit import swiglu_unit as _swiglu_unit
 
 _MARK = "_memkern_patched"
 
@@ -119,7 +135,9 @@ def _gpt2_mlp_forward(self, hidden_states):
 def _llama_mlp_forward(self, x):
     cfg = self._memkern_mlp
     if not _fused_over(self.gate_proj, self.up_proj, self.down_proj):
-        return self._memkern_base.forward(self, x)
+        # its layers called (LoRA adapters, hooks), memkern's gated unit between them: the
+        # down projection then keeps gate and up, which the unit keeps, not its input
+        return self.down_proj(_swiglu_unit(self.gate_proj(x), self.up_proj(x)))
     return _swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
                    self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias,
                    recompute=cfg["recompute"])
@@ -145,6 +163,7 @@ _FORWARDS = {
     "ada_norm_zero": _modulated_norm.norm_forward,
     "ada_norm_zero_block": _modulated_norm.block_forward,
     "ada_norm_zero_model": _modulated_norm.model_forward,
+    "lora_linear": _lora.peft_lora_forward,
 }
 
 # transformers classes recognised by name: class name -> kind of patched forward
@@ -259,6 +278,29 @@ def _linear_like(m: nn.Module) -> tuple[bool, bool] | None:
             _is_patched(m) and getattr(m, "_memkern_base", type(m)).__name__ == "Conv1D"):
         return True, True
     return None
+
+
+def _lora_base(m: nn.Module) -> nn.Module | None:
+    """The layer a PEFT LoRA layer wraps, when that is a linear layer (``nn.Linear`` or a
+    subclass of it — bitsandbytes' 4-bit and 8-bit layers are —, or GPT-2's ``Conv1D``),
+    recognised by structure: ``base_layer``; the per-adapter ``lora_A``, ``lora_B`` and
+    ``lora_dropout`` module dicts; the ``scaling`` and ``use_dora`` dicts (PEFT's
+    ``LoraLayer``). None for anything else."""
+    base = m._modules.get("base_layer")
+    if base is None or not all(isinstance(m._modules.get(n), nn.ModuleDict)
+                               for n in ("lora_A", "lora_B", "lora_dropout")):
+        return None
+    if not all(isinstance(m.__dict__.get(n), dict) for n in ("scaling", "use_dora")):
+        return None
+    return base if isinstance(base, nn.Linear) or _linear_like(base) is not None else None
+
+
+def _linear_seen_through(m: nn.Module) -> tuple[bool, bool] | None:
+    """:func:`_linear_like` of ``m``, or of the layer it wraps when it is a PEFT LoRA layer: what
+    a block's structure is made of (a fused block still reads weights only of plain layers,
+    :func:`_fused_over`, and runs its own forward otherwise)."""
+    base = _lora_base(m)
+    return _linear_like(m if base is None else base)
 
 
 def _describe(cls: type) -> str:
@@ -401,7 +443,7 @@ def _mlp_layout(m: nn.Module):
     kids = _only_children(m)
     if kids is None:
         return None
-    lin = [n for n, c in kids.items() if _linear_like(c)]
+    lin = [n for n, c in kids.items() if _linear_seen_through(c)]
     act = [n for n, c in kids.items() if _activation_kind(c) is not None]
     drop = [n for n, c in kids.items() if _is_dropout(c)]
     if len(lin) != 2 or len(act) != 1 or len(drop) > 1 or len(kids) != 3 + len(drop):
@@ -434,7 +476,7 @@ def _mlp_config(m: nn.Module, recompute: str):
             return None
         n_fc, n_act, n_proj, n_drop, chain = layout
     fc, act, proj = getattr(m, n_fc), getattr(m, n_act), getattr(m, n_proj)
-    lf, lp = _linear_like(fc), _linear_like(proj)
+    lf, lp = _linear_seen_through(fc), _linear_seen_through(proj)
     kind = _activation_kind(act)
     if lf is None or lp is None or kind is None:
         return None
@@ -461,8 +503,9 @@ def _feed_forward_config(m: nn.Module, recompute: str):
     first, inner, proj, *rest = net
     gelu = _only_children(first)
     if not (type(first).__name__ == "GELU" and type(first).__module__.startswith("diffusers.")
-            and gelu is not None and list(gelu) == ["proj"] and _linear_like(first.proj) == (True, False)
-            and _is_dropout(inner) and _linear_like(proj) == (True, False)
+            and gelu is not None and list(gelu) == ["proj"]
+            and _linear_seen_through(first.proj) == (True, False)
+            and _is_dropout(inner) and _linear_seen_through(proj) == (True, False)
             and all(_is_dropout(d) for d in rest)):
         return None
     if inner.p != 0:
@@ -479,7 +522,7 @@ def _intermediate_layout(m: nn.Module):
     kids = _only_children(m)
     if kids is None or len(kids) != 2:
         return None
-    lin = [n for n, c in kids.items() if _linear_like(c) == (True, False)]
+    lin = [n for n, c in kids.items() if _linear_seen_through(c) == (True, False)]
     act = [n for n, c in kids.items() if _activation_kind(c) is not None]
     if len(lin) == 1 and len(act) == 1 and _forward_calls(m, [lin[0], act[0]]):
         return lin[0], act[0]
@@ -492,7 +535,7 @@ def _residual_norm_layout(m: nn.Module):
     kids = _only_children(m)
     if kids is None or len(kids) != 3:
         return None
-    lin = [n for n, c in kids.items() if _linear_like(c) == (True, False)]
+    lin = [n for n, c in kids.items() if _linear_seen_through(c) == (True, False)]
     drop = [n for n, c in kids.items() if _is_dropout(c)]
     norm = [n for n, c in kids.items() if _is_layer_norm(c)]
     try:
@@ -523,54 +566,64 @@ def _split_mlp_config(layer: nn.Module, recompute: str):
     return im, om, _split_mlp.SplitMLPCall(im, fc, kind, proj, drop, norm, recompute)
 
 
-def patch(model: nn.Module, *, linear: bool = True, norm: bool = True, mlp: bool = True,
-          dropout: bool = True, attention: bool = True, loss: bool = True,
-          recompute: str = "activation", verbose: bool = False) -> nn.Module:
-    """Swap ``model``'s layers for memkern ones in place (see the module docstring); returns
-    ``model``. ``attention``: recompute a ``transformers`` model's SDPA attention probabilities
-    in backward. ``loss``: fuse a ``transformers`` causal or masked LM's output layer and
-    training loss.
-    ``recompute`` is the policy of the swapped MLP blocks ("none" | "activation" | "full")."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"memkern.patch: model must be an nn.Module, got {type(model).__name__}")
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"memkern.patch: recompute={recompute!r} is not one of {RECOMPUTE}")
-    report = PatchReport()
-    for name, m in list(model.named_modules()):
+@dataclasses.dataclass
+class _Options:
+    """What :func:`patch` was asked to swap (its keywords)."""
+    linear: bool
+    norm: bool
+    mlp: bool
+    dropout: bool
+    lora: bool
+    recompute: str
+
+
+def _patch_modules(modules: list[tuple[str, nn.Module]], opts: _Options,
+                   report: PatchReport) -> None:
+    """Swap each of ``modules`` (name, module; parents before their children) that ``opts``
+    asks for and :func:`patch`'s recognisers take."""
+    adapters: set[int] = set()  # PEFT LoRA layers' adapter modules: their forward reads them
+    for name, m in modules:
+        if id(m) in adapters:
+            continue
+        if _lora_base(m) is not None:
+            adapters.update(id(c) for c in _lora.adapter_modules(m))
         if _is_patched(m) or type(m) is SequentialMLP:
             continue
         t = type(m)
         hf = _hf_kind(m)
-        if linear and t is nn.Linear:
+        if opts.lora and _lora_base(m) is not None:
+            _swap(m, _patched_class(t, "lora_linear"), name, report)
+        elif opts.linear and t is nn.Linear:
             _swap(m, _linear_mod.Linear, name, report)
-        elif linear and hf == "conv1d":
+        elif opts.linear and hf == "conv1d":
             _swap(m, _patched_class(t, "conv1d"), name, report)
-        elif norm and t is nn.LayerNorm:
+        elif opts.norm and t is nn.LayerNorm:
             _swap(m, _norm_mod.LayerNorm, name, report)
-        elif norm and t is nn.RMSNorm:
+        elif opts.norm and t is nn.RMSNorm:
             _swap(m, _norm_mod.RMSNorm, name, report)
-        elif norm and hf == "rms_norm":
+        elif opts.norm and hf == "rms_norm":
             w = getattr(m, "weight", None)
             if isinstance(w, nn.Parameter) and w.dim() == 1 and hasattr(m, "variance_epsilon"):
                 _swap(m, _patched_class(t, "rms_norm"), name, report)
             else:
                 report.skipped.append((name, f"{t.__name__} does not have the LlamaRMSNorm layout"))
-        elif norm and (ada := _ada_norm_zero_kind(m)) is not None:
+        elif opts.norm and (ada := _ada_norm_zero_kind(m)) is not None:
             kind, why = ada
             if why is None:
                 _swap(m, _patched_class(t, kind), name, report)
             else:
                 report.skipped.append((name, f"{t.__name__}: {why}"))
-        elif dropout and t is nn.Dropout:
+        elif opts.dropout and t is nn.Dropout:
             _swap(m, _dropout_mod.Dropout, name, report)
-        elif mlp and (cfg := _mlp_config(m, recompute) or _feed_forward_config(m, recompute)):
+        elif opts.mlp and (cfg := _mlp_config(m, opts.recompute)
+                           or _feed_forward_config(m, opts.recompute)):
             if isinstance(cfg, dict):
                 m._memkern_mlp = cfg
                 _swap(m, SequentialMLP if t is nn.Sequential else _patched_class(t, "gpt2_mlp"),
                       name, report)
             else:
                 report.skipped.append((name, f"{t.__name__}: {cfg}"))
-        elif mlp and (split := _split_mlp_config(m, recompute)) is not None:
+        elif opts.mlp and (split := _split_mlp_config(m, opts.recompute)) is not None:
             im, om, call = split
             prefix = name + "." if name else ""
             names = {c: prefix + n for n, c in m.named_children()}
@@ -578,24 +631,106 @@ def patch(model: nn.Module, *, linear: bool = True, norm: bool = True, mlp: bool
             _swap(im, _patched_class(type(im), "split_mlp_intermediate"), names[im], report)
             _swap(om, _patched_class(type(om), "split_mlp_output"), names[om], report)
             _split_mlp.fuse(m, im, om, call)
-        elif mlp and hf == "llama_mlp":
+        elif opts.mlp and hf == "llama_mlp":
             act = getattr(m, "act_fn", None)
-            ok = all(type(getattr(m, n, None)) in (nn.Linear, _linear_mod.Linear)
+            # linear layers: read by the fused block when plain, else called (4-bit layers,
+            # LoRA layers around any)
+            ok = all(isinstance(c := getattr(m, n, None), nn.Linear) or (
+                         isinstance(c, nn.Module) and _lora_base(c) is not None)
                      for n in ("gate_proj", "up_proj", "down_proj"))
             if ok and act is not None and _activation_kind(act) == "silu":
-                m._memkern_mlp = {"recompute": recompute}
+                m._memkern_mlp = {"recompute": opts.recompute}
                 _swap(m, _patched_class(t, "llama_mlp"), name, report)
             else:
                 report.skipped.append((name, f"{t.__name__}: not a silu gate/up/down MLP"))
-    if attention and hasattr(getattr(model, "config", None), "_attn_implementation"):
-        before = model.config._attn_implementation
-        why = _hf_attention.install(model)
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA layers put into a patched model (PEFT's get_peft_model after patch): each module of a
+# patched model carries (its _PatchedTree, its name), and a module registration hook (torch's,
+# process-wide, installed by the first patch call) patches a PEFT LoRA layer as it is put into
+# such a module, with the model's keywords: so patch before or after get_peft_model gives the
+# same layers. Any other registration costs the hook one dict lookup.
+
+_TREE = "_memkern_patched_tree"
+_LORA_HEAD = ("loss not fused: the output layer carries a LoRA adapter, which the fused loss "
+              "would skip; the model computes its logits and loss as without memkern")
+
+
+@dataclasses.dataclass
+class _PatchedTree:
+    opts: _Options
+    report: PatchReport
+
+
+def _mark(modules: list[tuple[str, nn.Module]], tree: _PatchedTree) -> None:
+    for name, m in modules:
+        m.__dict__[_TREE] = (tree, name)
+
+
+def _on_registration(parent: nn.Module, name: str, module: nn.Module | None) -> None:
+    mark = parent.__dict__.get(_TREE)
+    if mark is None or module is None or _lora_base(module) is None or _is_patched(module):
+        return None
+    tree, parent_name = mark
+    modules = list(module.named_modules(prefix=f"{parent_name}.{name}" if parent_name else name))
+    _patch_modules(modules, tree.opts, tree.report)
+    _mark(modules, tree)
+    if isinstance(module.base_layer, (CausalLMHead, MemkernCausalLMHead)):
+        tree.report.skipped.append(("", _LORA_HEAD))  # its fused calls no longer open
+    return None
+
+
+_registration_hook = None
+
+
+def _install_registration_hook() -> None:
+    global _registration_hook
+    if _registration_hook is None:
+        _registration_hook = torch.nn.modules.module.register_module_module_registration_hook(
+            _on_registration)
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The model a wrapper that exposes it through ``get_base_model()`` wraps (PEFT's
+    ``PeftModel``), ``model`` itself otherwise: where the model-level parts (attention, fused
+    loss) are installed."""
+    inner = getattr(model, "get_base_model", None)
+    base = inner() if callable(inner) else model
+    return base if isinstance(base, nn.Module) else model
+
+
+def patch(model: nn.Module, *, linear: bool = True, norm: bool = True, mlp: bool = True,
+          dropout: bool = True, lora: bool = True, attention: bool = True, loss: bool = True,
+          recompute: str = "activation", verbose: bool = False) -> nn.Module:
+    """Swap ``model``'s layers for memkern ones in place (see the module docstring); returns
+    ``model``. ``attention``: recompute a ``transformers`` model's SDPA attention probabilities
+    in backward. ``loss``: fuse a ``transformers`` causal or masked LM's output layer and
+    training loss. ``lora``: PEFT's LoRA layers through :mod:`memkern.nn.lora`, now and when
+    ``get_peft_model`` puts them into the model later.
+    ``recompute`` is the policy of the swapped MLP blocks ("none" | "activation" | "full")."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"memkern.patch: model must be an nn.Module, got {type(model).__name__}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"memkern.patch: recompute={recompute!r} is not one of {RECOMPUTE}")
+    report = PatchReport()
+    opts = _Options(linear, norm, mlp, dropout, lora, recompute)
+    modules = list(model.named_modules())
+    _patch_modules(modules, opts, report)
+    inner = _base_model(model)
+    if attention and hasattr(getattr(inner, "config", None), "_attn_implementation"):
+        before = inner.config._attn_implementation
+        why = _hf_attention.install(inner)
         if why is not None:
             report.skipped.append(("", f"attention not recomputed: {why}"))
         elif before != _hf_attention.NAME:
             report.swapped.append(("", f"attention implementation {before!r}",
                                    f"{_hf_attention.NAME!r} (memkern.nn.hf_attention)"))
-    fused = (fuse_masked_lm_loss(model) or fuse_causal_lm_loss(model)) if loss else None
+    head = getattr(inner, "get_output_embeddings", None)
+    if loss and callable(head) and isinstance(h := head(), nn.Module) and _lora_base(h) is not None:
+        report.skipped.append(("", _LORA_HEAD))
+        loss = False
+    fused = (fuse_masked_lm_loss(inner) or fuse_causal_lm_loss(inner)) if loss else None
     if isinstance(fused, tuple):
         report.swapped.append(fused)
     elif fused is not None:
@@ -604,11 +739,16 @@ def patch(model: nn.Module, *, linear: bool = True, norm: bool = True, mlp: bool
     if previous is not None:  # the report accumulates the swaps of every call
         report.swapped = previous.swapped + report.swapped
     model.__dict__["_memkern_patch_report"] = report
+    _mark(modules, _PatchedTree(opts, report))
+    _install_registration_hook()
     if verbose:
         print(report)
     return model
 
 
 def patch_report(model: nn.Module) -> PatchReport:
-    """What :func:`patch` did to ``model`` (empty if it was never patched)."""
-    return model.__dict__.get("_memkern_patch_report") or PatchReport()
+    """What :func:`patch` did to ``model`` (empty if it was never patched); for a PEFT model
+    around a patched model (``get_peft_model`` after ``patch``), what it did to that model,
+    the LoRA layers ``get_peft_model`` put into it included."""
+    return (model.__dict__.get("_memkern_patch_report")
+            or _base_model(model).__dict__.get("_memkern_patch_report") or PatchReport())

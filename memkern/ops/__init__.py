@@ -37,12 +37,14 @@ from memkern.ops.linear_cross_entropy import (  # noqa: E402
 )
 from memkern.ops.linear_cross_entropy_layer import linear_cross_entropy_layer  # noqa: E402
 from memkern.ops.linear_log_prob_layer import linear_log_prob_layer  # noqa: E402
+from memkern.ops.lora_layer import lora_layer  # noqa: E402
 from memkern.ops.mlp_layer import mlp_layer  # noqa: E402
 from memkern.ops.modulated_norm_layer import modulated_norm_layer  # noqa: E402
 from memkern.ops.norm import norm_backward, norm_forward  # noqa: E402
 from memkern.ops.norm_layer import norm_layer  # noqa: E402
 from memkern.ops.swiglu import swiglu_backward, swiglu_forward  # noqa: E402
 from memkern.ops.swiglu_layer import swiglu_layer  # noqa: E402
+from memkern.ops.swiglu_unit_layer import swiglu_unit_layer  # noqa: E402
 
 NN_OPS = (act_forward, act_backward, swiglu_forward, swiglu_backward, dropout, norm_forward,
           norm_backward, cross_entropy_rows_, cross_entropy_block_grad_,
@@ -51,7 +53,7 @@ __all__ += ["NN_OPS", "act_backward", "act_forward", "cross_entropy_block_grad_"
             "cross_entropy_rows_", "dropout",
             "dropout_layer", "linear_cross_entropy_backward",
             "linear_cross_entropy_forward", "linear_cross_entropy_layer", "linear_layer",
-            "linear_log_prob_layer",
+            "linear_log_prob_layer", "lora_layer",
             "mlp_layer", "modulated_norm_layer",
             "norm_backward", "norm_forward", "norm_layer", "swiglu_backward", "swiglu_forward",
-            "swiglu_layer"]
+            "swiglu_layer", "swiglu_unit_layer"]

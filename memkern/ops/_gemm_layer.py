@@ -1,13 +1,14 @@
-"""What memkern's GEMM layer ops (``memkern::linear_layer``, ``mlp_layer``, ``swiglu_layer``)
-share on the Python side, each read from their C++ autograd (csrc/autograd/): the ``norm_*``
-arguments of their schemas (the input's norm recipe, below), the dtype their output has, and,
-per ``recompute`` mode, the inner ops the MLP and SwiGLU nodes run again in backward instead of
-saving their outputs.
+"""What memkern's GEMM layer ops (``memkern::linear_layer``, ``mlp_layer``, ``swiglu_layer``,
+``lora_layer``) share on the Python side, each read from their C++ autograd (csrc/autograd/):
+the ``norm_*`` arguments of their schemas (the input's norm recipe, below), the dtype their
+output has, and, per ``recompute`` mode, the inner ops the MLP and SwiGLU nodes run again in
+backward instead of saving their outputs.
 
 The ``norm_*`` arguments: the layer input's *recipe* when it is a memkern norm's output
-(:mod:`memkern.nn.norm`), or a modulated LayerNorm's (:mod:`memkern.nn.modulated_norm`), so
-that the layer saves the norm's input and parameters instead of the normalised output and
-rebuilds it in backward (csrc/autograd/saved_input.h).
+(:mod:`memkern.nn.norm`), or a modulated LayerNorm's (:mod:`memkern.nn.modulated_norm`), or
+SwiGLU's gated unit's (:mod:`memkern.nn.swiglu_unit`), so that the layer saves the norm's input
+and parameters instead of the normalised output and rebuilds it in backward
+(csrc/autograd/saved_input.h).
 
     norm_x, norm_weight, norm_bias   the norm's input and parameters (None: no recipe; the
                                      layer saves its input itself); for
@@ -16,7 +17,10 @@ rebuilds it in backward (csrc/autograd/saved_input.h).
                  (``torch.native_layer_norm``), :data:`LAYER_NORM` / :data:`RMS_NORM`
                  (``memkern::norm_forward`` over the flattened trailing dimensions),
                  :data:`MODULATED_LAYER_NORM` (``torch.native_layer_norm`` without affine
-                 parameters, then ``* (1 + scale) + shift`` per sample).
+                 parameters, then ``* (1 + scale) + shift`` per sample); and
+                 :data:`SWIGLU_UNIT`, the one producer that is not a norm: SwiGLU's gated unit
+                 ``memkern::swiglu_forward(norm_x, norm_weight)`` (gate, up:
+                 :mod:`.swiglu_unit_layer`).
     norm_dims    how many trailing dimensions of ``norm_x`` are normalised.
     norm_eps     the norm's eps.
 """
@@ -26,11 +30,12 @@ import torch
 
 from memkern._extension import check_same_in_cpp, compiled
 
-NATIVE_LAYER_NORM, LAYER_NORM, RMS_NORM, MODULATED_LAYER_NORM = 1, 2, 3, 4
+NATIVE_LAYER_NORM, LAYER_NORM, RMS_NORM, MODULATED_LAYER_NORM, SWIGLU_UNIT = 1, 2, 3, 4, 5
 
 check_same_in_cpp(__name__, {"NORM_KINDS": {"native_layer_norm": NATIVE_LAYER_NORM,
                                             "layer_norm": LAYER_NORM, "rms_norm": RMS_NORM,
-                                            "modulated_layer_norm": MODULATED_LAYER_NORM}})
+                                            "modulated_layer_norm": MODULATED_LAYER_NORM,
+                                            "swiglu_unit": SWIGLU_UNIT}})
 
 NORM_RECIPE_SCHEMA = ("Tensor? norm_x=None, Tensor? norm_weight=None, Tensor? norm_bias=None, "
                       "int norm_kind=0, int norm_dims=0, float norm_eps=0.")

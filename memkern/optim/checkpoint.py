@@ -240,7 +240,7 @@ def _header(state_io: StateIO) -> dict[str, Any]:
     """Everything but the tensors; the same on every rank (collective: the item count)."""
     params = state_io.params()
     keys, steps = {}, {}
-    if state_io.opt._state_ready:
+    if state_io.state_ready:
         for i, p in enumerate(params):
             seg = state_io.segment_of(p)
             keys[i], steps[i] = list(seg.state), float(seg.step)
@@ -248,9 +248,8 @@ def _header(state_io: StateIO) -> dict[str, Any]:
         "format": FORMAT,
         "memkern_version": memkern.__version__,
         "world_size": state_io.world_size,
-        "algorithm": state_io.opt.algorithm.__name__,
-        # Optimizer.state_dict skipping the subclasses: the param groups only (no gathering).
-        "param_groups": torch.optim.Optimizer.state_dict(state_io.opt)["param_groups"],
+        "algorithm": state_io.algorithm_name,
+        "param_groups": state_io.param_groups(),
         "shapes": [tuple(p.shape) for p in params],
         "dtypes": [str(p.dtype) for p in params],
         "keys": keys,
@@ -361,7 +360,6 @@ def _verify(state_io: StateIO, name: str, path: str, reader: Any) -> Any:
 def _check_header(state_io: StateIO, name: str, path: str, header: dict[str, Any]) -> None:
     """Raises ValueError naming ``path`` and the first thing of the saved optimizer that does
     not match this one."""
-    opt = state_io.opt
     params = state_io.params()
     here = [(tuple(p.shape), str(p.dtype)) for p in params]
     saved = list(zip(header["shapes"], header["dtypes"]))
@@ -376,15 +374,14 @@ def _check_header(state_io: StateIO, name: str, path: str, header: dict[str, Any
         raise ValueError(
             f"{name}: {path} was saved for another model: {counts}parameter {bad} was saved "
             f"as {show(saved)}, here it is {show(here)}")
-    algorithm = opt.algorithm.__name__
+    algorithm = state_io.algorithm_name
     if header["algorithm"] != algorithm:
         raise ValueError(f"{name}: {path} holds {header['algorithm']} state, this optimizer is "
                          f"{algorithm}; build it with the saved algorithm to load it")
-    opt._check_param_groups(header["param_groups"], name, f"{path} ")
+    state_io.check_param_groups(header["param_groups"], name, f"{path} ")
     group_of = [group for group in header["param_groups"] for _ in group["params"]]
     for i, keys in header["keys"].items():
-        group = {**opt.defaults, **group_of[i]}
-        expected = set(opt.algorithm.state_keys(group))
+        expected = state_io.state_keys(group_of[i])
         if params[i].dtype != torch.float32:
             expected.add("master_param")
         if set(keys) != expected:
@@ -420,9 +417,7 @@ def load_sharded(state_io: StateIO, path: str | os.PathLike) -> None:
 
     # Checked: from here on the optimizer changes.
     params = state_io.params()
-    opt = state_io.opt
-    opt._adopt_param_groups(header["param_groups"], name)
-    opt._init_state()
+    state_io.adopt_param_groups(header["param_groups"], name)
 
     # Where each saved tensor goes: (saved key, its start) -> [(target, target start)].
     saved = defaultdict(list)  # "state.<i>.<key>" / "window.<i>" -> [(start, numel)]
@@ -458,5 +453,5 @@ def load_sharded(state_io: StateIO, path: str | os.PathLike) -> None:
     for target, fqn, offset in copies:
         target.copy_(reads[fqn][offset:offset + target.numel()])
     steps = header["steps"]
-    opt._set_steps({id(p): steps.get(i, 0.0) for i, p in enumerate(params)}, name)
+    state_io.set_steps({id(p): steps.get(i, 0.0) for i, p in enumerate(params)}, name)
     state_io.restore(header["loss_scaler"], header["skipped_steps"], header["window"])

@@ -31,53 +31,28 @@ so a state dict moves between memkern and torch optimizers of the same algorithm
 Differences from ``torch.optim`` that come with flat buffers: a parameter whose gradient is
 None (unused in the forward) is stepped with a zero gradient instead of being skipped
 (weight decay and momentum still apply); ``zero_grad`` zeroes instead of setting None; and
-parameter groups cannot be added after construction. For 16-bit parameters the float32
-master is the source of truth from the first step on: weights written into the model later
-(e.g. ``model.load_state_dict``) are overwritten by the next step unless the optimizer's
-state dict, which holds the masters, is loaded too.
+parameter groups cannot be added after construction. Weights written into the model through
+its parameters after construction (``model.load_state_dict``) become the masters at the next
+step where they differ from the masters' rounding (:meth:`FlatOptimizer._take_as_masters`).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
-import itertools
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DeviceMesh
 
 from memkern import _fake
-from memkern.ops import adamw8bit
-from memkern.optim import dtensor_params
-from memkern.optim.grad_buffer import GradBuffer, aligned, check_params
+from memkern.optim import dtensor_params, state_precision
+from memkern.optim.grad_buffer import GradBuffer, check_params
+from memkern.optim.grad_placement import GradPlacement
 from memkern.optim.replaced_params import ReplacementWatch
-
-
-STATE_PRECISIONS = ("32bit", "8bit")
-"""The ``state_precision`` options of the optimizers: float32 state, or block-wise 8 bits."""
-MIN_8BIT_NUMEL = 4096
-"""With ``state_precision="8bit"``, parameters with fewer elements keep float32 state, as
-bitsandbytes' ``min_8bit_size`` does: biases and norm weights save next to nothing in 8 bits."""
-
-
-def check_state_precision(algorithm: str, precision: Any, where: str = "") -> str:
-    """``precision`` if it is one of :data:`STATE_PRECISIONS`, else a ValueError naming it."""
-    if precision not in STATE_PRECISIONS:
-        raise ValueError(f"memkern {algorithm}: {where}state_precision must be one of "
-                         f"{STATE_PRECISIONS}, got state_precision={precision!r}")
-    return precision
-
-
-def wants_8bit_state(algorithm: str, p: torch.Tensor, group: dict[str, Any]) -> bool:
-    """Whether ``p``'s state is kept in 8 bits: its param group says ``state_precision="8bit"``
-    and it has at least :data:`MIN_8BIT_NUMEL` elements."""
-    precision = check_state_precision(algorithm, group.get("state_precision", "32bit"),
-                                      "a param group's ")
-    return precision == "8bit" and p.numel() >= MIN_8BIT_NUMEL
+from memkern.optim.segment import Segment
 
 
 def _weight_address(p: torch.Tensor) -> int | None:
@@ -86,81 +61,10 @@ def _weight_address(p: torch.Tensor) -> int | None:
     return None if _fake.is_fake(p) else p.data_ptr()
 
 
-@dataclasses.dataclass(eq=False)
-class Segment:
-    """What one optimizer kernel call updates: a contiguous run of one param group and one
-    dtype in the flat layout (for the single-process optimizers, all of that group's
-    parameters of that dtype).
-
-    ``grads`` is the flat gradient the kernel reads and ``weights`` the flat weights it updates
-    (of the parameters' dtype, same length); ``state`` maps state names to flat float32 tensors
-    of that length, created on ``weights``' device, and ``step`` is a one-element float32
-    tensor there. ``params`` are the parameters that lie wholly in the run at ``offsets``:
-    ``param_states`` are their per-parameter state dicts, holding views of the flat state.
-    A rank's shard of a sharded optimizer cuts through parameters and lists none.
-    State and step exist from the optimizer's first step or load on.
-    """
-
-    group: int
-    grads: torch.Tensor
-    weights: torch.Tensor
-    params: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    offsets: list[int] = dataclasses.field(default_factory=list)  # each one's offset in the run
-    state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    param_states: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    step: torch.Tensor | None = None
-    quantized: bool = False
-    """Its moments are stored block-wise in 8 bits (``state_precision="8bit"``)."""
-    quantized_state: dict[str, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
-        default_factory=dict)
-    """State name -> ``(codes, absmax)`` of a quantized segment (int8/uint8 codes of the
-    segment's length, one float32 absmax per block; :mod:`memkern.ops.adamw8bit`). Such a
-    moment appears in ``state`` only while a checkpoint reads or writes it, as float32."""
-    dtensor: bool = False
-    """The local shard of one DTensor parameter (:mod:`memkern.optim.dtensor_params`):
-    ``weights`` is that shard itself, ``grads`` its gradient's shard (set at each step), and
-    the per-parameter state views are DTensors like the parameter."""
-
-    def __post_init__(self) -> None:
-        self.low_precision = self.weights.dtype != torch.float32
-
-    @property
-    def master(self) -> torch.Tensor:
-        """Float32 master weights: ``weights`` themselves when they are float32."""
-        return self.state["master_param"] if self.low_precision else self.weights
-
-    @property
-    def model_weights(self) -> torch.Tensor | None:
-        """The kernels' ``params`` output: the 16-bit weights rewritten from the master in the
-        same pass, or None when the master is the float32 ``weights``."""
-        return self.weights if self.low_precision else None
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per-parameter views of a segment-length flat tensor."""
-        if self.dtensor:
-            return [dtensor_params.as_dtensor_like(flat, self.params[0])]
-        return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
-
-    def add_state(self, key: str, flat: torch.Tensor) -> torch.Tensor:
-        """Stores ``flat`` as state ``key`` and its views in the per-parameter state dicts."""
-        self.state[key] = flat
-        for state, view in zip(self.param_states, self.views(flat)):
-            state[key] = view
-        return flat
-
-    def drop_state(self, key: str) -> torch.Tensor | None:
-        """Removes state ``key`` (and its per-parameter views); returns it (None if absent)."""
-        for state in self.param_states:
-            state.pop(key, None)
-        return self.state.pop(key, None)
-
-    def stored_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of optimizer state it holds, by name (memory accounting)."""
-        stored = dict(self.state)
-        for key, (codes, absmax) in self.quantized_state.items():
-            stored.setdefault(key, codes)
-            stored[key + "_absmax"] = absmax
-        return stored
+def _write_count(p: torch.Tensor) -> int:
+    """How many in-place writes went through ``p``: torch's version counter (``Tensor._version``,
+    what autograd checks saved tensors against), which has no public accessor."""
+    return p._version
 
 
 class Algorithm(Protocol):
@@ -213,28 +117,36 @@ def as_param_groups(params: Any) -> list[dict[str, Any]]:
 class FlatOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` whose update runs as one fused kernel per segment.
 
-    Subclasses name their :class:`Algorithm`. ``grad_dtype`` is the gradient buffer's dtype
-    (None: each parameter's own). Construction moves the parameters into flat storage and
-    makes their ``.grad`` views of ``grad_buffer`` (see the module docstring); the optimizer
-    state (float32 masters, moments, step counters) is created at the first step or load.
+    Subclasses give their :class:`Algorithm` and where the gradients live (a
+    :class:`~memkern.optim.grad_placement.GradPlacement`: the flat buffer's layout and its
+    segments). ``grad_dtype`` is the gradient buffer's dtype (None: each parameter's own).
+    Construction moves the parameters into flat storage and makes their ``.grad`` views of
+    ``grad_buffer`` (see the module docstring); the optimizer state (float32 masters, moments,
+    step counters) is created at the first step or load.
+
+    What checkpoints read and write (through :class:`~memkern.optim.state_io.StateIO`) is the
+    state store's public interface: :attr:`state_ready`, :meth:`init_state`,
+    :meth:`check_param_groups`, :meth:`adopt_param_groups`, :meth:`set_steps`.
     """
 
-    algorithm: ClassVar[Algorithm]
     # torch.amp.GradScaler.step hands such an optimizer `grad_scale` and `found_inf` instead of
     # unscaling and reading found_inf on the host; the kernel takes both.
     _step_supports_amp_scaling = True
 
-    def __init__(self, params: Any, defaults: dict[str, Any], *,
-                 grad_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, params: Any, defaults: dict[str, Any], *, algorithm: Algorithm,
+                 grad_placement: GradPlacement, grad_dtype: torch.dtype | None = None) -> None:
         groups = as_param_groups(params)
+        self.algorithm = algorithm
+        self._grads = grad_placement
         self._mesh = dtensor_params.dtensor_mesh(groups, type(self).__name__)
         # Parameters whose moments are stored in 8 bits: decided before the layout, which
         # keeps them in runs of their own (one kernel call each).
         self._quantized_ids = {id(p) for g in groups for p in g["params"]
-                               if self.algorithm.quantized(p, {**defaults, **g})}
+                               if algorithm.quantized(p, {**defaults, **g})}
         self._float_state_depth = 0
         if self._mesh is None:
-            self.grad_buffer: GradBuffer | None = self._make_grad_buffer(groups, grad_dtype)
+            self.grad_buffer: GradBuffer | None = grad_placement.make_grad_buffer(
+                groups, grad_dtype, self._quantized_ids)
         else:
             if grad_dtype is not None:
                 raise ValueError(
@@ -246,10 +158,14 @@ class FlatOptimizer(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self._built_param_ids = frozenset(id(p) for g in self.param_groups for p in g["params"])
         if self.grad_buffer is not None:
-            self.grad_buffer.flat_params()
+            # Gradients kept on the host are for models that fill the device: their weights
+            # are flattened through host memory, never held twice on the device.
+            self.grad_buffer.flat_params(through_host=grad_placement.on_host)
             # Where each parameter's weights live in the flat layout: checked at every step.
             self._weight_ptrs = [_weight_address(p) for p in self.grad_buffer.params]
             self._replacements = ReplacementWatch(self.grad_buffer.params)
+            # Each parameter's count of in-place writes through it, as of the last check.
+            self._writes = [_write_count(p) for p in self.grad_buffer.params]
         self._segments: list[Segment] = self._make_segments()
         self._state_ready = False
 
@@ -264,33 +180,19 @@ class FlatOptimizer(torch.optim.Optimizer):
         """The kernel-call units and their flat state, read-only (memory accounting, tools)."""
         return tuple(self._segments)
 
-    def _make_grad_buffer(self, groups: list[dict[str, Any]],
-                          grad_dtype: torch.dtype | None) -> GradBuffer:
-        """The flat layout, param group by param group, so that each (param group, dtype) is
-        one contiguous run (the sharded optimizer lays it out for its ranks)."""
-        return GradBuffer([p for g in groups for p in g["params"]], dtype=grad_dtype)
+    @property
+    def state_ready(self) -> bool:
+        """Whether the optimizer state exists (from the first step or load on)."""
+        return self._state_ready
 
     def _make_segments(self) -> list[Segment]:
-        """One segment per (param group, dtype): its whole run of the flat layout (with 8-bit
-        state, cut further into runs of 8-bit and of 32-bit parameters); for DTensor
-        parameters, one per parameter: its local shard."""
+        """The segments of the gradients' part (:mod:`memkern.optim.grad_placement`); for
+        DTensor parameters, one per parameter: its local shard."""
         if self._mesh is not None:
             return [Segment(gi, torch.empty(0), dtensor_params.local_flat(p, "a parameter"),
                             [p], [0], quantized=id(p) in self._quantized_ids, dtensor=True)
                     for gi, g in enumerate(self.param_groups) for p in g["params"]]
-        group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
-        segments = []
-        for bucket in self.grad_buffer.buckets:
-            placed = list(zip(bucket.params, bucket.offsets))
-            runs = itertools.groupby(
-                placed, key=lambda po: (group_of[id(po[0])], id(po[0]) in self._quantized_ids))
-            for (gi, quantized), run in runs:
-                run = list(run)
-                start, end = run[0][1], run[-1][1] + aligned(run[-1][0].numel())
-                segments.append(Segment(gi, bucket.grads[start:end], bucket.weights[start:end],
-                                        [p for p, _ in run], [o - start for _, o in run],
-                                        quantized=quantized))
-        return segments
+        return self._grads.make_segments(self.grad_buffer)
 
     def _check_params_as_built(self, where: str) -> None:
         """A RuntimeError when a parameter stopped requiring grad, its storage was replaced or
@@ -324,6 +226,46 @@ class FlatOptimizer(torch.optim.Optimizer):
                     "flat buffer the model no longer reads, so no step was taken. Move or cast "
                     "the model before building the optimizer")
 
+    def _written_params(self) -> list[torch.Tensor]:
+        """The parameters written into through themselves since the last call
+        (``model.load_state_dict``, ``p.copy_``, ``torch.nn.init``: their write count moved;
+        the optimizer's own writes go to the flat buffers, not through the parameters): one
+        counter read per parameter. A write through ``p.data`` is not counted."""
+        params = self.grad_buffer.params
+        writes = [_write_count(p) for p in params]
+        if writes == self._writes:
+            return []
+        written = [p for p, now, then in zip(params, writes, self._writes) if now != then]
+        self._writes = writes
+        return written
+
+    @torch.no_grad()
+    def _take_as_masters(self, written: list[torch.Tensor]) -> None:
+        """Weights written into the model since the optimizer last wrote them are not lost:
+        where a written parameter's weights differ from what the optimizer would write (its
+        float32 master rounded to the weights' dtype), they become the master; so does any
+        copy of the weights the step writes (:attr:`Segment.weights` on the host). Masters
+        the written values agree with stay as they are: loading the model's weights saved
+        with the optimizer's state, before or after loading that state, changes nothing. On
+        each rank, for the slices of the parameter it owns. (Before the first step or load
+        the masters are made from the weights anyway.)"""
+        if not written or not self._state_ready:
+            return
+        for p in written:
+            seg = self._grads.unit_of(p).segment
+            values = p.detach().reshape(-1)
+            for target in dict.fromkeys([seg.master, seg.weights]):  # one for float32 weights
+                piece = self._grads.owned_piece(p, target)
+                if piece is None:
+                    continue
+                view, start = piece
+                mine = values[start:start + view.numel()]
+                if view.dtype == mine.dtype:
+                    view.copy_(mine)
+                else:  # a float32 master of 16-bit weights: only where it no longer rounds to them
+                    changed = (mine != view.to(mine.dtype)).to(view.device)
+                    view[changed] = mine.to(view.device)[changed].float()
+
     def _check_groups_as_built(self, where: str) -> None:
         """A RuntimeError when the param groups hold a tensor the optimizer was not built with:
         the step updates the parameters of its flat layout, not the tensors swapped in."""
@@ -347,7 +289,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # -------------------------------------------------------------------------------- state
-    def _init_state(self) -> None:
+    def init_state(self) -> None:
         """(Re)creates all optimizer state: masters from the current weights, zero moments."""
         self._refresh_local_shards()
         self.state = defaultdict(dict)
@@ -355,20 +297,23 @@ class FlatOptimizer(torch.optim.Optimizer):
             group = self.param_groups[seg.group]
             seg.param_states = [self.state[p] for p in seg.params]
             seg.state = {}
-            seg.step = torch.zeros((), dtype=torch.float32, device=seg.weights.device)
+            with self._allocating("optimizer state"):
+                seg.step = seg.weights.new_zeros((), dtype=torch.float32)  # where the weights are
             for state in seg.param_states:
                 state["step"] = seg.step
             if seg.low_precision:
-                seg.add_state("master_param", seg.weights.float())
-            seg.quantized_state = {}
-            if seg.quantized:
-                seg.quantized_state = self.algorithm.zero_quantized_state(seg.weights, group)
-            else:
-                for key in self.algorithm.state_keys(group):
-                    seg.add_state(key, torch.zeros_like(seg.weights, dtype=torch.float32))
+                with self._allocating("master weights"):
+                    seg.add_state("master_param", seg.weights.float())
+            with self._allocating("optimizer state"):
+                state_precision.make_moments(seg, self.algorithm, group)
         self._state_ready = True
         if self._float_state_depth:
-            self._dequantize_into_state()
+            state_precision.show_as_float32(self._segments)
+
+    def _allocating(self, holds: str) -> contextlib.AbstractContextManager:
+        """The context the state holding ``holds`` (:data:`memkern._host.HOLDS`) is made in:
+        on the weights' device here (the sharded front end may step on the host)."""
+        return contextlib.nullcontext()
 
     def _refresh_local_shards(self) -> None:
         """Points DTensor parameters' segments at their current local shards: FSDP2 may
@@ -377,11 +322,6 @@ class FlatOptimizer(torch.optim.Optimizer):
         for seg in self._segments:
             if seg.dtensor:
                 seg.weights = dtensor_params.local_flat(seg.params[0], "a parameter")
-
-    def _dequantize_into_state(self) -> None:
-        for seg in self._segments:
-            for key, (codes, absmax) in seg.quantized_state.items():
-                seg.add_state(key, adamw8bit.dequantize(codes, absmax, torch.float32))
 
     @contextlib.contextmanager
     def _float_state(self, write_back: bool):
@@ -392,17 +332,13 @@ class FlatOptimizer(torch.optim.Optimizer):
         so saving and loading is exact. Holds float32 copies of the moments meanwhile."""
         self._float_state_depth += 1
         if self._float_state_depth == 1 and self._state_ready:
-            self._dequantize_into_state()
+            state_precision.show_as_float32(self._segments)
         try:
             yield
         finally:
             self._float_state_depth -= 1
             if self._float_state_depth == 0:
-                for seg in self._segments:
-                    for key, (codes, absmax) in seg.quantized_state.items():
-                        flat = seg.drop_state(key)
-                        if write_back and flat is not None:
-                            adamw8bit.quantize(flat, codes, absmax)
+                state_precision.hide_float32(self._segments, write_back)
 
     # --------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -433,6 +369,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         if self._mesh is None:
             self._check_groups_as_built(f"memkern.{type(self).__name__}.step")
             self._check_params_as_built(f"memkern.{type(self).__name__}.step")
+            self._take_as_masters(self._written_params())
             self.grad_buffer.claim_grads()
             self._apply_update(grad_multiplier, found_inf)
         else:
@@ -447,7 +384,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         if found_inf is not None:
             dtensor_params.agree_on_found_inf(found_inf, self._mesh)
         if not self._state_ready:
-            self._init_state()
+            self.init_state()
         self._refresh_local_shards()
         for seg in self._segments:
             grads = dtensor_params.local_grad(seg.params[0])
@@ -460,7 +397,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                       found_inf: torch.Tensor | None) -> None:
         """The update phase: one kernel call per segment, gradients already in the buffer."""
         if not self._state_ready:
-            self._init_state()
+            self.init_state()
         for seg in self._segments:
             self.algorithm.update(seg, self.param_groups[seg.group], grad_multiplier, found_inf)
 
@@ -485,7 +422,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         not stepped yet gives its initial state (zero moments, step 0): that is what
         ``torch.distributed.checkpoint.load`` loads into, in place."""
         if self._mesh is not None and not self._state_ready:
-            self._init_state()
+            self.init_state()
         with self._float_state(write_back=False):
             state_dict = super().state_dict()
             # New per-parameter dicts: torch's are the live ones, which lose the float32
@@ -524,14 +461,14 @@ class FlatOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         name = f"memkern.{type(self).__name__}.load_state_dict"
-        id_map = self._adopt_param_groups(state_dict["param_groups"], name)
+        id_map = self.adopt_param_groups(state_dict["param_groups"], name)
         with self._float_state(write_back=True):
-            self._init_state()  # with the loaded hyper-parameters (e.g. SGD momentum on or off)
+            self.init_state()  # with the loaded hyper-parameters (e.g. SGD momentum on or off)
             self._load_param_states(state_dict["state"], id_map, name)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _check_param_groups(self, saved_groups: list[dict[str, Any]], name: str,
+    def check_param_groups(self, saved_groups: list[dict[str, Any]], name: str,
                             source: str) -> None:
         """Raises ValueError (its message starting with ``name: source``) if saved param
         groups cannot be loaded into this optimizer: other sizes or state precisions."""
@@ -552,10 +489,10 @@ class FlatOptimizer(torch.optim.Optimizer):
                     f" build the optimizer with state_precision={saved_precision!r} to load it"
                 )
 
-    def _adopt_param_groups(self, saved_groups: list[dict[str, Any]],
+    def adopt_param_groups(self, saved_groups: list[dict[str, Any]],
                             name: str) -> dict[Any, torch.Tensor]:
         """Takes the saved param groups' hyper-parameters; returns saved id -> parameter."""
-        self._check_param_groups(saved_groups, name, "state_dict ")
+        self.check_param_groups(saved_groups, name, "state_dict ")
         saved_groups = copy.deepcopy(saved_groups)
         id_map = {
             saved: p
@@ -621,9 +558,9 @@ class FlatOptimizer(torch.optim.Optimizer):
                 steps[id(p)] = float(saved["step"])
             else:  # torch.optim.SGD keeps no step: a momentum buffer means it has stepped
                 steps[id(p)] = float(any(isinstance(v, torch.Tensor) for v in saved.values()))
-        self._set_steps(steps, name)
+        self.set_steps(steps, name)
 
-    def _set_steps(self, steps: dict[int, float], name: str) -> None:
+    def set_steps(self, steps: dict[int, float], name: str) -> None:
         """Sets the step counters from saved per-parameter steps (``id(p)`` -> step): the
         largest of each param group and dtype, with a warning where they differ."""
         per_segment: dict[tuple[int, torch.dtype], list[float]] = defaultdict(list)

@@ -8,8 +8,11 @@ import torch
 
 from memkern import ops
 from memkern.kernels.state8bit import num_blocks
-from memkern.optim.flat_state import (MIN_8BIT_NUMEL, FlatOptimizer, Segment,
-                                      check_state_precision, wants_8bit_state)
+from memkern.optim.flat_state import FlatOptimizer
+from memkern.optim.state_precision import (check_state_precision,
+                                           wants_8bit_state)
+from memkern.optim.local_grads import LocalGrads
+from memkern.optim.segment import Segment
 
 
 class AdamW:
@@ -41,12 +44,12 @@ class AdamW:
     @staticmethod
     def zero_quantized_state(weights: torch.Tensor,
                              group: dict[str, Any]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        n, device = weights.numel(), weights.device
+        n = weights.numel()  # made from the weights: where they are (the planner follows)
         return {
-            "exp_avg": (torch.zeros(n, dtype=torch.int8, device=device),
-                        torch.zeros(num_blocks(n), dtype=torch.float32, device=device)),
-            "exp_avg_sq": (torch.zeros(n, dtype=torch.uint8, device=device),
-                           torch.zeros(num_blocks(n), dtype=torch.float32, device=device)),
+            "exp_avg": (weights.new_zeros(n, dtype=torch.int8),
+                        weights.new_zeros(num_blocks(n), dtype=torch.float32)),
+            "exp_avg_sq": (weights.new_zeros(n, dtype=torch.uint8),
+                           weights.new_zeros(num_blocks(n), dtype=torch.float32)),
         }
 
     @staticmethod
@@ -90,10 +93,8 @@ class FusedAdamW(FlatOptimizer):
     and loads only into an optimizer of the same ``state_precision``.
     """
 
-    algorithm = AdamW
-
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *,
                  grad_dtype: torch.dtype | None = None, state_precision: str = "32bit") -> None:
         super().__init__(params, AdamW.defaults(lr, betas, eps, weight_decay, state_precision),
-                         grad_dtype=grad_dtype)
+                         algorithm=AdamW, grad_placement=LocalGrads(), grad_dtype=grad_dtype)

@@ -8,7 +8,10 @@ import torch
 
 from memkern import ops
 from memkern.kernels.state8bit import num_blocks
-from memkern.optim.flat_state import FlatOptimizer, Segment, check_state_precision, wants_8bit_state
+from memkern.optim.flat_state import FlatOptimizer
+from memkern.optim.state_precision import check_state_precision, wants_8bit_state
+from memkern.optim.local_grads import LocalGrads
+from memkern.optim.segment import Segment
 
 
 class SGD:
@@ -47,10 +50,9 @@ class SGD:
                              group: dict[str, Any]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         if group["momentum"] == 0:
             return {}  # no momentum, no state: nothing to quantize
-        n, device = weights.numel(), weights.device
-        return {"momentum_buffer": (torch.zeros(n, dtype=torch.int8, device=device),
-                                    torch.zeros(num_blocks(n), dtype=torch.float32,
-                                                device=device))}
+        n = weights.numel()  # made from the weights: where they are (the planner follows)
+        return {"momentum_buffer": (weights.new_zeros(n, dtype=torch.int8),
+                                    weights.new_zeros(num_blocks(n), dtype=torch.float32))}
 
     @staticmethod
     def update(seg: Segment, group: dict[str, Any], grad_multiplier: torch.Tensor | None,
@@ -88,7 +90,7 @@ class FusedSGD(FlatOptimizer):
         grad_dtype: dtype of the flat gradient buffer (None: each parameter's own dtype).
         state_precision: ``"32bit"`` (a float32 momentum buffer) or ``"8bit"``: the momentum
             buffer of every parameter of at least
-            :data:`~memkern.optim.flat_state.MIN_8BIT_NUMEL` elements stored block-wise in 8
+            :data:`~memkern.optim.state_precision.MIN_8BIT_NUMEL` elements stored block-wise in 8
             bits, as AdamW's first moment (1 byte each plus a float32 absmax per
             :data:`~memkern.kernels.state8bit.QBLOCK` elements; :mod:`memkern.ops.sgd8bit`),
             dequantized and requantized inside the same fused step. With ``momentum=0`` SGD
@@ -104,11 +106,9 @@ class FusedSGD(FlatOptimizer):
     the same ``state_precision``.
     """
 
-    algorithm = SGD
-
     def __init__(self, params: Any, lr: float, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *,
                  grad_dtype: torch.dtype | None = None, state_precision: str = "32bit") -> None:
         super().__init__(params, SGD.defaults(lr, momentum, dampening, weight_decay, nesterov,
                                               state_precision),
-                         grad_dtype=grad_dtype)
+                         algorithm=SGD, grad_placement=LocalGrads(), grad_dtype=grad_dtype)

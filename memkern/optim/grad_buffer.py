@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memkern import _host
 from memkern.kernels.state8bit import QBLOCK
 
 ALIGN = QBLOCK
@@ -306,21 +307,32 @@ class GradBuffer:
                 stacklevel=3,
             )
 
-    def flat_params(self) -> list[torch.Tensor]:
+    def flat_params(self, *, through_host: bool = False) -> list[torch.Tensor]:
         """The parameters in one flat tensor per bucket, laid out like the gradients.
 
         On the first call every parameter's storage is moved (``p.data = flat[o:o+n]``) into
         a new flat tensor of its dtype at its gradient's offset, gaps zero; ``p`` stays the
         same ``nn.Parameter`` object. Move or cast the model before this, not after (as with
         any torch optimizer, which keeps references to the parameters it was given).
+
+        While a bucket's flat tensor is filled, the device holds its weights twice (the flat
+        tensor and the parameters' own storages). ``through_host``: each bucket's weights are
+        first copied to host memory and the parameters' storages let go, so that it holds them
+        once, for a model that fills the device; the weights go down and up once.
         """
         self._check_current()
         for b in self.buckets:
             if b.weights is None:
+                held = [p.detach() for p in b.params]
+                if through_host:
+                    with _host.allocating("weights"):
+                        held = [w.to("cpu", copy=True) for w in held]
+                    for p in b.params:
+                        p.data = torch.empty(0, dtype=b.dtype, device=self.device)
                 b.weights = torch.zeros(b.numel, dtype=b.dtype, device=self.device)
-                for p, o in zip(b.params, b.offsets):
-                    slot = b.weights[o:o + p.numel()].view_as(p)
-                    slot.copy_(p.detach())
+                for p, o, w in zip(b.params, b.offsets, held):
+                    slot = b.weights[o:o + w.numel()].view_as(w)
+                    slot.copy_(w)
                     p.data = slot
         return [b.weights for b in self.buckets]
 

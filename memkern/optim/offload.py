@@ -1,13 +1,16 @@
-"""``offload="cpu"``: the optimizer step of :class:`~memkern.optim.ShardedOptimizer` runs on the
-CPU, with the float32 master weights, the optimizer state and the step counters in host
-memory, updated by the C++ CPU kernels (``memkern.ops.adamw_step_`` / ``sgd_step_`` and their
-8-bit forms, on CPU tensors).
+"""``offload="cpu"`` (and ``gradients="host"``): the optimizer step of
+:class:`~memkern.optim.ShardedOptimizer` runs on the CPU, with the float32 master weights, the
+optimizer state and the step counters in host memory, updated by the C++ CPU kernels
+(``memkern.ops.adamw_step_`` / ``sgd_step_`` and their 8-bit forms, on CPU tensors):
+:class:`HostStep`, the :class:`~memkern.optim.step_placement.StepPlacement` that runs it.
 
 :class:`HostOffload` keeps host copies of this rank's slices of the gradients and weights, the
-buffers the kernels run on: pinned, and moved on two CUDA streams of its own (gradients down
-on one, weights up on the other) when the model is on a GPU; for a model on the CPU the
-gradients are read in place and the weights copied. (Across several ranks a model on the CPU
-needs no copies: its segments are the flat buffers themselves.)
+buffers the kernels run on: pinned, and moved on two CUDA streams
+(:class:`~memkern._copies.Transfers`: gradients down on one, weights up on the other)
+when the model is on a GPU; for a model on the CPU the gradients are read in place and the
+weights copied; gradients already in host memory (``gradients="host"``: the window's sums) are
+read in place. (Across several ranks a model on the CPU needs no copies of its weights: its
+segments are the flat buffers themselves.)
 
 **One process: the step overlaps the backward pass** (:class:`OverlappedHostStep`). During a
 window's last backward, each bucket of parameters (a unit of :mod:`memkern.optim.zero`, one
@@ -63,22 +66,102 @@ them (the step then runs after the verdict).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from memkern.optim.flat_state import Segment
-
-Update = Callable[[Segment, torch.Tensor | None, torch.Tensor | None], None]
-"""``update(segment, grad_multiplier, found_inf)``: one optimizer kernel call on a segment."""
+from memkern import _fake, _host
+from memkern._copies import Transfers
+from memkern.optim.grad_placement import GradPlacement
+from memkern.optim.segment import Segment
+from memkern.optim.step_placement import StepPlacement, Update
 
 
 def _use_threads(n: int) -> None:
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
+
+
+class HostStep(StepPlacement):
+    """The step on the host (see the module docstring): the
+    :class:`~memkern.optim.step_placement.StepPlacement` of ``offload="cpu"`` and
+    ``gradients="host"``.
+
+    Args:
+        update: the kernel call of one segment.
+        overlapped: one process: the steps start during the window's last backward pass
+            (:class:`OverlappedHostStep`), on host copies of the weights.
+        num_threads: the intra-op threads of each overlapped step (the process's).
+        hyperparameters: ``hyperparameters(i)``, the current hyper-parameters of segment
+            ``i``'s param group (what its step reads besides the state and gradients).
+        setting: the argument that chose this part, for error messages.
+    """
+
+    def __init__(self, update: Update, overlapped: bool, num_threads: int,
+                 hyperparameters: Callable[[int], dict[str, Any]], setting: str) -> None:
+        self.update, self.overlapped, self.num_threads = update, overlapped, num_threads
+        self.hyperparameters, self.setting = hyperparameters, setting
+        self.overlap: OverlappedHostStep | None = None
+        self._grads: GradPlacement | None = None
+
+    def home(self, segments: list[Segment], grads_on_host: bool) -> None:
+        """Re-homes each segment on :class:`HostOffload`'s host tensors."""
+        device = segments[0].weights.device
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"memkern.ShardedOptimizer: {self.setting} needs the model on the "
+                             f"CPU or a CUDA GPU, not on {device}")
+        transfers = Transfers(device)
+        # Copies of the weights: from a GPU (or a GPU planned for), and in one process, where
+        # the host steps start before step() and must not touch the model's weights.
+        self.copies_weights = transfers.pinned or self.overlapped
+        self.host = HostOffload([(seg.grads, seg.weights) for seg in segments], transfers,
+                                self.copies_weights, grads_on_host)
+        for seg, grads, weights in zip(segments, self.host.grads, self.host.weights):
+            seg.grads, seg.weights = grads, weights
+        # The overlap reads each window's verdict on the host, which fake tensors (the
+        # planner's) do not have: planned, the steps run after the verdict.
+        if self.overlapped and not _fake.fake_mode_active():
+            self.overlap = OverlappedHostStep(segments, self.update, self.host, self.num_threads,
+                                              self.hyperparameters)
+
+    def allocating(self, holds: str) -> contextlib.AbstractContextManager:
+        return _host.allocating(holds)
+
+    def pull_weights(self) -> None:
+        self.host.pull_weights()
+
+    def run(self, segments: list[Segment], update: Update, grad_multiplier: torch.Tensor,
+            found_inf: torch.Tensor) -> None:
+        """Settles the overlapped steps of the window, or (several ranks, a window closed by
+        ``step(force=True)``, one whose early steps were undone) steps every segment now."""
+        if self.overlap is not None and self.overlap.active:
+            self.overlap.finish(grad_multiplier, found_inf)
+            return
+        self.host.step(segments, update, grad_multiplier, found_inf)
+
+    def begin_last_backward(self, prepare: Callable[[], torch.Tensor],
+                            grads: GradPlacement) -> None:
+        if self.overlap is None:
+            return
+        self.overlap.begin(prepare())
+        self._grads = grads
+        grads.watch_units(self.overlap.segment_ready)
+
+    def end_last_backward(self) -> None:
+        if self.overlap is None or not self.overlap.active:
+            return
+        self._grads.watch_units(None)
+        self.overlap.end()
+
+    def settle(self) -> None:
+        if self.overlap is None or not self.overlap.active:
+            return
+        self._grads.watch_units(None)
+        self.overlap.undo()
 
 
 class HostOffload:
@@ -87,87 +170,70 @@ class HostOffload:
 
     Args:
         views: per segment, ``(grads, weights)``: this rank's slices of the reduced gradients
-            and of the model weights (1-D, same length), on a GPU or on the CPU.
+            (on the model's device, or already in host memory: ``gradients="host"``) and of
+            the model weights (1-D, same length).
+        transfers: the copies to and from the model's device.
+        copy_weights: the weights are stepped on host copies (else in place: a model on the
+            CPU across ranks).
+        grads_on_host: the gradients are in host memory already.
 
     ``grads[i]`` and ``weights[i]`` are the host tensors segment ``i`` is built on, of the
-    views' dtypes: pinned copies for a GPU; for a model on the CPU the gradients themselves
-    (read where they are) and copies of the weights. For float32 parameters ``weights[i]`` is
-    the master itself (the kernel updates it in place); for 16-bit ones the kernel rewrites it
-    from the master. The model's weights change in :meth:`push_weights` only.
+    views' dtypes: gradients on a GPU (or a GPU planned for) are copied down into pinned
+    memory, those already in host memory and a CPU model's read in place; weights are copies
+    when ``copy_weights``. All made by :func:`memkern._host.empty`. For float32
+    parameters ``weights[i]`` is the master itself (the kernel updates it in place); for
+    16-bit ones the kernel rewrites it from the master. The model's weights change in
+    :meth:`push_weights` only.
     """
 
-    def __init__(self, views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.views = views
-        self.device = views[0][1].device
-        self.cuda = self.device.type == "cuda"
-        if self.cuda:
-            self.grads = [torch.empty(g.shape, dtype=g.dtype, pin_memory=True) for g, _ in views]
-            self.download = torch.cuda.Stream(self.device)
-            self.upload = torch.cuda.Stream(self.device)
-        else:
-            self.grads = [g for g, _ in views]
-        self.weights = [torch.empty(w.shape, dtype=w.dtype, pin_memory=self.cuda)
-                        for _, w in views]
+    def __init__(self, views: list[tuple[torch.Tensor, torch.Tensor]], transfers: Transfers,
+                 copy_weights: bool, grads_on_host: bool) -> None:
+        self.views, self.transfers = views, transfers
+        self.cuda = transfers.cuda
+        pinned = transfers.pinned
+        self.grads = [_host.empty(g.numel(), g.dtype, pinned=True, holds="gradients")
+                      if pinned and not grads_on_host else g for g, _ in views]
+        self.weights = [_host.empty(w.numel(), w.dtype, pinned=pinned, holds="weights")
+                        if copy_weights else w for _, w in views]
         # Per segment, the event of its last upload: the host must not rewrite weights[i]
         # before that copy has read it.
         self._uploaded: list[torch.cuda.Event | None] = [None] * len(views)
-        self._scalars = torch.empty(2, dtype=torch.float32, pin_memory=self.cuda)
+        self._scalars = _host.empty(2, torch.float32, pinned=pinned, holds="optimizer state")
         self.pull_weights()
 
     def pull_weights(self) -> None:
         """The model's weights into the host copies (waits): before the masters are made from
         them at the first step or load, so weights loaded into the model since count."""
         for (_, model_w), host_w in zip(self.views, self.weights):
-            host_w.copy_(model_w)
+            if host_w is not model_w:
+                host_w.copy_(model_w)
 
     def fetch(self, host: torch.Tensor, source: torch.Tensor) -> torch.cuda.Event | None:
-        """Copies ``source`` into the host tensor ``host``: from a GPU on the download stream,
-        after the work enqueued so far on the current stream, returning the event of its
-        arrival; on the CPU at once (None)."""
-        if not self.cuda:
-            host.copy_(source)
-            return None
-        self.download.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.download):
-            host.copy_(source, non_blocking=True)
-            arrived = torch.cuda.Event()
-            arrived.record(self.download)
-        return arrived
+        """Copies ``source`` into the host tensor ``host`` (see :meth:`Transfers.down`)."""
+        return self.transfers.down(host, source)
 
     def fetch_grads(self, i: int) -> torch.cuda.Event | None:
-        """Segment ``i``'s gradients down (see :meth:`fetch`; on the CPU, nothing to do)."""
-        return self.fetch(self.grads[i], self.views[i][0]) if self.cuda else None
+        """Segment ``i``'s gradients down (nothing to do when they are read in place)."""
+        grads, source = self.grads[i], self.views[i][0]
+        return None if grads is source else self.fetch(grads, source)
 
     def weights_free(self, i: int) -> None:
         """Waits until the last upload of segment ``i``'s weights has read them."""
-        if self._uploaded[i] is not None:
-            self._uploaded[i].synchronize()
+        self.wait(self._uploaded[i])
 
     def push_weights(self, i: int) -> None:
         """Segment ``i``'s host weights into the model: on the upload stream from a GPU (any
-        thread), at once on the CPU."""
+        thread), at once on the CPU (nothing to do when they were stepped in place)."""
         model_w = self.views[i][1]
-        if not self.cuda:
-            model_w.copy_(self.weights[i])
-            return
-        with torch.cuda.stream(self.upload):
-            model_w.copy_(self.weights[i], non_blocking=True)
-            uploaded = torch.cuda.Event()
-            uploaded.record(self.upload)
-        self._uploaded[i] = uploaded
+        if self.weights[i] is not model_w:
+            self._uploaded[i] = self.transfers.up(model_w, self.weights[i])
 
     def join(self) -> None:
         """The current stream waits for both copy streams (the next forward reads the
         weights, the next backward writes the gradients)."""
-        if self.cuda:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_stream(self.upload)
-            current.wait_stream(self.download)
+        self.transfers.join()
 
-    @staticmethod
-    def wait(event: torch.cuda.Event | None) -> None:
-        if event is not None:
-            event.synchronize()
+    wait = staticmethod(Transfers.wait)
 
     def step(self, segments: list[Segment], update: Update, grad_multiplier: torch.Tensor,
              found_inf: torch.Tensor) -> None:
@@ -212,11 +278,14 @@ class OverlappedHostStep:
         # One thread runs the host steps in the order their gradients arrived; each step's
         # kernel runs on the intra-op threads (with OpenMP the thread's own team, whose size
         # is the thread's own setting: made the process's).
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="memkern-host-step",
-                                          initializer=_use_threads, initargs=(num_threads,))
+        self._worker = _fake.thread_pool(host.weights[0], 1,
+                                         thread_name_prefix="memkern-host-step",
+                                         initializer=_use_threads, initargs=(num_threads,))
         self._lock = threading.Lock()
-        self._spec = torch.empty(1, dtype=torch.float32, pin_memory=host.cuda)
-        self._verdict_values = torch.empty(2, dtype=torch.float32, pin_memory=host.cuda)
+        pinned = host.transfers.pinned
+        self._spec = _host.empty(1, torch.float32, pinned=pinned, holds="optimizer state")
+        self._verdict_values = _host.empty(2, torch.float32, pinned=pinned,
+                                           holds="optimizer state")
         self.active = False
         self.speculate = True
         """Whether the next window steps before the verdict (False after a clipped one)."""
@@ -357,7 +426,8 @@ class OverlappedHostStep:
         live = self._state_tensors(self.segments[i])
         backup = self._backups[i]
         if backup is None or backup.keys() != live.keys():
-            backup = {k: torch.empty_like(t) for k, t in live.items()}
+            with _host.allocating("state copies"):
+                backup = {k: torch.empty_like(t) for k, t in live.items()}
             self._backups[i] = backup
         for k, t in live.items():
             backup[k].copy_(t)

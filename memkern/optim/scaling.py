@@ -1,6 +1,7 @@
 """Loss scaling and clipping of :class:`~memkern.optim.ShardedOptimizer`'s window gradient:
-the ``loss_scale`` argument as a :class:`~memkern.LossScaler`, the window gradient's norm (which
-is also its inf check) and the one multiplier the optimizer kernels apply to every gradient.
+the ``loss_scale`` argument as a :class:`~memkern.LossScaler` and the one multiplier the
+optimizer kernels apply to every gradient. (The window gradient's norm, which is also its inf
+check, is the gradients' part's: :meth:`~memkern.optim.grad_placement.GradPlacement.window_norm`.)
 
 All on the device, without a host read: the window's gradient is the scaled sum of its
 micro-batch gradients, and the kernels multiply it by
@@ -14,10 +15,7 @@ from typing import Any
 
 import torch
 
-from memkern import ops
 from memkern.amp.loss_scaler import LossScaler
-from memkern.optim.grad_buffer import GradBuffer
-from memkern.optim.zero import Shards
 
 
 def loss_scaler_for(loss_scale: Any) -> LossScaler:
@@ -37,29 +35,6 @@ def loss_scaler_for(loss_scale: Any) -> LossScaler:
         "memkern.ShardedOptimizer: loss_scale must be None (no scaling), 'dynamic', a finite "
         f"number > 0 (a static scale) or a memkern.LossScaler, got {loss_scale!r}"
     )
-
-
-def scaled_grad_norm(grad_buffer: GradBuffer, shards: Shards | None, num_items: torch.Tensor,
-                     gradless: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """L2 norm of the window's accumulated (scaled, un-normalised) gradient, and the window's
-    ``num_items`` and ``gradless`` (backward passes that reached no parameter) totals, as
-    0-dim device tensors.
-
-    One process: one read-only pass per flat buffer. Non-finite exactly when some gradient is
-    (or when the squares overflow float32, i.e. scaled gradients above ~1e19). Across ranks
-    (after the reduction, ``shards``): each rank's norm over its reduced shard, then one
-    all-reduce of ``[norm², num_items, gradless]`` in float64, whose sum is non-finite exactly
-    when some rank's shard holds an inf/NaN (squares are >= 0 and cannot overflow float64).
-    """
-    if shards is None:
-        norms = [ops.l2_norm(b.grads) for b in grad_buffer.buckets]
-        norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-        return norm, num_items, gradless
-    squares = [ops.l2_norm(shards.shard_grads_of(u)).double().square() for u in shards.units]
-    packet = torch.stack([torch.stack(squares).sum(), num_items, gradless])
-    shards.all_reduce(packet)
-    return packet[0].sqrt().float(), packet[1], packet[2]
 
 
 def unclipped_multiplier(scaler: LossScaler, normaliser: torch.Tensor | int,

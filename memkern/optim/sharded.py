@@ -59,17 +59,25 @@ In one process phase 3 starts during the window's last backward pass, bucket by 
 their gradients become final, and the window's end only settles it (kept, undone on an
 overflow, redone when clipped): the same bits as phase 3 run after phase 2.
 
-Where each part lives: this module is the step (the window's end above, its CUDA-graph
-capture, and where phase 3 runs: on the device, or on the host through
-:class:`~memkern.optim.offload.HostOffload`) and the public API over the parts:
+``gradients="host"`` keeps no gradient buffer on the device: each bucket's gradients are
+reduced during backward (across ranks) and streamed to host memory, where the window sums
+them, and phase 3 runs on the host as with offload (:mod:`memkern.optim.streamed_grads`).
+
+Where each part lives: this module is the window's end above, its CUDA-graph capture and the
+public API, composed of parts (docs/architecture.md): where the gradients live
+(:mod:`memkern.optim.grad_placement`: :class:`~memkern.optim.local_grads.LocalGrads` in one
+process, :class:`~memkern.optim.zero.Shards` for ZeRO-1/2 and with the step on the host,
+:class:`~memkern.optim.streamed_grads.StreamedGrads`; each also phase 1's norm and the
+collectives), where phase 3 runs (:mod:`memkern.optim.step_placement`: on the device, or
+:class:`~memkern.optim.offload.HostStep`), :mod:`memkern.optim.state_precision`,
 :mod:`memkern.optim.window` (the accumulation window's bookkeeping),
-:mod:`memkern.optim.scaling` (loss scaling, the norm and inf check, clipping: phases 1-2),
-:mod:`memkern.optim.zero` (the sharded layout, the collectives, stage 2's reduction during
-backward), :mod:`memkern.optim.state_io` (where each rank keeps what state dicts and
-checkpoints save) and :mod:`memkern.optim.checkpoint` (the sharded checkpoint format).
+:mod:`memkern.optim.scaling` (loss scaling and clipping: phase 2),
+:mod:`memkern.optim.state_io` (what state dicts and checkpoints read and write, through the
+parts) and :mod:`memkern.optim.checkpoint` (the sharded checkpoint format).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -80,18 +88,36 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from memkern.optim import checkpoint
-from memkern.optim.flat_state import FlatOptimizer, Segment, as_param_groups
+from memkern.optim.flat_state import FlatOptimizer, as_param_groups
 from memkern.optim.fused_adamw import AdamW
 from memkern.optim.fused_sgd import SGD
-from memkern.optim.grad_buffer import GradBuffer
-from memkern.optim.offload import OverlappedHostStep
-from memkern.optim.scaling import (grad_multiplier, loss_scaler_for, scaled_grad_norm,
-                                   unclipped_multiplier)
+from memkern.optim.grad_placement import GradPlacement
+from memkern.optim.local_grads import LocalGrads
+from memkern.optim.offload import HostStep, OverlappedHostStep
+from memkern.optim.process_group import WeakGroup
+from memkern.optim.scaling import grad_multiplier, loss_scaler_for, unclipped_multiplier
+from memkern.optim.segment import Segment
 from memkern.optim.state_io import StateIO
+from memkern.optim.step_placement import DeviceStep
+from memkern.optim.streamed_grads import StreamedGrads
 from memkern.optim.window import AccumulationWindow
 from memkern.optim.zero import Shards, _weak_hook
 
 ALGORITHMS = {"adamw": AdamW, "sgd": SGD}
+GRADIENTS = ("device", "host")
+"""Where the window's gradients live: the ``gradients`` options of ``ShardedOptimizer``."""
+
+
+def _grad_placement(gradients: str, offload: str | None, group: Any, rank: int, world: int,
+                    zero_stage: int, bucket_size_mb: float) -> GradPlacement:
+    """The part that holds the gradients (:mod:`memkern.optim.grad_placement`): streamed to
+    the host; one process's whole device buffer; or ZeRO's units across ranks (and in one
+    process when the step runs on the host, which steps unit by unit during backward)."""
+    if gradients == "host":
+        return StreamedGrads(group, rank, world, bucket_size_mb)
+    if world == 1 and offload is None:
+        return LocalGrads()
+    return Shards(group, rank, world, zero_stage, bucket_size_mb)
 
 
 def _refuse_dtensors(groups: list[dict[str, Any]], name: str) -> None:
@@ -154,7 +180,9 @@ class ShardedOptimizer(FlatOptimizer):
             else one process. Every rank of the group builds the optimizer with the same
             parameters (shapes, order, param groups) and arguments, which is checked at
             construction (a mismatch raises ValueError on every rank); the weights are then
-            broadcast from the group's rank 0, as ``DistributedDataParallel`` does.
+            broadcast from the group's rank 0, as ``DistributedDataParallel`` does. Held
+            weakly: ``destroy_process_group()`` frees it even while the optimizer lives
+            (whose collectives then raise RuntimeError).
         accumulation_steps: micro-batches per optimizer step (>= 1).
         loss_scale: None (no scaling), ``"dynamic"`` (``LossScaler()``'s defaults), a number
             (a static scale) or a :class:`~memkern.LossScaler` for custom settings.
@@ -163,6 +191,14 @@ class ShardedOptimizer(FlatOptimizer):
             host memory, stepped by the C++ CPU kernel (:mod:`memkern.optim.offload`); in one
             process each bucket's step starts during the window's last backward pass, and
             :meth:`step` settles it (the parameters change in :meth:`step` only).
+        gradients: where the window's gradients live: ``"device"`` (the flat buffer on the
+            parameters' device; across ranks as ``zero_stage`` says) or ``"host"``: no
+            gradient buffer on the device; each bucket's gradients, once backward has made
+            them (reduce-scattered across ranks, which needs ``zero_stage=2``), are copied to
+            host memory, where the window's micro-batches are summed in the gradient dtype,
+            and the step runs on the host as with ``offload="cpu"`` (implied). The device
+            then keeps the weights and the buckets in flight only
+            (:mod:`memkern.optim.streamed_grads`).
         bucket_size_mb: the largest communication bucket across ranks, in MiB of gradients
             (> 0); a larger parameter is a bucket of its own.
 
@@ -183,11 +219,16 @@ class ShardedOptimizer(FlatOptimizer):
     # It scales and checks its own gradients: torch.amp.GradScaler must not drive it.
     _step_supports_amp_scaling = False
 
+    process_group = WeakGroup("memkern.ShardedOptimizer")
+    """The process group it runs on (None: one process), held weakly
+    (:mod:`memkern.optim.process_group`)."""
+
     def __init__(self, params: Any, optimizer: str = "adamw", *, lr: float,
                  grad_dtype: torch.dtype | None = None, zero_stage: int = 1,
                  process_group: Any = None, accumulation_steps: int = 1, loss_scale: Any = None,
                  max_grad_norm: float | None = None, offload: str | None = None,
-                 bucket_size_mb: float = 25, **hyperparams: Any) -> None:
+                 gradients: str = "device", bucket_size_mb: float = 25,
+                 **hyperparams: Any) -> None:
         name = "memkern.ShardedOptimizer"
         if optimizer not in ALGORITHMS:
             raise ValueError(f"{name}: optimizer must be one of {sorted(ALGORITHMS)}, got "
@@ -211,30 +252,44 @@ class ShardedOptimizer(FlatOptimizer):
             raise ValueError(f"{name}: bucket_size_mb must be > 0, got {bucket_size_mb!r}")
         if offload not in (None, "cpu"):
             raise ValueError(f"{name}: offload must be None or 'cpu', got {offload!r}")
+        if gradients not in GRADIENTS:
+            raise ValueError(f"{name}: gradients must be one of {GRADIENTS}, got {gradients!r}")
         params = as_param_groups(params)
         _refuse_dtensors(params, name)
         group, self.rank, self.world_size = _group_and_rank(process_group)
-        # The multi-rank (or offload) machinery; None: the plain single-process optimizer.
-        self._shards = (Shards(group, self.rank, self.world_size, zero_stage, offload,
-                               bucket_size_mb)
-                        if self.world_size > 1 or offload is not None else None)
+        if gradients == "host":
+            if self.world_size > 1 and zero_stage == 1:
+                raise ValueError(
+                    f"{name}: gradients='host' reduce-scatters each bucket's gradients during "
+                    "backward, as zero_stage=2 does (zero_stage=1 reduces the whole gradient at "
+                    "the window's end, which needs it on the device); pass zero_stage=2")
+            offload = "cpu"  # the step runs where the gradients are
         # What every rank must agree on, checked at construction (with the parameters).
         self._settings = {
             "optimizer": optimizer, "lr": lr, **{k: repr(v) for k, v in hyperparams.items()},
             "grad_dtype": str(grad_dtype), "zero_stage": zero_stage, "offload": offload,
-            "accumulation_steps": accumulation_steps, "max_grad_norm": max_grad_norm,
-            "loss_scale": repr(loss_scale), "bucket_size_mb": bucket_size_mb,
+            "gradients": gradients, "accumulation_steps": accumulation_steps,
+            "max_grad_norm": max_grad_norm, "loss_scale": repr(loss_scale),
+            "bucket_size_mb": bucket_size_mb,
         }
-        self.algorithm = algorithm
-        super().__init__(params, algorithm.defaults(lr=lr, **hyperparams), grad_dtype=grad_dtype)
-        if self._shards is not None:
-            self._shards.broadcast_weights(self.grad_buffer)
+        grads = _grad_placement(gradients, offload, group, self.rank, self.world_size,
+                                zero_stage, bucket_size_mb)
+        grads.check_consistent(params, self._settings)
+        super().__init__(params, algorithm.defaults(lr=lr, **hyperparams), algorithm=algorithm,
+                         grad_placement=grads, grad_dtype=grad_dtype)
+        grads.broadcast_weights(self.grad_buffer)
+        self._steps = (DeviceStep() if offload is None else
+                       HostStep(self._update_segment, self.world_size == 1,
+                                torch.get_num_threads(), self._segment_hyperparameters,
+                                "gradients='host'" if gradients == "host" else "offload='cpu'"))
+        self._steps.home(self._segments, grads.on_host)
         self.optimizer_name = optimizer
         self.zero_stage = zero_stage
         self.process_group = group
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.offload = offload
+        self.gradients = gradients
         self.bucket_size_mb = bucket_size_mb
         self.scaler = loss_scaler_for(loss_scale)
         device = self.grad_buffer.device
@@ -242,30 +297,28 @@ class ShardedOptimizer(FlatOptimizer):
         self._window = AccumulationWindow(device, accumulation_steps)
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
         self._grad_norm: torch.Tensor | None = None
-        self._io = StateIO(self, self._shards, self._window, self.scaler, self._skipped, group,
-                           self.rank, self.world_size)
-        # offload="cpu" in one process: the host steps start during the window's last
-        # backward pass (memkern.optim.offload).
-        self._overlap = (OverlappedHostStep(self._segments, self._update_segment,
-                                            self._shards.host, torch.get_num_threads(),
-                                            self._segment_hyperparameters)
-                         if offload == "cpu" and self.world_size == 1 else None)
+        self._io = StateIO(self, grads, self._steps, self._window, self.scaler, self._skipped,
+                           group, self.rank, self.world_size)
         # A gradient that arrives outside backward() (a plain loss.backward(), accelerate's
         # backward) is neither scaled nor counted: step() refuses it instead of stepping wrong.
         for p in self._params():
             p.register_post_accumulate_grad_hook(_weak_hook(self._window.note_grad))
 
-    def _make_grad_buffer(self, groups: list[dict[str, Any]],
-                          grad_dtype: torch.dtype | None) -> GradBuffer:
-        if self._shards is None:
-            return super()._make_grad_buffer(groups, grad_dtype)
-        self._shards.check_consistent(groups, self._settings)
-        return self._shards.make_grad_buffer(groups, grad_dtype, self._quantized_ids)
+    @property
+    def _shards(self) -> GradPlacement:
+        """Where the gradients live (a :class:`~memkern.optim.zero.Shards` across ranks or
+        with the step on the host): its units, for tests and tools."""
+        return self._grads
 
-    def _make_segments(self) -> list[Segment]:
-        if self._shards is None:
-            return super()._make_segments()
-        return self._shards.make_segments(self.grad_buffer)
+    @property
+    def _overlap(self) -> OverlappedHostStep | None:
+        """The host steps overlapped with the window's last backward (one process, the step
+        on the host); None runs them after the window's verdict, as across ranks."""
+        return self._steps.overlap
+
+    @_overlap.setter
+    def _overlap(self, overlap: OverlappedHostStep | None) -> None:
+        self._steps.overlap = overlap
 
     def _params(self) -> list[torch.Tensor]:
         """The parameters in state-dict index order."""
@@ -299,30 +352,22 @@ class ShardedOptimizer(FlatOptimizer):
             window.add_items(num_items)
         window.check_before_backward(loss)
         scaled = self.scaler.scale(loss)
-        overlap = self._overlap
-        if overlap is not None:
-            overlap.undo()  # a backward after the window's last one voids its early steps
-            if window.micro_batches + 1 < self.accumulation_steps:
-                overlap = None
-            else:
-                self._begin_overlap(overlap, mode)
+        steps, grads = self._steps, self._grads
+        steps.settle()  # a backward after the window's last one voids its early steps
+        last = window.micro_batches + 1 >= self.accumulation_steps
+        if last:
+            steps.begin_last_backward(lambda: self._unclipped_multiplier(mode), grads)
         with window.backward_pass():
-            if self._shards is None:
+            grads.begin_backward()
+            try:
                 scaled.backward()
-            else:
-                self._shards.begin_backward()
-                try:
-                    scaled.backward()
-                except BaseException:
-                    self._shards.abandon_backward()
-                    if overlap is not None:
-                        self._shards.watch_units(None)
-                        overlap.undo()
-                    raise
-                self._shards.end_backward()
-                if overlap is not None:
-                    self._shards.watch_units(None)
-                    overlap.end()
+            except BaseException:
+                grads.abandon_backward()
+                steps.settle()
+                raise
+            grads.end_backward()
+            if last:
+                steps.end_last_backward()
         if not window.grads_in_pass and self.world_size > 1:
             # refused at the step, on every rank (the other ranks would wait for this one)
             window.add_gradless_pass()
@@ -335,17 +380,17 @@ class ShardedOptimizer(FlatOptimizer):
                 "model)? Build the optimizer on the parameters the loss is computed from")
         window.add_micro_batch(mode, self.world_size)
 
-    def _begin_overlap(self, overlap: OverlappedHostStep, mode: str) -> None:
-        """Before the window's last backward pass (offload, one process): the host steps of
-        its segments start as their gradients become final."""
+    def _unclipped_multiplier(self, mode: str) -> torch.Tensor:
+        """Before the window's last backward pass, for a step part that steps segments during
+        it: the state made, and the multiplier of the window should it not be clipped."""
         # Autograd must accumulate into the buffer's views, which the steps read.
         self.grad_buffer.claim_grads()
+        self._take_as_masters(self._written_params())
         if not self._state_ready:
-            self._init_state()
+            self.init_state()
         window = self._window
         normaliser = window.num_items if mode == "items" else window.gradients + self.world_size
-        overlap.begin(unclipped_multiplier(self.scaler, normaliser, self.grad_buffer.device))
-        self._shards.watch_units(overlap.segment_ready)
+        return unclipped_multiplier(self.scaler, normaliser, self.grad_buffer.device)
 
     # -------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -384,6 +429,10 @@ class ShardedOptimizer(FlatOptimizer):
         if window.micro_batches < self.accumulation_steps and not force:
             return False
         self._check_params_as_built("memkern.ShardedOptimizer.step")
+        written = self._written_params()
+        if written:  # steps taken before the verdict used the masters they replace
+            self._settle_host_steps()
+            self._take_as_masters(written)
         self.grad_buffer.claim_grads()
         stepped = self._window_end()
         window.close()
@@ -394,10 +443,9 @@ class ShardedOptimizer(FlatOptimizer):
         update. Its op sequence does not depend on any value (overflow, clipping), it reads
         nothing on the host and writes only into tensors that persist from step to step, so
         it can be captured in a CUDA graph (:meth:`graphed_step`)."""
-        self._reduce_gradients()
+        self._grads.reduce_window()
         window = self._window
-        norm, num_items, gradless = scaled_grad_norm(self.grad_buffer, self._shards,
-                                                     window.num_items, window.gradless)
+        norm, num_items, gradless = self._grads.window_norm(window.num_items, window.gradless)
         if self.world_size > 1 or window.holds_gradless_pass:  # (one process: after a resume)
             window.check_every_pass_had_gradients(gradless)
         nonfinite = ~torch.isfinite(norm)
@@ -405,7 +453,7 @@ class ShardedOptimizer(FlatOptimizer):
         multiplier, self._grad_norm = grad_multiplier(
             self.scaler, norm, window.normaliser(num_items), self.max_grad_norm)
         self._apply_update(multiplier, found_inf)
-        self._gather_parameters()
+        self._grads.gather_weights()
         self.scaler.update(found_inf)
         self._skipped.add_(nonfinite)
         window.reset_items()
@@ -430,7 +478,7 @@ class ShardedOptimizer(FlatOptimizer):
         if self.grad_buffer.device.type != "cuda":
             raise RuntimeError(f"{where}: CUDA graphs need CUDA tensors; the parameters are on "
                                f"{self.grad_buffer.device}")
-        if self._shards is not None:
+        if self.world_size > 1 or self.offload is not None:
             raise RuntimeError(f"{where}: supports one process without offload (world size "
                                f"{self.world_size}, offload={self.offload!r}); use step()")
         window = self._window
@@ -440,7 +488,7 @@ class ShardedOptimizer(FlatOptimizer):
                                f"{self.accumulation_steps} micro-batches so far)")
         # State the graph reads and writes must exist before the capture, outside its pool.
         if not self._state_ready:
-            self._init_state()
+            self.init_state()
         self.scaler.scale_tensor(self.grad_buffer.device)
         mode, window_gradients = window.mode, window.gradients
         graph = torch.cuda.CUDAGraph()
@@ -458,6 +506,7 @@ class ShardedOptimizer(FlatOptimizer):
                     f"{where}: this window ({window.gradients} gradients, mode "
                     f"{window.mode!r}) differs from the captured one ({window_gradients}, "
                     f"{mode!r}); capture again or use step()")
+            self._take_as_masters(self._written_params())
             self.grad_buffer.claim_grads()
             graph.replay()
             window.close()
@@ -465,31 +514,22 @@ class ShardedOptimizer(FlatOptimizer):
 
         return step
 
-    def _reduce_gradients(self) -> None:
-        """Stage 1 across ranks: reduce-scatter the gradient buffer, bucket by bucket (stage 2
-        did it during backward; one process has nothing to reduce)."""
-        if self._shards is not None and self.zero_stage == 1:
-            self._shards.reduce_scatter_grads()
+    def init_state(self) -> None:
+        """(Re)creates all optimizer state where the step runs (on the host: from the model's
+        current weights, pulled into the host copies first)."""
+        self._steps.pull_weights()
+        super().init_state()
 
-    def _init_state(self) -> None:
-        if self._shards is not None and self._shards.host is not None:
-            self._shards.host.pull_weights()
-        super()._init_state()
+    def _allocating(self, holds: str) -> contextlib.AbstractContextManager:
+        return self._steps.allocating(holds)
 
     def _apply_update(self, grad_multiplier: torch.Tensor | None,
                       found_inf: torch.Tensor | None) -> None:
-        """The update phase: one kernel call per segment (this rank's slices), on the CPU
-        with host copies of the gradients and weights when offloading from a GPU."""
-        if self._overlap is not None and self._overlap.active:
-            self._overlap.finish(grad_multiplier, found_inf)
-            return
-        host = self._shards.host if self._shards is not None else None
-        if host is None:
-            super()._apply_update(grad_multiplier, found_inf)
-            return
+        """The update phase: one kernel call per segment (this rank's slices), where the step
+        part runs it."""
         if not self._state_ready:
-            self._init_state()
-        host.step(self._segments, self._update_segment, grad_multiplier, found_inf)
+            self.init_state()
+        self._steps.run(self._segments, self._update_segment, grad_multiplier, found_inf)
 
     def _update_segment(self, seg: Segment, grad_multiplier: torch.Tensor | None,
                         found_inf: torch.Tensor | None) -> None:
@@ -503,16 +543,9 @@ class ShardedOptimizer(FlatOptimizer):
                 for k, v in group.items() if k not in ("params", "param_names")}
 
     def _settle_host_steps(self) -> None:
-        """Before the state is read or replaced: undoes offload's early steps of an open
+        """Before the state is read or replaced: undoes the host's early steps of an open
         window (its ``step()`` then runs them after the verdict)."""
-        if self._overlap is not None:
-            self._overlap.undo()
-
-    def _gather_parameters(self) -> None:
-        """Across ranks: all-gather the updated weights, bucket by bucket. One process holds
-        them all."""
-        if self._shards is not None:
-            self._shards.gather_weights()
+        self._steps.settle()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeroes the gradient buffer, unless an accumulation window is open.
@@ -524,8 +557,7 @@ class ShardedOptimizer(FlatOptimizer):
         if self._window.micro_batches > 0:
             return
         self.grad_buffer.zero_()
-        if self._shards is not None:
-            self._shards.zero_shard_grads()
+        self._grads.zero_grads()
         self._window.gradients_cleared()
 
     # -------------------------------------------------------------------------- properties
@@ -565,7 +597,7 @@ class ShardedOptimizer(FlatOptimizer):
         self._settle_host_steps()
         with self._float_state(write_back=False):
             state_dict = super().state_dict()
-            if self._shards is not None and self.world_size > 1:
+            if self.world_size > 1:
                 state_dict["state"] = self._io.gather_param_states()
                 self._mark_state_precision(state_dict["state"])
         state_dict["memkern"] = self._io.front_end_state()

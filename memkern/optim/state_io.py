@@ -6,7 +6,10 @@ skipped steps, the open window) as its state dicts and sharded checkpoints
 State is addressed in per-parameter coordinates, which do not depend on the world size or the
 zero stage: a *piece* ``(flat, start)`` is a 1-D tensor holding a parameter's flattened
 elements ``[start, start + flat.numel())``. In one process a parameter's state is one piece;
-across ranks each rank holds the pieces of its shards (:meth:`Shards.owned_piece`).
+across ranks each rank holds the pieces of its shards
+(:meth:`~memkern.optim.grad_placement.GradPlacement.owned_piece`). Everything here goes
+through the parts' interfaces: the gradients' part (where each unit and piece lies, the
+collectives), the step's part, and the optimizer's state store.
 """
 from __future__ import annotations
 
@@ -15,30 +18,38 @@ from typing import Any
 import torch
 
 from memkern.amp.loss_scaler import LossScaler
-from memkern.optim.flat_state import FlatOptimizer, Segment
+from memkern.optim.flat_state import FlatOptimizer
+from memkern.optim.grad_placement import GradPlacement
+from memkern.optim.process_group import WeakGroup
+from memkern.optim.segment import Segment
+from memkern.optim.step_placement import StepPlacement
 from memkern.optim.window import AccumulationWindow
-from memkern.optim.zero import Shards
 
 Pieces = list[tuple[torch.Tensor, int]]
 """``(flat, start)`` pairs: where a parameter's flattened elements are kept on this rank."""
 
 
 class StateIO:
-    """The state I/O of one rank of a sharded optimizer (see the module docstring).
+    """The state I/O of one rank of a sharded optimizer (see the module docstring): what
+    :mod:`memkern.optim.checkpoint` sees of the optimizer.
 
     Args:
-        opt: the optimizer (its param groups, segments and flat state).
-        shards: its multi-rank (or offload) machinery; None for one plain process.
+        opt: the optimizer: its param groups, segments and flat state (the state store's
+            public interface, :class:`~memkern.optim.flat_state.FlatOptimizer`).
+        grads: where its gradients live (the units, this rank's pieces, the collectives).
+        steps: where its step runs (whether the segments' weights are copies).
         window: its accumulation window.
         scaler: its loss scaler.
         skipped: its count of skipped windows (0-dim int64 device tensor).
         process_group, rank, world_size: where it runs (group None: one process).
     """
 
-    def __init__(self, opt: FlatOptimizer, shards: Shards | None, window: AccumulationWindow,
-                 scaler: LossScaler, skipped: torch.Tensor, process_group: Any, rank: int,
-                 world_size: int) -> None:
-        self.opt, self.shards, self.window = opt, shards, window
+    process_group = WeakGroup("memkern.ShardedOptimizer")
+
+    def __init__(self, opt: FlatOptimizer, grads: GradPlacement, steps: StepPlacement,
+                 window: AccumulationWindow, scaler: LossScaler, skipped: torch.Tensor,
+                 process_group: Any, rank: int, world_size: int) -> None:
+        self.opt, self.grads, self.steps, self.window = opt, grads, steps, window
         self.scaler, self.skipped = scaler, skipped
         self.process_group, self.rank, self.world_size = process_group, rank, world_size
 
@@ -48,37 +59,64 @@ class StateIO:
 
     def segment_of(self, p: torch.Tensor) -> Segment:
         """The segment holding (this rank's part of) ``p``'s state."""
-        if self.shards is not None:
-            return self.shards.unit_of(p).segment
-        return next(seg for seg in self.opt.segments if any(q is p for q in seg.params))
+        return self.grads.unit_of(p).segment
+
+    # -------------------------------------------------------------------------- the store
+    @property
+    def state_ready(self) -> bool:
+        """Whether the optimizer state exists (from the first step or load on)."""
+        return self.opt.state_ready
+
+    @property
+    def algorithm_name(self) -> str:
+        return self.opt.algorithm.__name__
+
+    def state_keys(self, group: dict[str, Any]) -> set[str]:
+        """The float32 state a parameter of param group ``group`` (its saved options) has."""
+        return set(self.opt.algorithm.state_keys({**self.opt.defaults, **group}))
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The param groups in torch's state-dict format (parameters as indices):
+        ``Optimizer.state_dict`` skipping the subclasses' (no gathering)."""
+        return torch.optim.Optimizer.state_dict(self.opt)["param_groups"]
+
+    def check_param_groups(self, saved_groups: list[dict[str, Any]], name: str,
+                           source: str) -> None:
+        self.opt.check_param_groups(saved_groups, name, source)
+
+    def adopt_param_groups(self, saved_groups: list[dict[str, Any]], name: str) -> None:
+        """Takes the saved param groups' hyper-parameters and makes fresh state with them."""
+        self.opt.adopt_param_groups(saved_groups, name)
+        self.opt.init_state()
+
+    def set_steps(self, steps: dict[int, float], name: str) -> None:
+        """The step counters from per-parameter steps (``id(p)`` -> step)."""
+        self.opt.set_steps(steps, name)
 
     # ----------------------------------------------------------------------------- pieces
     def state_pieces(self, p: torch.Tensor, key: str) -> Pieces | None:
         """This rank's pieces of state ``key`` of ``p`` (None: the optimizer has no such
         state); the model's own weights for the master of a float32 parameter."""
-        if self.shards is None:
-            return FlatOptimizer._state_pieces(self.opt, p, key)
-        seg = self.shards.unit_of(p).segment
+        seg = self.segment_of(p)
         pieces = []
         if key == "master_param" and not seg.low_precision:
             # The model's float32 weights are the master: every rank takes the whole of it
-            # (and offload also its host copy of its slices).
+            # (and where the segments step copies of them, also its copy of its slices).
             pieces.append((p.data.view(-1), 0))
-            if self.shards.host is None:
+            if not self.steps.copies_weights:
                 return pieces
             flat = seg.weights
         elif key in seg.state:
             flat = seg.state[key]
         else:
             return None
-        piece = self.shards.owned_piece(p, flat)
+        piece = self.grads.owned_piece(p, flat)
         return pieces + ([piece] if piece is not None else [])
 
     def window_grad_pieces(self) -> dict[int, Pieces]:
         """This rank's pieces of the open window's gradient summed over ranks, per
         ``id(param)``; the window is left as it is."""
-        return self._grad_pieces(None if self.shards is None else
-                                 self.shards.reduced_window_grads())
+        return self._grad_pieces(self.grads.reduced_window_grads())
 
     def window_grad_targets(self) -> dict[int, Pieces]:
         """Zeroes the gradients; returns where a loaded window's summed gradient goes on this
@@ -86,19 +124,15 @@ class StateIO:
         stay zero here, so the reduction at ``step`` sums to the loaded values plus what
         comes after."""
         self.opt.grad_buffer.zero_()
-        return self._grad_pieces(None if self.shards is None else
-                                 self.shards.window_grad_targets())
+        return self._grad_pieces(self.grads.window_grad_targets())
 
-    def _grad_pieces(self, unit_slices: list[torch.Tensor] | None) -> dict[int, Pieces]:
+    def _grad_pieces(self, unit_slices: list[torch.Tensor]) -> dict[int, Pieces]:
         """Per ``id(param)``, its pieces in ``unit_slices`` (per unit, this rank's slice of a
-        unit-laid-out gradient), or in the gradient buffer for one plain process (None)."""
-        if unit_slices is None:
-            grad_buffer = self.opt.grad_buffer
-            return {id(p): [(grad_buffer.grad(p).view(-1), 0)] for p in self.params()}
+        unit-laid-out gradient)."""
         pieces = {}
-        for unit, flat in zip(self.shards.units, unit_slices):
+        for unit, flat in zip(self.grads.units, unit_slices):
             for p in unit.params:
-                piece = self.shards.owned_piece(p, flat)
+                piece = self.grads.owned_piece(p, flat)
                 pieces[id(p)] = [piece] if piece is not None else []
         return pieces
 
@@ -106,13 +140,13 @@ class StateIO:
     def gather_param_states(self) -> dict[int, dict[str, torch.Tensor]]:
         """Every rank's slices of the state, as torch-format per-parameter CPU tensors
         (collective)."""
-        if not self.opt._state_ready:
+        if not self.state_ready:
             return {}
         index = {id(p): i for i, p in enumerate(self.params())}
         states = {}
-        for unit in self.shards.units:
+        for unit in self.grads.units:
             seg = unit.segment
-            gathered = {key: self.shards.gather_unit(unit, flat)
+            gathered = {key: self.grads.gather_unit(unit, flat)
                         for key, flat in seg.state.items()}
             for j, p in enumerate(unit.params):
                 states[index[id(p)]] = {"step": seg.step.detach().to("cpu", copy=True),
@@ -121,13 +155,10 @@ class StateIO:
 
     def window_grads(self) -> dict[int, torch.Tensor]:
         """The open window's gradient per parameter index, summed over ranks (collective)."""
-        params = self.params()
-        if self.shards is None:
-            return {i: self.opt.grad_buffer.grad(p) for i, p in enumerate(params)}
-        index = {id(p): i for i, p in enumerate(params)}
+        index = {id(p): i for i, p in enumerate(self.params())}
         grads = {}
-        for unit, local in zip(self.shards.units, self.shards.reduced_window_grads()):
-            for p, grad in zip(unit.params, self.shards.gather_unit(unit, local)):
+        for unit, local in zip(self.grads.units, self.grads.reduced_window_grads()):
+            for p, grad in zip(unit.params, self.grads.gather_unit(unit, local)):
                 grads[index[id(p)]] = grad
         return dict(sorted(grads.items()))
 
@@ -135,10 +166,8 @@ class StateIO:
     def window_totals(self) -> tuple[float, int]:
         """The open window's item count and its count of backward passes that reached no
         parameter, each summed over ranks (one collective; reads the device)."""
-        totals = torch.stack([self.window.num_items.to(torch.float64),
-                              self.window.gradless.to(torch.float64)])
-        if self.shards is not None:
-            self.shards.all_reduce(totals)
+        totals = self.grads.all_reduce(torch.stack([self.window.num_items.to(torch.float64),
+                                                    self.window.gradless.to(torch.float64)]))
         num_items, gradless = totals.tolist()
         return num_items, int(gradless)
 

@@ -61,7 +61,6 @@ same ``step()`` calls, or the collectives do not match (and time out).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -69,10 +68,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from memkern import _fake
-from memkern.optim.flat_state import Segment
-from memkern.optim.grad_buffer import ALIGN, Bucket, GradBuffer, aligned, check_params
-from memkern.optim.offload import HostOffload
+from memkern import _fake, ops
+from memkern.optim.grad_buffer import ALIGN, GradBuffer, aligned, check_params
+from memkern.optim.grad_placement import GradPlacement, Unit
+from memkern.optim.segment import Segment
 
 IN_FLIGHT = 2
 """Asynchronous collectives a rank keeps running at once. Each holds unit-sized buffers (the
@@ -82,38 +81,6 @@ is prepared."""
 # torch 2.13 renamed the tensor collectives and deprecated the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-@dataclasses.dataclass(eq=False)
-class Unit:
-    """A run of parameters of one param group and one dtype: one collective per step (its
-    communication bucket) and, on each rank, one optimizer kernel call over its slice.
-
-    ``[start, start + numel)`` of ``bucket``'s flat layout; ``numel`` is a multiple of
-    ``W * ALIGN``. ``params`` lie at ``offsets`` (relative to ``start``). Each rank owns
-    ``shard`` elements from ``start + rank * shard``; ``shard_start`` is where this unit's
-    slice lies in the rank's stage-2 gradient shard of ``bucket``.
-    """
-
-    index: int
-    group: int
-    bucket: Bucket
-    start: int
-    numel: int
-    params: list[torch.Tensor]
-    offsets: list[int]
-    shard: int
-    shard_start: int
-    quantized: bool = False  # its parameters' moments are stored in 8 bits
-    segment: Segment | None = None
-
-    def owned(self, rank: int) -> slice:
-        """This rank's slice of the unit, in the bucket's flat layout."""
-        return slice(self.start + rank * self.shard, self.start + (rank + 1) * self.shard)
-
-    @property
-    def whole(self) -> slice:
-        return slice(self.start, self.start + self.numel)
 
 
 class UnitLayout:
@@ -197,6 +164,11 @@ def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
     return "the descriptions differ"
 
 
+def unit_square(grads: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of one unit's gradients, in float64 (what the window's norm sums)."""
+    return ops.l2_norm(grads).double().square()
+
+
 def _weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
     """A hook that calls ``method`` while its object lives: hooks stay on the parameters,
     which may outlive the optimizer (and must not keep its shards alive)."""
@@ -210,30 +182,27 @@ def _weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor
     return hook
 
 
-class Shards:
-    """This rank's part of a :class:`~memkern.optim.ShardedOptimizer` and the collectives
-    over it (see the module docstring). Built by the optimizer in three steps:
-    :meth:`make_grad_buffer`, :meth:`make_segments`, :meth:`broadcast_weights`.
+
+class Shards(GradPlacement):
+    """This rank's part of a :class:`~memkern.optim.ShardedOptimizer` across ranks and the
+    collectives over it (see the module docstring): the
+    :class:`~memkern.optim.grad_placement.GradPlacement` of ZeRO-1/2.
 
     Args:
         group: the process group (None: one process, no ``torch.distributed``).
         rank, world: this process's rank in ``group`` and the group's size.
         zero_stage: 1 or 2.
-        offload: None or ``"cpu"``.
         bucket_size_mb: the largest unit, in MiB of gradients.
     """
 
-    def __init__(self, group: Any, rank: int, world: int, zero_stage: int, offload: str | None,
+    def __init__(self, group: Any, rank: int, world: int, zero_stage: int,
                  bucket_size_mb: float) -> None:
-        self.group, self.rank, self.world = group, rank, world
-        self.zero_stage, self.offload = zero_stage, offload
+        super().__init__(group, rank, world)
+        self.zero_stage = zero_stage
         self.unit_bytes = bucket_size_mb * 2**20
         self._layout: UnitLayout | None = None
-        self.units: list[Unit] = []
-        self.host: HostOffload | None = None
         # Stage 2: per bucket, this rank's slices of all its units' gradients, back to back.
         self.shard_grads: dict[int, torch.Tensor] = {}
-        self._place: dict[int, tuple[Unit, int]] = {}  # id(param) -> (unit, offset in unit)
         self._in_flight: collections.deque = collections.deque()
         # Stage 2, per backward pass: gradients arrived per unit, staging buffers, next unit
         # to launch (index into self._order).
@@ -242,10 +211,15 @@ class Shards:
         self._staging: dict[int, torch.Tensor] = {}
         self._next = 0
         self._order: list[Unit] = []
-        # Offload's overlap (one process): called with a unit's index once its gradients are
-        # final in the current backward pass (watch_units).
+        # Called with a unit's index once its gradients are final in the current backward
+        # pass (watch_units).
         self._watch: Callable[[int], None] | None = None
         self._final: list[set[int]] = []
+
+    @property
+    def label(self) -> str:
+        """The setting that chose this part, for error messages."""
+        return f"zero_stage={self.zero_stage}"
 
     # ------------------------------------------------------------------------ construction
     def check_consistent(self, groups: list[dict[str, Any]], settings: dict[str, Any]) -> None:
@@ -286,14 +260,8 @@ class Shards:
 
     def make_segments(self, buffer: GradBuffer) -> list[Segment]:
         """The units and, for each, the segment of this rank's slice: its gradients (stage 1:
-        a slice of the flat buffer; stage 2: of the rank's gradient shard), its weights (a
-        slice of the flat weights, or of host copies when offloading from a GPU, or in one
-        process, where the host steps start before step() and must not touch the model's
-        weights: memkern.optim.offload)."""
-        on_host = self.offload == "cpu" and (buffer.device.type != "cpu" or self.world == 1)
-        if on_host and buffer.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"memkern.ShardedOptimizer: offload='cpu' needs the model on the CPU "
-                             f"or a CUDA GPU, not on {buffer.device}; use offload=None")
+        a slice of the flat buffer; stage 2: of the rank's gradient shard) and its weights (a
+        slice of the flat weights)."""
         for bucket in buffer.buckets:
             shard_start = 0
             for group, first, count, start, numel, quantized in self._layout.placed[
@@ -302,36 +270,32 @@ class Shards:
                 offsets = [o - start for o in bucket.offsets[first:first + count]]
                 unit = Unit(len(self.units), group, bucket, start, numel, params, offsets,
                             numel // self.world, shard_start, quantized)
-                self.units.append(unit)
+                self._add_unit(unit)
                 shard_start += unit.shard
-                for p, o in zip(params, offsets):
-                    self._place[id(p)] = (unit, o)
             if self.zero_stage == 2:
-                self.shard_grads[id(bucket)] = torch.zeros(
-                    bucket.numel // self.world, dtype=bucket.grad_dtype, device=buffer.device)
+                self.shard_grads[id(bucket)] = self._make_shard_grads(
+                    bucket.numel // self.world, bucket.grad_dtype, buffer.device)
         self._order = self.units[::-1]
-        if self.offload == "cpu" and self.world == 1 and self.zero_stage == 1:
+        if self.world == 1 and self.zero_stage == 1:
             for p in buffer.params:  # stage 2 knows when a unit is final: its reduction
                 p.register_post_accumulate_grad_hook(_weak_hook(self._grad_accumulated))
-        device_views = [(self.shard_grads_of(u), u.bucket.weights[u.owned(self.rank)])
-                        for u in self.units]
-        if on_host:
-            self.host = HostOffload(device_views)
-        segments = []
-        for i, (unit, (grads, weights)) in enumerate(zip(self.units, device_views)):
-            if self.host is not None:
-                grads, weights = self.host.grads[i], self.host.weights[i]
+        for unit in self.units:
             # With one rank a slice is the whole unit: per-parameter state views work.
             whole = self.world == 1
-            unit.segment = Segment(unit.group, grads, weights,
+            unit.segment = Segment(unit.group, self.shard_grads_of(unit),
+                                   unit.bucket.weights[unit.owned(self.rank)],
                                    unit.params if whole else [], unit.offsets if whole else [],
                                    quantized=unit.quantized)
-            segments.append(unit.segment)
-        return segments
+        return [u.segment for u in self.units]
+
+    def _make_shard_grads(self, numel: int, dtype: torch.dtype,
+                          device: torch.device) -> torch.Tensor:
+        """Stage 2: the zeroed gradient shard of one bucket (on the model's device)."""
+        return torch.zeros(numel, dtype=dtype, device=device)
 
     def shard_grads_of(self, unit: Unit) -> torch.Tensor:
-        """This rank's reduced gradients of ``unit`` on the model's device (after the window's
-        reduction): a slice of the flat buffer (stage 1) or of the gradient shard (stage 2)."""
+        """This rank's reduced gradients of ``unit`` (after the window's reduction): a slice of
+        the flat buffer (stage 1) or of the gradient shard (stage 2)."""
         if self.zero_stage == 1:
             return unit.bucket.grads[unit.owned(self.rank)]
         flat = self.shard_grads[id(unit.bucket)]
@@ -374,14 +338,14 @@ class Shards:
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
         if self.world == 1:
-            if out.data_ptr() != inp.data_ptr():
+            if out is not inp:
                 out.copy_(inp)
             return None
         return _reduce_scatter(out, inp, group=self.group, async_op=True)
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
         if self.world == 1:
-            if out.data_ptr() != inp.data_ptr():
+            if out is not inp:
                 out.copy_(inp)
             return None
         return _all_gather(out, inp, group=self.group, async_op=True)
@@ -392,16 +356,35 @@ class Shards:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
-    def reduce_scatter_grads(self) -> None:
+    def reduce_window(self) -> None:
         """Stage 1, at the window's end: every unit of the flat gradient buffer reduce-scattered
-        in place; this rank's slices then hold the sums over ranks."""
+        in place; this rank's slices then hold the sums over ranks. (Stage 2 reduced them
+        during backward; one rank's slice is the whole unit.)"""
+        if self.zero_stage != 1 or self.world == 1:
+            return
         for unit in self.units:
             grads = unit.bucket.grads
             self._launch(self._reduce_scatter(grads[unit.owned(self.rank)], grads[unit.whole]))
         self.drain()
 
+    def window_norm(self, num_items: torch.Tensor, gradless: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each rank's norm over its reduced shard, then one all-reduce of
+        ``[norm², num_items, gradless]`` in float64, whose sum is non-finite exactly when some
+        rank's shard holds an inf/NaN (squares are >= 0 and cannot overflow float64)."""
+        packet = torch.stack([torch.stack(self._unit_squares()).sum().to(num_items.device),
+                              num_items, gradless])
+        self.all_reduce(packet)
+        return packet[0].sqrt().float(), packet[1], packet[2]
+
+    def _unit_squares(self) -> list[torch.Tensor]:
+        """Per unit, the squared norm of this rank's reduced slice (0-dim float64)."""
+        return [unit_square(self.shard_grads_of(u)) for u in self.units]
+
     def gather_weights(self) -> None:
         """Every rank's updated slices of the weights to every rank (the weights' dtype)."""
+        if self.world == 1:
+            return
         for unit in self.units:
             weights = unit.bucket.weights
             self._launch(self._all_gather(weights[unit.whole], weights[unit.owned(self.rank)]))
@@ -419,29 +402,41 @@ class Shards:
         launches the units that are complete, in order."""
         if not self._in_backward:
             raise RuntimeError(
-                "memkern.ShardedOptimizer (zero_stage=2): a gradient arrived outside "
-                "ShardedOptimizer.backward(loss); with zero_stage=2 gradients are reduced into "
+                f"memkern.ShardedOptimizer ({self.label}): a gradient arrived outside "
+                f"ShardedOptimizer.backward(loss); with {self.label} gradients are reduced into "
                 "the rank's shard as backward produces them, so call opt.backward(loss) instead "
                 "of loss.backward()"
             )
         unit, offset = self._place[id(p)]
         if len(self.units) - 1 - unit.index < self._next:  # its place in the launch order
             raise RuntimeError(
-                f"memkern.ShardedOptimizer (zero_stage=2): a parameter of shape "
+                f"memkern.ShardedOptimizer ({self.label}): a parameter of shape "
                 f"{tuple(p.shape)} received a second gradient in one backward pass after its "
                 "bucket was already reduced (reentrant activation checkpointing that runs "
                 "backward more than once over it?); use non-reentrant checkpointing "
                 "(memkern.checkpoint, or torch.utils.checkpoint with use_reentrant=False)"
             )
         staging = self._staging.get(unit.index)
-        if staging is None:
-            staging = torch.zeros(unit.numel, dtype=unit.bucket.grad_dtype, device=p.device)
-            self._staging[unit.index] = staging
-        staging[offset:offset + p.numel()].add_(p.grad.reshape(-1))
+        if staging is None and self._takes_whole(unit, p.grad):
+            # One rank, a unit of one parameter: its gradient is the unit's reduction as it is
+            # (no staging copy, which for a large embedding or head is as large as it).
+            self._staging[unit.index] = p.grad.reshape(-1)
+        else:
+            if staging is None:
+                staging = torch.zeros(unit.numel, dtype=unit.bucket.grad_dtype, device=p.device)
+                self._staging[unit.index] = staging
+            staging[offset:offset + p.numel()].add_(p.grad.reshape(-1))
         p.grad = None
         self._arrived[unit.index].add(id(p))
         while self._next < len(self._order) and self._complete(self._order[self._next]):
             self._launch_unit()
+
+    def _takes_whole(self, unit: Unit, grad: torch.Tensor) -> bool:
+        """Whether ``grad``, the first gradient of ``unit`` in this pass, is taken as the unit's
+        reduction itself: one rank, one parameter, the gradients' dtype (adding it into a zero
+        buffer first would change no bit: the sum it is added to starts at +0, and
+        ``x + (-0) == x + (+0)`` for every such ``x``)."""
+        return self.world == 1 and len(unit.params) == 1 and grad.dtype == unit.bucket.grad_dtype
 
     def _complete(self, unit: Unit) -> bool:
         return len(self._arrived[unit.index]) == len(unit.params)
@@ -453,18 +448,25 @@ class Shards:
         if staging is None:  # no gradient reached this unit on this rank: it still takes part
             staging = torch.zeros(unit.numel, dtype=unit.bucket.grad_dtype,
                                   device=unit.bucket.weights.device)
-        reduced = torch.empty(unit.shard, dtype=staging.dtype, device=staging.device)
-        shard = self.shard_grads_of(unit)
+        # one rank: the staging buffer is the unit's reduction
+        reduced = staging if self.world == 1 else torch.empty(
+            unit.shard, dtype=staging.dtype, device=staging.device)
+        self._launch(self._reduce_scatter(reduced, staging),
+                     lambda: self._take_reduced(unit, reduced), keep=staging)
 
-        def finish() -> None:
-            shard.add_(reduced)
-            if self._watch is not None:
-                self._watch(unit.index)
+    def _take_reduced(self, unit: Unit, reduced: torch.Tensor) -> None:
+        """Stage 2, once ``unit``'s reduction ``reduced`` (this rank's slice, on the device; one
+        parameter's gradient alone: its leading elements) completed: added into the rank's
+        gradient shard; the unit is then final."""
+        self.shard_grads_of(unit)[:reduced.numel()].add_(reduced)
+        self._unit_final(unit)
 
-        self._launch(self._reduce_scatter(reduced, staging), finish, keep=staging)
+    def _unit_final(self, unit: Unit) -> None:
+        if self._watch is not None:
+            self._watch(unit.index)
 
     def watch_units(self, callback: Callable[[int], None] | None) -> None:
-        """While set (one process, offload: the window's last backward pass),
+        """While set (one process, the step on the host: the window's last backward pass),
         ``callback(unit.index)`` runs once each unit's gradients are final in the current
         backward pass: stage 1, all its parameters' gradients accumulated in the buffer;
         stage 2, its reduction added into the shard. None stops it."""
@@ -472,7 +474,7 @@ class Shards:
         self._final = [set() for _ in self.units]
 
     def _grad_accumulated(self, p: torch.Tensor) -> None:
-        """Post-accumulate hook (stage 1, offload, one process): counts a unit's gradients."""
+        """Post-accumulate hook (stage 1, one process): counts a unit's gradients."""
         if self._watch is None:
             return
         unit, _ = self._place[id(p)]
@@ -497,29 +499,12 @@ class Shards:
         self._staging.clear()
         self._in_backward = False
 
-    def zero_shard_grads(self) -> None:
+    def zero_grads(self) -> None:
         for flat in self.shard_grads.values():
             flat.zero_()
 
     # ------------------------------------------------------------------------- checkpoints
-    def owned_piece(self, p: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-        """The part of parameter ``p`` this rank owns, as ``(view, start)``: ``view`` is the
-        slice of ``flat`` (a tensor laid out like ``p``'s unit slice on this rank: a segment's
-        state or gradients) holding ``p``'s flattened elements ``[start, start + numel)``.
-        None when this rank owns none of ``p``."""
-        unit, offset = self._place[id(p)]
-        lo = self.rank * unit.shard
-        a, b = max(lo, offset), min(lo + unit.shard, offset + p.numel())
-        if a >= b:
-            return None
-        return flat[a - lo:b - lo], a - offset
-
-    def unit_of(self, p: torch.Tensor) -> Unit:
-        return self._place[id(p)][0]
-
     def gather_unit(self, unit: Unit, local: torch.Tensor) -> list[torch.Tensor]:
-        """All ranks' slices of a unit-laid-out tensor (``local``: this rank's slice, on any
-        device) as per-parameter CPU tensors of ``unit.params``."""
         device = unit.bucket.weights.device
         full = torch.empty(unit.numel, dtype=local.dtype, device=device)
         self._launch(self._all_gather(full, local.to(device)))
@@ -528,10 +513,10 @@ class Shards:
                 for p, o in zip(unit.params, unit.offsets)]
 
     def reduced_window_grads(self) -> list[torch.Tensor]:
-        """Per unit, this rank's slice of the open window's gradient summed over ranks, without
-        changing the window: stage 2's shard holds it; stage 1 reduce-scatters a copy."""
+        """Stage 2's shard holds the window's reduced gradient; stage 1 reduce-scatters a
+        copy."""
         if self.zero_stage == 2:
-            return [self.shard_grads_of(u) for u in self.units]
+            return super().reduced_window_grads()
         slices = []
         for unit in self.units:
             out = torch.empty(unit.shard, dtype=unit.bucket.grads.dtype,
@@ -541,13 +526,3 @@ class Shards:
             slices.append(out)
         self.drain()
         return slices
-
-    def window_grad_targets(self) -> list[torch.Tensor]:
-        """Per unit, where a loaded window's summed gradient goes on this rank, after zeroing
-        all gradients: its own slices (the other ranks' slices stay zero here, so the window's
-        reduction at ``step`` sums to exactly the loaded values plus what comes after)."""
-        for unit in self.units:
-            if unit.bucket.grads is not None:
-                unit.bucket.grads.zero_()
-        self.zero_shard_grads()
-        return [self.shard_grads_of(u) for u in self.units]

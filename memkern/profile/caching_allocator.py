@@ -19,12 +19,15 @@ those sizes but of the *blocks* PyTorch's CUDA caching allocator hands out for t
 
 "Allocated" is the sum of the sizes of the blocks handed out, as the allocator's
 ``allocated_bytes`` statistic counts it. :class:`ExactAllocator` is the CPU's: each storage
-counts its own bytes (what the profiler's allocation trace reports).
+counts its own bytes (what the profiler's allocation trace reports). :class:`HostAllocator` is
+the host memory that offloading takes (pinned and pageable).
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
+
+from memkern._host import footprint
 
 MIN_BLOCK = 512
 """kMinBlockSize: every request is rounded up to a multiple of this."""
@@ -164,3 +167,50 @@ class ExactAllocator:
     @staticmethod
     def size_of(handle: int) -> int:
         return handle
+
+
+class HostAllocator:
+    """Host memory as offloading takes it (:data:`memkern._host.KINDS`): "pinned" buffers from
+    torch's pinned caching allocator (``CachingHostAllocator``: each request rounded up to a
+    power of two, :func:`memkern._host.footprint`; a freed block is cached for the next request
+    of its rounded size and never returned to the system), "pinned exact" ones page-locked at
+    their size, pageable ones at their size.
+
+    ``malloc(nbytes, kind)`` returns a handle, ``free(handle)`` gives it back; ``allocated``
+    is the bytes held from the system now (the caching allocator's blocks, cached ones
+    included, and the live buffers of the other kinds), ``peak_allocated`` the highest so far,
+    ``pinned`` the page-locked bytes, ``cached`` the free cached blocks' total.
+    """
+
+    def __init__(self) -> None:
+        self._cached: dict[int, int] = {}  # rounded size -> free cached blocks of that size
+        self.pinned = 0
+        self.cached = 0
+        self.pageable = 0
+        self.peak_allocated = 0
+
+    @property
+    def allocated(self) -> int:
+        return self.pinned + self.pageable
+
+    def malloc(self, nbytes: int, kind: str) -> tuple[int, str]:
+        size = footprint(nbytes, kind)
+        if kind == "pageable":
+            self.pageable += size
+        elif kind == "pinned" and self._cached.get(size):
+            self._cached[size] -= 1
+            self.cached -= size
+        else:
+            self.pinned += size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return size, kind
+
+    def free(self, handle: tuple[int, str]) -> None:
+        size, kind = handle
+        if kind == "pinned":
+            self._cached[size] = self._cached.get(size, 0) + 1
+            self.cached += size
+        elif kind == "pinned exact":
+            self.pinned -= size
+        else:
+            self.pageable -= size

@@ -12,11 +12,18 @@ selective          ``memkern.checkpoint(block, "selective")``: GEMM and attentio
                    the elementwise and normalisation ops between them recomputed
 full               ``memkern.checkpoint(block, "full")``: the block's input kept, its whole
                    forward recomputed in backward
+full-host          ``memkern.checkpoint(block, "full-host")``: as "full", with the block's input
+                   kept in host memory and brought back one block ahead of its backward (the
+                   plan counts the host memory; the copies cost time only where they do not
+                   hide behind the GPU's work: :mod:`memkern.profile.costs`)
 =================  ===============================================================================
 
-The search: each level is planned with every block at it (:func:`plan_training_step`, on
-fake tensors: nothing runs on the device); a level that needs more memory than a cheaper one is
-dropped, and so is one the step fails under (reported in :attr:`FitReport.skipped`). The remaining levels make a path from no recomputation to the most: "the first *k*
+The search: the step with every block at "keep" is planned first (:func:`plan_training_step`,
+on fake tensors: nothing runs on the device); when it fits, nothing is recomputed and nothing
+else is planned. Otherwise each level is planned with every block at it; a level that needs
+more memory than a cheaper one is dropped, and so is one the step fails under (reported in
+:attr:`FitReport.skipped`). The remaining levels make a path from no recomputation to the
+most: "the first *k*
 blocks at the next level, the others at this one", *k* = 0 .. number of blocks, level by level
 (the first blocks first: their saved tensors live longest). The planned peak falls along the
 path and the recomputation grows, so the first configuration whose planned peak is within the
@@ -40,10 +47,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from memkern.nn import input_offload
 from memkern.nn.checkpoint import checkpoint, policy_of
+from memkern.profile.blocks import repeated_blocks
 from memkern.profile.plan import StepPlan, TrainingSetup, plan_training_step
 
-LEVELS = ("keep", "mlp-full", "selective", "full")
+LEVELS = ("keep", "mlp-full", "selective", "full", input_offload.POLICY)
 DEFAULT_THROUGHPUT = {"cuda": 400e12, "cuda-sm80": 200e12}
 """FLOP/s assumed for recomputation when no device is at hand to measure: about 40% and 65% of
 H100 / A100 dense bf16 peaks, what GEMMs of transformer-layer sizes reach in practice."""
@@ -123,25 +132,6 @@ def parse_bytes(budget: int | float | str) -> int:
     return value
 
 
-def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The layers of the model's largest ``nn.ModuleList`` whose members share one class."""
-    best: list[tuple[str, nn.Module]] = []
-    best_params = -1
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2:
-            continue
-        if len({type(m) for m in module}) != 1:
-            continue
-        params = sum(p.numel() for p in module.parameters())
-        if params > best_params:
-            best_params = params
-            best = [(f"{name}.{i}" if name else str(i), m) for i, m in enumerate(module)]
-    if not best:
-        raise ValueError("memkern.fit: the model has no nn.ModuleList of repeated blocks; pass "
-                         "blocks=[...] (the modules to choose a recomputation for)")
-    return best
-
-
 def _mlps(block: nn.Module) -> list[nn.Module]:
     """The memkern MLPs of a block whose ``recompute`` can be set."""
     found = []
@@ -182,7 +172,7 @@ class _Blocks:
         for (_, block), (policy, mlps), level in zip(self.blocks, self.initial, levels):
             for m, recompute in mlps:
                 _set_recompute(m, "full" if level == "mlp-full" else recompute)
-            checkpoint(block, level if level in ("selective", "full") else policy)
+            checkpoint(block, level if level in LEVELS[2:] else policy)
 
     def restore(self) -> None:
         self.apply(["keep"] * len(self.blocks))
@@ -243,6 +233,13 @@ def _measured_throughput(device: str) -> float | None:
     return 2 * n**3 * reps / (time.perf_counter() - start)
 
 
+def throughput_of(device: str) -> tuple[float, bool]:
+    """FLOP/s to cost recomputation at on ``device``, and whether they were measured: on the
+    target when it is this machine (its GPU, or the CPU), else :data:`DEFAULT_THROUGHPUT`."""
+    measured = _measured_throughput(device)
+    return measured or DEFAULT_THROUGHPUT.get(device, 400e12), measured is not None
+
+
 def fit(model: nn.Module, example_batch: Any, budget: int | float | str, *,
         loss: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         optimizer: Callable[[Any], Any] | None = None, device: str = "cuda",
@@ -255,7 +252,8 @@ def fit(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     ``budget``: bytes or a string with a unit ("20GiB"). ``loss(model, batch)``: the step's loss
     (default: ``model(**batch).loss`` for a dict, ``model(*batch)`` for a tuple, else
     ``model(batch)``). ``optimizer(params)``: the optimizer the step uses (default: torch's
-    AdamW, fused; foreach on the CPU); a :class:`memkern.optim.ShardedOptimizer` is driven through its
+    AdamW, fused; foreach on the CPU), given the parameters that require grad; a
+    :class:`memkern.optim.ShardedOptimizer` is driven through its
     ``backward``/``step``/``zero_grad``. ``device``: the planning target ("cuda", "cuda-sm80",
     "cpu"). ``blocks``: the modules to choose for (default: :func:`repeated_blocks`).
     ``throughput``: FLOP/s to cost recomputation at (default: measured on the target when it is
@@ -286,7 +284,7 @@ def fit(model: nn.Module, example_batch: Any, budget: int | float | str, *,
 
             def build() -> TrainingSetup:
                 stand_in.__enter__()
-                opt = make_optimizer(model.parameters())
+                opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
                 batch = tree_map(lambda t: torch.empty_strided(t.shape, t.stride(),
                                                                dtype=t.dtype)
                                  if isinstance(t, torch.Tensor) else t, example_batch)
@@ -313,15 +311,18 @@ def fit(model: nn.Module, example_batch: Any, budget: int | float | str, *,
 
     n = len(named)
     skipped: dict[str, str] = {}
+    allowed = limit * (1 - margin)
     try:
-        uniform = {}
-        for lvl in state.levels():
+        uniform = {"keep": planned(("keep",) * n)}
+        # a step that fits as it is recomputes nothing: no other level is planned
+        for lvl in state.levels()[1:] if uniform["keep"].peak_bytes > allowed else ():
             try:
                 uniform[lvl] = planned((lvl,) * n)
             except RuntimeError as exc:  # a policy this model's blocks do not run under
-                if lvl == "keep":
-                    raise
                 skipped[lvl] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                if getattr(getattr(model, "config", None), "use_cache", False):
+                    skipped[lvl] += ("; the model keeps a key/value cache, which recomputed "
+                                     "layers append to: set model.config.use_cache = False")
         # a level needing more memory than a cheaper one is never worth its recomputation
         levels = list(uniform)
         path_levels = [levels[0]]
@@ -331,7 +332,6 @@ def fit(model: nn.Module, example_batch: Any, budget: int | float | str, *,
         path = [(path_levels[0],) * n] + [(upper,) * k + (lower,) * (n - k)
                                           for lower, upper in zip(path_levels, path_levels[1:])
                                           for k in range(1, n + 1)]
-        allowed = limit * (1 - margin)
         if planned(path[-1]).peak_bytes > allowed:
             smallest = plans[path[-1]].peak_bytes / (1 - margin)
             raise MemoryBudgetError(
@@ -353,14 +353,10 @@ def fit(model: nn.Module, example_batch: Any, budget: int | float | str, *,
         state.restore()
     if apply:
         state.apply(chosen)
-    if throughput is None:
-        measured = _measured_throughput(device)
-        rate = measured or DEFAULT_THROUGHPUT.get(device, 400e12)
-    else:
-        measured, rate = None, float(throughput)
+    rate, measured = throughput_of(device) if throughput is None else (float(throughput), False)
     base = plans[path[0]]
     return FitReport(limit, device, {name: lvl for (name, _), lvl in zip(named, chosen)},
                      plans[chosen].peak_bytes, base.peak_bytes,
                      max(0, (plans[chosen].flops or 0) - (base.flops or 0)), rate,
-                     measured is not None, len(plans), time.perf_counter() - start,
+                     measured, len(plans), time.perf_counter() - start,
                      plans[chosen], skipped)

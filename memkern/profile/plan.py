@@ -26,6 +26,14 @@ backward (while autograd's engine runs a node: recomputation in backward include
 (after backward: unscaling, clipping, the update) — and the plan reports the highest moment of
 each, so the second-highest moment is the peak of another phase.
 
+**Host memory** is a budget too: offloading's buffers (:mod:`memkern._host`: the masters and the
+optimizer state of ``offload="cpu"``, pinned copies of gradients and weights, blocks' inputs), and
+what ops make from them alone, are planned on a timeline of their own, replayed through the
+host's allocators (:class:`~memkern.profile.caching_allocator.HostAllocator`: torch's pinned
+caching allocator rounds a request up to a power of two) into :attr:`StepPlan.host_peak`, taken
+apart by what each buffer holds. For a GPU they are not device memory; on the CPU target host
+and device are one memory, and they count in the device's peak too.
+
 The set-up runs on the CPU as a stand-in for the target device: a :class:`Target`
 (:mod:`memkern.profile.targets`) says what a GPU does differently (attention kernels, cuBLAS's
 workspace, memkern's GPU code paths) and the planner applies it. A step written for the GPU
@@ -49,9 +57,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from memkern import _fake, backend
+from memkern import _fake, _host, backend
 from memkern.ops._registry import COMPOSITE_REFERENCES
 from memkern.profile import saved as _saved
+from memkern.profile.caching_allocator import HostAllocator
 from memkern.profile.memory import MASTER_KEYS, _state_tensors
 from memkern.profile.targets import GEMMS, Target, target as _target
 
@@ -114,6 +123,15 @@ class StepPlan:
     flops: int | None = None
     """Floating-point operations of the measured step (``count_flops=True``), by the formulas
     of ``torch.utils.flop_counter`` (GEMMs and attention)."""
+    host_peak: int = 0
+    """The highest host memory the run's offloading holds (:mod:`memkern._host`'s buffers and
+    what ops make from them alone): pinned buffers as the pinned caching allocator's blocks
+    (freed ones cached, never returned), pageable ones at their size. 0: nothing offloaded."""
+    host_by_category: dict[str, int] = dataclasses.field(default_factory=dict)
+    """:attr:`host_peak` taken apart by what the buffers hold (:data:`memkern._host.HOLDS`,
+    and "cached" for free pinned blocks), in the allocator's blocks."""
+    host_pinned: int = 0
+    """Of :attr:`host_peak`, the pinned blocks (page-locked: never swapped out)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -184,7 +202,12 @@ class _Timeline(TorchDispatchMode):
         self._gemm_threads: set[str] = set()
         self.roots: list[tuple[nn.Module, Any]] = []
         self.closed = False  # after the run: frees are no longer events
-        self.host = False  # inside on_host(): new storages are host memory
+        self.host = False  # inside on_host(): new storages are host memory, not counted
+        # Offloaded host memory (memkern._host's buffers, and what ops make from them alone):
+        # sid -> [kind, what it holds]; its own events (sid: allocated; ~sid: freed)
+        self.host_sids: dict[int, list] = {}
+        self.host_events: list[int] = []
+        self.host_sizes: dict[int, int] = {}
         self.count_flops = False
         self.flops = 0
         self._node: tuple[str, int] | None = None  # the autograd node running the current op
@@ -193,14 +216,22 @@ class _Timeline(TorchDispatchMode):
         self._accumulation: tuple[int, int, int] | None = None
 
     # ---------------------------------------------------------------------------- storages
-    def _new(self, nbytes: int, op: str, where: str) -> int:
+    def _new(self, nbytes: int, op: str, where: str,
+             offloaded: tuple[str, str] | None = None) -> int:
+        """A new storage of ``nbytes``; ``offloaded``: ``(kind, holds)`` of offloaded host
+        memory (:mod:`memkern._host`; its own timeline; on a CPU target, the same memory as
+        the device's)."""
         sid = len(self.nbytes)
         self.op.append(op)
         self.where.append(where)
         self.created.append((self.step, self.phase))
         self.creator.append(self._node)
-        if self.host:  # not device memory: no event, size 0 (never counted)
-            self.nbytes.append(0)
+        if offloaded is not None:
+            self.host_sids[sid] = list(offloaded)
+            self.host_sizes[sid] = nbytes
+            self.host_events.append(sid)
+        if self.host or (offloaded is not None and self.target.name != "cpu"):
+            self.nbytes.append(0)  # not device memory: no event, size 0 (never counted)
             return sid
         self.nbytes.append(nbytes)
         self.events.append(sid)
@@ -214,6 +245,8 @@ class _Timeline(TorchDispatchMode):
             return
         if not self.closed and self.nbytes[sid]:
             self.events.append(~sid)
+        if not self.closed and sid in self.host_sids:
+            self.host_events.append(~sid)
         self._refs.pop(sid, None)
 
     def _watch(self, storage: torch.UntypedStorage, sid: int) -> None:
@@ -273,12 +306,31 @@ class _Timeline(TorchDispatchMode):
             return None
         return self._live.get(id(storage))
 
-    def _track(self, t: torch.Tensor, op: str, where: str) -> None:
+    def _track(self, t: torch.Tensor, op: str, where: str,
+               offloaded: tuple[str, str] | None = None) -> None:
         try:
             storage = _fake.local_tensor(t).untyped_storage()
         except (RuntimeError, NotImplementedError):
             return
-        self._track_storage(storage, storage.nbytes(), op, where)
+        self._track_storage(storage, storage.nbytes(), op, where, offloaded)
+
+    def offloaded_inputs(self, args: Any) -> tuple[str, str] | None:
+        """What :mod:`memkern._host` is making on this thread; else ``("pageable", what the
+        first holds)`` when an op's tensor inputs are all offloaded host memory (its outputs
+        are host memory too: ``host_weights.float()``); else None."""
+        making = _host.current()
+        if making is not None:
+            return making
+        if not self.host_sids:
+            return None
+        first = None
+        for t in tree_leaves(args):
+            if isinstance(t, torch.Tensor):
+                sid = self.sid_of(t)
+                if sid is None or sid not in self.host_sids:
+                    return None
+                first = first or self.host_sids[sid]
+        return None if first is None else ("pageable", first[1])
 
     def resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """A storage resized in place (``UntypedStorage.resize_``, no op of its own: FSDP2
@@ -289,14 +341,15 @@ class _Timeline(TorchDispatchMode):
                                 self._modules[-1] if self._modules else "(top)")
 
     def _track_storage(self, storage: torch.UntypedStorage, nbytes: int, op: str,
-                       where: str) -> None:
+                       where: str, offloaded: tuple[str, str] | None = None) -> None:
         key = id(storage)
         sid = self._live.get(key)
         if sid is not None:
-            if self.nbytes[sid] == nbytes:
+            if self.host_sizes.get(sid, self.nbytes[sid]) == nbytes:
                 return
+            offloaded = self.host_sids.get(sid, offloaded)
             self._free(sid)  # resized in place: a new block, the old one given back
-        self._watch(storage, self._new(nbytes, op, where))
+        self._watch(storage, self._new(nbytes, op, where, offloaded))
 
     def workspace(self, nbytes: int, op: str, where: str, keep: bool = False) -> None:
         sid = self._new(nbytes, op, where)
@@ -380,6 +433,7 @@ class _Timeline(TorchDispatchMode):
         if reference is not None:  # its ops run here instead, each recorded
             with self:
                 return reference(*args, **kwargs)
+        offloaded = self.offloaded_inputs((args, kwargs))
         out = func(*args, **kwargs)
         if self.count_flops:  # torch's FLOP formulas (FlopCounterMode's), without its module
             count = flop_registry.get(func._overloadpacket)  # hooks, which change memory
@@ -387,7 +441,7 @@ class _Timeline(TorchDispatchMode):
                 self.flops += count(*args, **kwargs, out_val=out)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._track(t, op, where)
+                self._track(t, op, where, offloaded)
         for nbytes in self.target.workspaces(func, args, kwargs):
             self.workspace(nbytes, op + " workspace", where)
         if func is torch.ops.aten.add.Tensor and node is not None:
@@ -460,6 +514,8 @@ def _moment(tl: _Timeline, index: int, phase: str, allocated: int, block: list[i
         if not size:
             continue
         role = tl.roles.get(sid)
+        if role is None and sid in tl.host_sids:  # the CPU target: host memory is the device's
+            role = _DEVICE_CATEGORY[tl.host_sids[sid][1]]
         saved = tl.saved.get(sid)
         created_step, created_phase = tl.created[sid]
         if role is None and saved is not None and saved[0] <= index:
@@ -496,6 +552,46 @@ def _held(tl: _Timeline) -> dict[str, int]:
                     seen.add(sid)
                     held[role] += tl.nbytes[sid]
     return held
+
+
+_HOLDS_OF_ROLE = {"parameters": "weights", "gradients": "gradients",
+                  "master weights": "master weights", "optimizer state": "optimizer state"}
+_DEVICE_CATEGORY = {"weights": "parameters", "gradients": "gradients",
+                 "master weights": "master weights", "optimizer state": "optimizer state",
+                 "state copies": "optimizer state", "activations": "saved for backward"}
+"""The device category of a host buffer by what it holds, where host memory is the device's
+(the CPU target)."""
+
+
+def _host_replay(tl: _Timeline) -> tuple[int, dict[str, int], int]:
+    """The host timeline through :class:`HostAllocator`: its peak, that moment's bytes by what
+    each buffer holds (a role from the optimizer or the model first: a master made by an op
+    from the weights' copy is a master), and the pinned blocks then."""
+    allocator = HostAllocator()
+    handles: dict[int, Any] = {}
+    best, best_index = 0, -1
+    for i, e in enumerate(tl.host_events):
+        if e >= 0:
+            handles[e] = allocator.malloc(tl.host_sizes[e], tl.host_sids[e][0])
+            if allocator.allocated > best:
+                best, best_index = allocator.allocated, i
+        else:
+            allocator.free(handles.pop(~e))
+    if best_index < 0:
+        return 0, {}, 0
+    replay = HostAllocator()
+    alive: dict[int, Any] = {}
+    for e in tl.host_events[:best_index + 1]:
+        if e >= 0:
+            alive[e] = replay.malloc(tl.host_sizes[e], tl.host_sids[e][0])
+        else:
+            replay.free(alive.pop(~e))
+    by_category = dict.fromkeys(_host.HOLDS, 0)
+    for sid, (size, _) in alive.items():
+        holds = _HOLDS_OF_ROLE.get(tl.roles.get(sid), tl.host_sids[sid][1])
+        by_category[holds] += size
+    by_category["cached"] = replay.cached
+    return best, {k: v for k, v in by_category.items() if v}, replay.pinned
 
 
 # -------------------------------------------------------------------------------- autocast
@@ -611,6 +707,8 @@ def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Targ
     if not phase_peaks:
         raise RuntimeError("plan_training_step: the step ran no op (nothing to measure)")
     peak = max(phase_peaks.values(), key=lambda m: m.allocated)
+    host_peak, host_by_category, host_pinned = _host_replay(tl)
     return StepPlan(str(device if isinstance(device, str) else device.name), description, peak,
                     phase_peaks, run_peak, step_start.get(measured, 0), held, reserved,
-                    time.perf_counter() - start, flops)
+                    time.perf_counter() - start, flops, host_peak, host_by_category,
+                    host_pinned)

@@ -50,11 +50,23 @@ def format_plan(plan: StepPlan) -> str:
     second = plan.second
     if second is not None:
         lines += [""] + _moment_lines("second-highest moment", second)
+    lines += _host_lines(plan)
     lines += ["", "each phase's peak, MiB", table(
         ["phase", "peak", *(SHORT[c] for c in CATEGORIES)],
         [[phase, f"{m.allocated / MIB:.1f}", *(f"{m.by_category[c] / MIB:.1f}" for c in CATEGORIES)]
          for phase, m in plan.phase_peaks.items()]), legend()]
     return "\n".join(lines)
+
+
+def _host_lines(plan: StepPlan) -> list[str]:
+    """The host memory the step's offloading holds, by what it holds (none: no lines)."""
+    if not plan.host_peak:
+        return []
+    lines = ["", f"host memory: peak {plan.host_peak / MIB:.1f} MiB, of which pinned "
+             f"{plan.host_pinned / MIB:.1f} MiB (pinned blocks: requests rounded up to a power "
+             "of two)"]
+    lines += [f"  {what:<20} {_mib(n)} MiB" for what, n in plan.host_by_category.items()]
+    return lines
 
 
 def legend() -> str:

@@ -6,16 +6,20 @@ makes the set-up the way the benchmark (or a user's script) makes it, on the CPU
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from memkern import _fake
+from memkern.profile.blocks import repeated_blocks
 from memkern.profile.plan import TrainingSetup, on_host
 
-PATCH_OPTIONS = ("linear", "norm", "mlp", "dropout", "attention", "loss")
+PATCH_OPTIONS = ("linear", "norm", "mlp", "dropout", "lora", "attention", "loss")
 """The on/off families of :func:`memkern.patch` (see ``memkern.nn.patch``)."""
 SHARDINGS = ("zero1", "zero2", "fsdp2")
 """How :func:`hf_workload` shards across the ranks of the default process group."""
@@ -41,14 +45,30 @@ def hf_config(source: str, overrides: Sequence[str] | dict = ()) -> object:
     try:
         default = transformers.AutoConfig.for_model(model_type)
     except ValueError:
-        raise ValueError(f"{source!r} is neither a config file nor a transformers model type "
-                         "(e.g. llama, mistral, qwen2, gpt2)") from None
+        raise ValueError(_not_a_config(source)) from None
     unknown = [k for k in settings if not hasattr(default, k) and k not in data_keys(source)
                and k != "attn_implementation"]
     if unknown:
         raise ValueError(f"the {model_type} config has no setting {', '.join(map(repr, unknown))}")
     # at construction, so that derived settings (head_dim from hidden_size) follow
     return transformers.AutoConfig.for_model(model_type, **settings)
+
+
+def _not_a_config(source: str) -> str:
+    """The error for a source that is neither a file nor a model type: most often a Hub model
+    id ("bert-base-uncased", "meta-llama/Llama-3.1-8B"), which is not fetched: say so, and
+    name the model type its name starts with, if one does."""
+    from transformers import CONFIG_MAPPING
+
+    name = source.rsplit("/", 1)[-1].lower().replace("_", "-")
+    types = [t for t in CONFIG_MAPPING if name.startswith(t.replace("_", "-"))]
+    guess = max(types, key=len, default=None)
+    hint = (f"; for its architecture at its default sizes try --hf {guess} (with --set for "
+            "the sizes)" if guess else "")
+    return (f"{source!r} is neither a config file nor a transformers model type (e.g. llama, "
+            "mistral, qwen2, gpt2, bert). Hub model ids are not fetched (nothing is "
+            f"downloaded): download its config.json (hf download {source} config.json prints "
+            f"where it put it) and pass that path{hint}")
 
 
 def data_keys(source: str) -> set[str]:
@@ -70,8 +90,97 @@ def _parse(text: str) -> tuple[str, object]:
         return key.strip(), value
 
 
-OPTIMIZERS = ("adamw-fused", "adamw", "memkern-adamw", "memkern-adamw-8bit", "sharded")
-"""The optimizers :func:`hf_workload` builds."""
+LORA_DEFAULTS = {"r": 16, "alpha": 32, "dropout": 0.0, "targets": "all-linear"}
+"""The LoRA adapters :func:`lora_options` describes by default: rank 16, ``lora_alpha`` 32, no
+dropout, on every linear layer but the output layer (PEFT's ``"all-linear"``)."""
+
+
+def lora_options(text: str) -> dict:
+    """LoRA options from ``"r=16,alpha=32,dropout=0.05,targets=q_proj+v_proj"`` (any of them;
+    the rest :data:`LORA_DEFAULTS`; ``targets``: module names joined by ``+``, or
+    ``all-linear``)."""
+    options = dict(LORA_DEFAULTS)
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in LORA_DEFAULTS:
+            raise ValueError(f"LoRA option {item!r}: expected key=value with key one of "
+                             f"{', '.join(LORA_DEFAULTS)} (e.g. r=16,alpha=32)")
+        try:
+            options[key] = (value if key == "targets" else
+                            int(value) if key in ("r", "alpha") else float(value))
+        except ValueError:
+            raise ValueError(f"LoRA option {item!r}: {value!r} is not a number") from None
+    if options["r"] < 1 or not 0.0 <= options["dropout"] < 1.0:
+        raise ValueError(f"LoRA options {text!r}: r must be at least 1 and dropout in [0, 1)")
+    return options
+
+
+def with_lora(model: torch.nn.Module, options: dict) -> torch.nn.Module:
+    """``model`` with PEFT's LoRA adapters (``peft.get_peft_model``) as :func:`lora_options`
+    describes them: the base weights frozen, the adapters trainable."""
+    import peft
+
+    targets = options["targets"]
+    config = peft.LoraConfig(r=options["r"], lora_alpha=options["alpha"],
+                             lora_dropout=options["dropout"],
+                             target_modules=targets if targets == "all-linear"
+                             else targets.split("+"))
+    return peft.get_peft_model(model, config)
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer as code: ``spec(params)`` makes it, :meth:`code` writes the same call as
+    Python a user can paste (so what a command plans is what it prints)."""
+
+    path: str
+    """The class, as imported: ``"memkern.optim.ShardedOptimizer"``."""
+    args: tuple = ()
+    """The positional arguments after the parameters."""
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+    def __call__(self, params) -> Any:
+        module, _, name = self.path.rpartition(".")
+        return getattr(importlib.import_module(module), name)(params, *self.args, **self.kwargs)
+
+    def with_options(self, **options: Any) -> OptimizerSpec:
+        """The same optimizer with these keyword arguments added (or replaced)."""
+        return dataclasses.replace(self, kwargs={**self.kwargs, **options})
+
+    def code(self, params: str = "model.parameters()") -> str:
+        args = [params, *map(_literal, self.args),
+                *(f"{k}={_literal(v)}" for k, v in self.kwargs.items())]
+        return f"{self.path}({', '.join(args)})"
+
+
+def _literal(value: Any) -> str:
+    """A keyword value as Python: strings in double quotes, as the docs write them."""
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+NO_KV_CACHE = {"use_cache": False}
+"""The forward's keyword for a recomputed transformers model, as ``gradient_checkpointing_enable``
+sets it: in training a key/value cache holds every layer's keys and values until the step
+ends, and a recomputed layer appends them again (its recomputed keys then no longer match the
+saved ones: torch's checkpoint refuses the step)."""
+
+
+def uses_kv_cache(config) -> bool:
+    """Whether a transformers model of ``config`` keeps a key/value cache by default."""
+    return bool(getattr(config, "use_cache", False))
+
+
+OPTIMIZERS = {
+    "sharded": OptimizerSpec("memkern.optim.ShardedOptimizer", ("adamw",), dict(
+        lr=1e-4, loss_scale="dynamic", max_grad_norm=1.0)),
+    "adamw-fused": OptimizerSpec("torch.optim.AdamW", (), dict(lr=1e-4, fused=True)),
+    "adamw": OptimizerSpec("torch.optim.AdamW", (), dict(lr=1e-4, foreach=True)),
+    "memkern-adamw": OptimizerSpec("memkern.optim.FusedAdamW", (), dict(lr=1e-4)),
+    "memkern-adamw-8bit": OptimizerSpec("memkern.optim.FusedAdamW", (), dict(
+        lr=1e-4, state_precision="8bit")),
+}
+"""The optimizers :func:`hf_workload` builds, by name. ``memkern plan`` and ``memkern fit``
+train with "sharded" unless told otherwise: ``ShardedOptimizer``'s AdamW, float32 master weights
+of 16-bit parameters, global-norm clipping at 1.0, dynamic loss scaling."""
+DEFAULT_OPTIMIZER = "sharded"
 
 TASKS = {
     "causal-lm": "AutoModelForCausalLM",
@@ -136,8 +245,9 @@ def task_batch(config, task: str, batch: int, seq: int) -> dict:
 def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bfloat16,
                 patch: dict | None = None, optimizer: str = "adamw-fused",
                 gradient_checkpointing: bool = False, task: str = "causal-lm",
-                autocast: torch.dtype | None = None,
-                sharding: str | None = None) -> Callable[[], TrainingSetup]:
+                autocast: torch.dtype | None = None, sharding: str | None = None,
+                optimizer_options: dict | None = None, checkpoint: str | None = None,
+                kv_cache: bool = True, lora: dict | None = None) -> Callable[[], TrainingSetup]:
     """A ``transformers`` model for ``task`` (:data:`TASKS`) from ``config``
     (:func:`hf_config`), parameters in ``dtype``, trained as ``benchmarks/bench_hf.py`` trains
     it: ``model(**batch).loss``, ``backward()``, the optimizer's step,
@@ -150,8 +260,15 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
     ``optimizer``: "adamw-fused" (``torch.optim.AdamW(fused=True)``), "adamw" (foreach),
     "memkern-adamw" (:class:`memkern.optim.FusedAdamW`), "memkern-adamw-8bit" (its 8-bit
     state) or "sharded" (:class:`memkern.optim.ShardedOptimizer`, AdamW, dynamic loss scale,
-    clipping at 1.0).
+    clipping at 1.0): :data:`OPTIMIZERS`. ``optimizer_options``: keyword arguments added to
+    its constructor's (``{"state_precision": "8bit", "offload": "cpu"}``).
     ``gradient_checkpointing``: transformers' own (``model.gradient_checkpointing_enable()``).
+    ``lora``: :func:`lora_options`' dict: the model gets PEFT's LoRA adapters (:func:`with_lora`)
+    before ``patch``, and the optimizer steps the adapters only.
+    ``checkpoint``: :func:`memkern.checkpoint` with this policy on each of the model's
+    repeated blocks (:func:`memkern.profile.fit.repeated_blocks`: its decoder layers), called
+    without a key/value cache (:data:`NO_KV_CACHE`). ``kv_cache=False``: the forward runs
+    without its key/value cache in any case (what ``memkern plan`` and ``memkern fit`` plan).
     ``autocast``: the forward runs under ``torch.autocast(<the planned device>, dtype=autocast)``
     (AMP: float32 parameters, ``torch.float16`` or ``torch.bfloat16`` matmuls).
 
@@ -177,6 +294,9 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
         raise ValueError("sharding='fsdp2' shards the parameters: use a torch optimizer or "
                          "memkern-adamw, not 'sharded'")
     model_cls = model_class(config, task)
+    spec = OPTIMIZERS[optimizer].with_options(**(optimizer_options or {}))
+    if sharding == "zero2":
+        spec = spec.with_options(zero_stage=2)
 
     def make() -> TrainingSetup:
         # built on the CPU in float32, then moved (and cast) to the device; the weights'
@@ -190,30 +310,25 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
         model = model.to(dtype=dtype).train()
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        if lora is not None:
+            model = with_lora(model, lora)
         if patch is not None:
             memkern.patch(model, **patch)
+        if checkpoint is not None:
+            for _, block in repeated_blocks(model):
+                memkern.checkpoint(block, checkpoint)
         if sharding == "fsdp2":
             _fully_shard(model)
-        params = model.parameters()
-        sharded = None
-        if optimizer == "adamw-fused":
-            opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-        elif optimizer == "adamw":
-            opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-        elif optimizer == "memkern-adamw":
-            opt = memkern.optim.FusedAdamW(params, lr=1e-4)
-        elif optimizer == "memkern-adamw-8bit":
-            opt = memkern.optim.FusedAdamW(params, lr=1e-4, state_precision="8bit")
-        else:
-            opt = sharded = memkern.optim.ShardedOptimizer(
-                params, "adamw", lr=1e-4, loss_scale="dynamic", max_grad_norm=1.0,
-                zero_stage=2 if sharding == "zero2" else 1)
+        opt = spec([p for p in model.parameters() if p.requires_grad])
+        sharded = opt if isinstance(opt, memkern.optim.ShardedOptimizer) else None
         inputs = task_batch(config, task, batch, seq)
         device = next(model.parameters()).device.type
+        no_cache = (NO_KV_CACHE if (checkpoint is not None or not kv_cache)
+                    and uses_kv_cache(config) else {})
 
         def step() -> None:
             with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
-                loss = model(**inputs).loss
+                loss = model(**inputs, **no_cache).loss
             if sharded is not None:
                 sharded.backward(loss)
                 sharded.step()
@@ -225,14 +340,17 @@ def hf_workload(config, *, batch: int, seq: int, dtype: torch.dtype = torch.bflo
 
         how = "plain" if patch is None else "memkern.patch(" + ", ".join(
             f"{k}={v!r}" for k, v in patch.items()) + ")"
-        extras = "".join([f", autocast {autocast}" if autocast is not None else "",
-                          ", gradient checkpointing" if gradient_checkpointing else ""])
+        extras = "".join([f", LoRA r={lora['r']} on {lora['targets']}" if lora else "",
+                          f", autocast {autocast}" if autocast is not None else "",
+                          ", gradient checkpointing" if gradient_checkpointing else "",
+                          f", memkern.checkpoint {checkpoint!r}" if checkpoint else ""])
+        options = "".join(f", {k}={_literal(v)}" for k, v in (optimizer_options or {}).items())
         shape = (f"batch {batch}" if task == "image-classification" else f"batch {batch} x {seq}")
         ranks = "" if sharding is None else \
             f", {sharding} over {torch.distributed.get_world_size()} ranks"
         return TrainingSetup(model, opt, step,
-                             f"{model_cls.__name__} {how}, {dtype}{extras}, {optimizer}, "
-                             f"{shape}{ranks}")
+                             f"{model_cls.__name__} {how}, {dtype}{extras}, {optimizer}"
+                             f"{options}, {shape}{ranks}")
 
     return make
 

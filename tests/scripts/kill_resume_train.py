@@ -4,7 +4,8 @@ checkpoint. Used by ``tests/test_optim_kill_resume.py`` (seeded kill points) and
 ``scripts/kill_resume.py`` (kills at random moments).
 
     torchrun --standalone --nproc-per-node 2 --max-restarts 9 \\
-        tests/scripts/kill_resume_train.py --dir DIR --modes zero2,offload-8bit
+        tests/scripts/kill_resume_train.py --dir DIR \\
+        --modes zero2,offload-8bit,streamed-8bit,offload-1proc
 
 For each mode, in ``DIR/<mode>/``: ``reference/`` (an uninterrupted run, made first) and
 ``resumed/`` (the run that is killed and restarted); each ends with ``final.pt`` (rank 0's
@@ -39,14 +40,20 @@ from memkern.optim import checkpoint
 from memkern.optim.fused_adamw import AdamW
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from clean_exit import exit_without_finalizing  # noqa: E402  (tests/)
+from clean_exit import end_finished_rank  # noqa: E402  (tests/)
 
 ACCUMULATION, BATCH = 2, 8
 POISONED = (5, 1)  # (window, micro-batch) whose loss is inf on rank 1: a skipped window
 MODES = {
     "zero2": dict(zero_stage=2),
     "offload-8bit": dict(zero_stage=2, offload="cpu", state_precision="8bit"),
+    "streamed-8bit": dict(zero_stage=2, gradients="host", state_precision="8bit"),
+    "offload-1proc": dict(offload="cpu"),
 }
+ONE_PROCESS = {"offload-1proc"}
+"""Modes in which each rank trains alone (an optimizer over a process group of its own rank,
+the same data on every rank): one process's offload, whose host steps start during backward
+on host copies of the weights, and whose checkpoints each rank writes and reads itself."""
 
 
 class Net(torch.nn.Module):
@@ -151,19 +158,24 @@ def run(mode: str, where: str, args: argparse.Namespace, rank: int, killer: Kill
     final = os.path.join(where, "final.pt")
     if os.path.exists(final):
         return
+    alone = mode in ONE_PROCESS
+    own_group = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+    tag = f".{rank}" if alone else ""  # the files this rank writes and reads alone
     torch.manual_seed(args.seed)
     model = Net()
     opt = mk.optim.ShardedOptimizer(
         model.parameters(), "adamw", lr=3e-3, eps=1e-3, accumulation_steps=ACCUMULATION,
-        max_grad_norm=0.5, bucket_size_mb=1e-2,
+        max_grad_norm=0.5, bucket_size_mb=1e-2, process_group=own_group if alone else None,
         loss_scale=mk.LossScaler(init_scale=2.0**10, growth_interval=3), **MODES[mode])
-    ckpt = os.path.join(where, "ckpt")
+    ckpt = os.path.join(where, "ckpt" + tag)
     start = 0
     if checkpoint.is_complete(ckpt):
+        # The optimizer's state first, then the model's weights (which the optimizer must
+        # take, not overwrite with stale copies: issue 45)
         opt.load_sharded(ckpt)
         state = opt.state_dict()["state"]
         start = int(state[0]["step"]) + opt.skipped_steps  # windows done (all closed)
-        model.load_state_dict(torch.load(os.path.join(where, f"model-{start}.pt")))
+        model.load_state_dict(torch.load(os.path.join(where, f"model-{start}{tag}.pt")))
     killer.watch(model.fc1.weight)
     log(args.dir, rank, f"{mode} {os.path.basename(where)} start {start}")
     for window in range(start, args.windows):
@@ -171,9 +183,9 @@ def run(mode: str, where: str, args: argparse.Namespace, rank: int, killer: Kill
         killer.updates = 0
         time.sleep(args.slow)
         for micro in range(ACCUMULATION):
-            x, y = batch(args.seed, window, micro, rank)
+            x, y = batch(args.seed, window, micro, 0 if alone else rank)
             loss = torch.nn.functional.mse_loss(model(x), y)
-            if (window, micro) == POISONED and rank == 1:
+            if (window, micro) == POISONED and (rank == 1 or alone):
                 loss = loss * float("inf")
             opt.backward(loss)
             opt.step()
@@ -181,13 +193,14 @@ def run(mode: str, where: str, args: argparse.Namespace, rank: int, killer: Kill
         log(args.dir, rank, f"{mode} {os.path.basename(where)} done {window}")
         if (window + 1) % args.every == 0 and window + 1 < args.windows:
             done = window + 1
-            if rank == 0:
-                save_model(model, os.path.join(where, f"model-{done}.pt"))
+            if rank == 0 or alone:
+                save_model(model, os.path.join(where, f"model-{done}{tag}.pt"))
             dist.barrier()
             opt.save_sharded(ckpt)
-            if rank == 0:  # the model files of older checkpoints are no longer needed
+            if rank == 0 or alone:  # the model files of older checkpoints are no longer needed
                 for name in os.listdir(where):
-                    if name.startswith("model-") and name != f"model-{done}.pt":
+                    if (name.startswith("model-") and name.endswith(f"{tag}.pt")
+                            and name != f"model-{done}{tag}.pt"):
                         os.remove(os.path.join(where, name))
     save_final(model, opt, final, rank)
 
@@ -213,8 +226,8 @@ def start_rank(directory: str) -> int:
 @contextlib.contextmanager
 def killable_rank(directory: str):
     """This rank, one thread, in the process group, with its :class:`Killer` armed: yields
-    ``(rank, killer)``; after the runs, the group destroyed and the process ended without
-    Python's finalisation (tests/clean_exit.py)."""
+    ``(rank, killer)``; after the runs, the group destroyed and the rank ended
+    (tests/clean_exit.py)."""
     torch.set_num_threads(1)
     rank = start_rank(directory)
     killer = Killer(directory, rank)
@@ -223,7 +236,7 @@ def killable_rank(directory: str):
         yield rank, killer
     finally:
         dist.destroy_process_group()
-    exit_without_finalizing()
+    end_finished_rank()
 
 
 def main() -> None:
