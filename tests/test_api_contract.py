@@ -37,6 +37,9 @@ CONTRACT = [
     ("mk.nn.functional.linear_cross_entropy",
      dict(input=INF, weight=INF, target=INF, bias=None, ignore_index=-100, reduction="mean",
           label_smoothing=0.0, num_items=None)),
+    ("mk.nn.functional.linear_log_probs",
+     dict(input=INF, weight=INF, target=INF, bias=None, entropy=False, is_top1=False,
+          mean_logits=False, ignore_index=-100, softcap=None)),
     ("mk.checkpoint", dict(module=INF, policy="full")),
     ("mk.patch", dict(model=INF, linear=True, norm=True, mlp=True, dropout=True, attention=True,
                       loss=True, recompute="activation", verbose=False)),
@@ -60,6 +63,7 @@ CONTRACT = [
                                  dtype=None, loss_scale="auto", state_precision="32bit",
                                  offload=None, zero_stage=1, grad_dtype=None,
                                  bucket_size_mb=25)),
+    ("use_memkern_head", dict(trainer=INF)),
 ]
 
 
@@ -68,6 +72,10 @@ def resolve(dotted: str):
         pytest.importorskip("mmengine")
         from memkern.integrations import mmengine
         return mmengine.MemkernOptimWrapper
+    if dotted == "use_memkern_head":
+        pytest.importorskip("trl")
+        from memkern.integrations import trl
+        return trl.use_memkern_head
     if dotted.startswith("MemkernTrainer"):
         from memkern.integrations import transformers
         return getattr(transformers, dotted)
