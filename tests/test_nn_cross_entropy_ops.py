@@ -87,19 +87,26 @@ def _special_rows(z, tile):
     return [1, 2, 3, 4, 5, 6]
 
 
-@pytest.mark.parametrize("cap", [0.0, 7.0], ids=["nocap", "softcap"])
-@pytest.mark.parametrize("smoothing", [0.0, 0.3])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("backend_name,device", KERNELS)
-@pytest.mark.parametrize("V", [203, 1031, pytest.param(50257, marks=pytest.mark.cuda)])
-def test_rows_match_float64_torch(V, backend_name, device, dtype, smoothing, cap):
+def _random_rows(V, backend_name, device, dtype):
+    """13 rows of V random logits and targets for a kernel (skips what it does not take); rows
+    0, 7 and 12 (first, middle, last) ignored with ignore_index -7."""
     if device != "cuda" and V == 50257:
         pytest.skip("GPU-sized rows")
     if backend_name == "triton" and dtype == torch.float64:
         pytest.skip("the Triton kernel takes 16/32-bit logits")
     z = (torch.randn(13, V, device=device) * 3).to(dtype)
     t = torch.randint(0, V, (13,), device=device)
-    t[[0, 7, 12]] = -7  # ignored: first, middle, last
+    t[[0, 7, 12]] = -7
+    return z, t
+
+
+@pytest.mark.parametrize("cap", [0.0, 7.0], ids=["nocap", "softcap"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.3])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend_name,device", KERNELS)
+@pytest.mark.parametrize("V", [203, 1031, pytest.param(50257, marks=pytest.mark.cuda)])
+def test_rows_match_float64_torch(V, backend_name, device, dtype, smoothing, cap):
+    z, t = _random_rows(V, backend_name, device, dtype)
     t[1] = V - 3  # the target at the late maximum
     t[4] = V - 1  # a finite logit after the -inf ones
     # row 6's maximum is at column 0, far above the rest: a target there has a gradient of
@@ -424,13 +431,7 @@ def test_row_statistics_match_float64_torch(V, backend_name, device, dtype, cap)
     """Entropy, is-top-1 and mean logit of each row with the loss and gradient (rows sized for
     >= 3 tiles per lane, the extremes and ties in later tiles), against float64 torch; then
     each statistic alone, the other rows of ``stats`` untouched, the loss unchanged."""
-    if device != "cuda" and V == 50257:
-        pytest.skip("GPU-sized rows")
-    if backend_name == "triton" and dtype == torch.float64:
-        pytest.skip("the Triton kernel takes 16/32-bit logits")
-    z = (torch.randn(13, V, device=device) * 3).to(dtype)
-    t = torch.randint(0, V, (13,), device=device)
-    t[[0, 7, 12]] = -7
+    z, t = _random_rows(V, backend_name, device, dtype)
     special = _statistic_rows(z, t, 16 // z.element_size())
     want = _stats_oracle(z.cpu(), t.cpu(), -7, cap)
     acc = _acc(dtype)
