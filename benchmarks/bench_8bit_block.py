@@ -27,7 +27,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 from memkern.bench.configs import build  # noqa: E402
 from memkern.bench.data import Batches, stdlib_corpus  # noqa: E402
 from memkern.bench.model import SIZES, GPTConfig  # noqa: E402

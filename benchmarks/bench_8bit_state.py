@@ -40,7 +40,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 import memkern  # noqa: E402
 from memkern import backend  # noqa: E402
 from memkern.bench.configs import LR, build  # noqa: E402

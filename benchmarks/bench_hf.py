@@ -57,7 +57,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 import memkern as mk  # noqa: E402
 from memkern.profile import allocation_stats, saved_bytes  # noqa: E402
 

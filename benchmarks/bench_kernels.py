@@ -33,7 +33,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_8bit_state  # noqa: E402
 import common  # noqa: E402
-
 import memkern  # noqa: E402
 
 BETAS, LR, EPS, WD, MAX_NORM = (0.9, 0.999), 1e-4, 1e-8, 0.01, 1.0

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 import memkern as mk  # noqa: E402
 from memkern.nn.linear_cross_entropy import splits  # noqa: E402
 from memkern.ops.linear_cross_entropy import block_sizes  # noqa: E402

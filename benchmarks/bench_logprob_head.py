@@ -37,13 +37,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+from trl.kernels import ChunkedLogProbFunction, chunked_logprob  # noqa: E402
 
+import common  # noqa: E402
 import memkern as mk  # noqa: E402
 from memkern.profile import allocation_stats  # noqa: E402
 from memkern.profile.plan import TrainingSetup, plan_training_step  # noqa: E402
-
-from trl.kernels import ChunkedLogProbFunction, chunked_logprob  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CPU_SHAPES = "4096x32000x512:float32,1024x128256x512:float32"

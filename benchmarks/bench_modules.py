@@ -27,7 +27,6 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_lce  # noqa: E402
 import common  # noqa: E402
-
 import memkern as mk  # noqa: E402
 from memkern.bench import host_device  # noqa: E402
 from memkern.bench.block import GPT2Block  # noqa: E402

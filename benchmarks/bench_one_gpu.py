@@ -39,7 +39,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 import memkern as mk  # noqa: E402
 from memkern.profile import hf_config, hf_workload, plan_training_step  # noqa: E402
 from memkern.profile.blocks import repeated_blocks  # noqa: E402

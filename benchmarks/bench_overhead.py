@@ -43,7 +43,6 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 import memkern as mk  # noqa: E402
 from memkern.bench import host_device  # noqa: E402
 from memkern.bench.configs import DEFAULT_CONFIGS, build  # noqa: E402
@@ -158,8 +157,8 @@ def _count_launches(fn: Callable) -> dict[str, int]:
     """Kernel launches of one call of ``fn``: Triton launches + ATen ops that run a kernel +
     memkern kernel ops reached through the dispatcher (a layer's C++ autograd calls them so,
     where the forced Triton backend does not reach: each is one kernel on the GPU)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     import triton.runtime.jit as jit
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     counts = {"aten": 0, "triton": 0, "memkern": 0, "host_syncs": 0}
     inside_triton = [False]  # the interpreter's own host copies are not launches

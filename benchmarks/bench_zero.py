@@ -38,7 +38,6 @@ from torch.nn.parallel import DistributedDataParallel
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
-
 import memkern as mk  # noqa: E402
 from memkern.bench.data import Batches, stdlib_corpus  # noqa: E402
 from memkern.bench.model import GPT, SIZES  # noqa: E402

@@ -27,10 +27,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
+from memkern.bench.workload import bench_workload  # noqa: E402
 from memkern.profile import allocation_stats  # noqa: E402
 from memkern.profile.plan import plan_training_step  # noqa: E402
-from memkern.bench.workload import bench_workload  # noqa: E402
 from memkern.profile.workloads import hf_config, hf_workload  # noqa: E402
 
 MIB = 1 << 20

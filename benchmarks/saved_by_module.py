@@ -18,7 +18,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_hf  # noqa: E402
-
 import memkern as mk  # noqa: E402
 
 VARIANTS = {"plain": None, "memkern": {}, "memkern-full": {"recompute": "full"}}

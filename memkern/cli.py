@@ -34,8 +34,14 @@ from collections.abc import Sequence
 
 import torch
 
-from memkern.bench.configs import (BASELINE, CONFIGS, DEFAULT_CONFIGS, DESCRIPTIONS,
-                                    MAX_GRAD_NORM, MIN_STEPS)
+from memkern.bench.configs import (
+    BASELINE,
+    CONFIGS,
+    DEFAULT_CONFIGS,
+    DESCRIPTIONS,
+    MAX_GRAD_NORM,
+    MIN_STEPS,
+)
 from memkern.bench.model import SIZES, GPTConfig
 
 
@@ -305,9 +311,9 @@ nothing) and the table is marked as a few measurements only."""
 
 
 def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
-    from memkern.output import table
     from memkern.bench.runner import untimed_steps
     from memkern.bench.timing import ratio
+    from memkern.output import table
 
     base = next((r for r in rows if r.config == BASELINE), None)
     vs = f" vs {BASELINE}" if base is not None else ""

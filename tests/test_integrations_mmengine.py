@@ -23,12 +23,12 @@ from torch.utils.data import DataLoader
 from compare import params_rel_err
 
 mmengine = pytest.importorskip("mmengine")
+import mmengine.optim.optimizer.amp_optimizer_wrapper as amp_wrapper_module  # noqa: E402
+from mmengine.hooks import Hook  # noqa: E402
 from mmengine.model import BaseModel  # noqa: E402
 from mmengine.optim import AmpOptimWrapper  # noqa: E402
-from mmengine.hooks import Hook  # noqa: E402
 from mmengine.registry import HOOKS, OPTIM_WRAPPERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
-import mmengine.optim.optimizer.amp_optimizer_wrapper as amp_wrapper_module  # noqa: E402
 
 import memkern  # noqa: E402
 from memkern.integrations.mmengine import MemkernOptimWrapper  # noqa: E402

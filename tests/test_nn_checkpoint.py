@@ -13,10 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import memkern as mk
+from compare import rel_err
 from memkern.nn.checkpoint import policy_of
 from memkern.profile import allocation_stats, saved_bytes
-from compare import rel_err
-
 
 
 class Block(nn.Module):

@@ -206,10 +206,10 @@ def test_compiled_linear_cross_entropy_is_its_two_loop_ops_and_keeps_what_eager_
     log-sum-exp and dx (and the divisor for "mean"); the parameters are not counted. The loss
     and gradients against the float64 unfused graph. The partitioner is inductor's
     (min-cut); the graphs are run by AOTAutograd without inductor's code generation (cheap)."""
+    import torch.nn.functional as F
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
-    import torch.nn.functional as F
     from memkern.profile import saved_bytes
 
     graphs = {}

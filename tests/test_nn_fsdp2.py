@@ -24,8 +24,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-import memkern as mk
 import launch_ranks
+import memkern as mk
 from clean_exit import DTENSOR_CACHES
 from compare import params_rel_err, rel_err
 

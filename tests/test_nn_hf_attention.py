@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import memkern as mk
+from compare import rel_err
 from memkern.nn import hf_attention
 from memkern.profile import SavedTensorsRecorder
-from compare import rel_err
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,11 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import memkern as mk
-from memkern.profile import SavedTensorsRecorder, allocation_stats, saved_bytes
 from compare import rel_err
 from conftest import needs_layer_extension
 from memkern.bench.block import GPT2Block
-
+from memkern.profile import SavedTensorsRecorder, allocation_stats, saved_bytes
 
 
 def test_saved_bytes_counts_each_storage_once_and_skips_parameters():

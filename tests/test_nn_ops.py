@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compare import rel_err
+from layer_oracle import norm64
 from memkern import backend, ops
 from memkern._extension import compiled
 from memkern.ops.dropout import keep_mask, philox4x32
-from compare import rel_err
-from layer_oracle import norm64
 
 LOW = [pytest.param(d, id=str(d).removeprefix("torch."))
        for d in (torch.float32, torch.bfloat16, torch.float16)]

@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import memkern as mk
-from memkern.profile import saved_bytes
 from compare import rel_err
 from conftest import needs_layer_extension
-
+from memkern.profile import saved_bytes
 
 
 class TinyGPT(nn.Module):

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 import memkern as mk
-from memkern.profile import SavedTensorsRecorder, saved_bytes
 from compare import rel_err
 from conftest import needs_layer_extension
+from memkern.profile import SavedTensorsRecorder, saved_bytes
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import memkern as mk
-from memkern.nn.causal_lm_loss import MemkernCausalLMHead
-from memkern.profile import peak_allocated_bytes, saved_bytes
 from compare import rel_err
 from conftest import needs_layer_extension
+from memkern.nn.causal_lm_loss import MemkernCausalLMHead
+from memkern.profile import peak_allocated_bytes, saved_bytes
 
 transformers = pytest.importorskip("transformers")
 

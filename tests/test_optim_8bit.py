@@ -18,7 +18,6 @@ from memkern.optim.fused_adamw import MIN_8BIT_NUMEL
 from memkern.optim.grad_buffer import ALIGN
 from net8bit import apply, exact_gradients, gradient_steps, make_net, stored_state
 
-
 HYPER = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05)
 SGD_HYPER = dict(lr=0.02, momentum=0.9, dampening=0.1, weight_decay=0.01)
 OPTIMIZERS = {  # name: the fused optimizer, torch's, hyper-parameters for both

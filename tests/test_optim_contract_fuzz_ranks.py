@@ -22,12 +22,13 @@ import warnings
 
 import pytest
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, seed as hypothesis_seed, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch_ranks import fresh_seed, launch, serve  # noqa: E402
-from test_optim_contract_fuzz import (Config, backwards, configs, operations,  # noqa: E402
-                                      run)
+from test_optim_contract_fuzz import Config, backwards, configs, operations, run  # noqa: E402
 
 WORLD = 2
 EXAMPLES, LONG_EXAMPLES = 30, 400

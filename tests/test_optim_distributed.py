@@ -23,11 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import launch_ranks
 import memkern as mk
+from compare import params_rel_err
 from memkern.optim.grad_buffer import ALIGN
 from memkern.profile import reachable_bytes
-import launch_ranks
-from compare import params_rel_err
 
 WINDOWS, ACCUMULATION, BATCH = 20, 2, 12  # BATCH rows per micro-batch, split over the ranks
 POISONED = (5, 1)  # (window, micro-batch) whose loss is inf on the last rank only

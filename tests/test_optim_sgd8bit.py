@@ -6,15 +6,14 @@ threshold, state dicts, training against torch, skipped steps, accumulation with
 and clipping, and bad input: test_optim_8bit.py, parametrized over both optimizers."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 import flat_oracle as fo
 import memkern as mk
 from flat_oracle import assert_close64, f64
 from memkern.kernels.state8bit import QBLOCK, num_blocks
-from memkern.optim.state_precision import MIN_8BIT_NUMEL
 from memkern.optim.grad_buffer import ALIGN
+from memkern.optim.state_precision import MIN_8BIT_NUMEL
 from net8bit import apply, gradient_steps, make_net, stored_state
 
 HYPER = dict(lr=0.02, momentum=0.9, dampening=0.1, weight_decay=0.01)

@@ -87,6 +87,7 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def _flat_step_cases(op_name: str) -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _common
 
     grads = _common.GRAD_DTYPES
@@ -143,6 +144,7 @@ def _flat_step_cases(op_name: str) -> Iterator[tuple]:
 
 def _unscale_cases() -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _common
 
     for dtype in _common.GRAD_DTYPES:
@@ -151,6 +153,7 @@ def _unscale_cases() -> Iterator[tuple]:
 
 def _l2_norm_cases() -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _common
 
     for dtype in _common.GRAD_DTYPES:
@@ -159,6 +162,7 @@ def _l2_norm_cases() -> Iterator[tuple]:
 
 def _activation_cases(backward: bool) -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _nn_common
     from memkern.ops.activation import KINDS
 
@@ -169,6 +173,7 @@ def _activation_cases(backward: bool) -> Iterator[tuple]:
 
 def _swiglu_cases(backward: bool) -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _nn_common
 
     for dtype in _nn_common.DTYPES:
@@ -178,6 +183,7 @@ def _swiglu_cases(backward: bool) -> Iterator[tuple]:
 
 def _dropout_cases() -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _nn_common
 
     for dtype in _nn_common.DTYPES:
@@ -186,6 +192,7 @@ def _dropout_cases() -> Iterator[tuple]:
 
 def _norm_cases(backward: bool) -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _nn_common
     from memkern.kernels.norm import MAX_D
 
@@ -207,6 +214,7 @@ def _norm_cases(backward: bool) -> Iterator[tuple]:
 
 def _cross_entropy_cases() -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _nn_common
     from memkern.kernels.cross_entropy import MAX_BLOCK_V
 
@@ -223,6 +231,7 @@ def _cross_entropy_cases() -> Iterator[tuple]:
 
 def _cross_entropy_block_cases() -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _nn_common
     from memkern.kernels.cross_entropy import MAX_BLOCK_V
 

@@ -17,7 +17,6 @@ from memkern.bench.model import GPTConfig
 from memkern.profile import memory_breakdown, saved_bytes
 from memkern.profile.allocations import allocation_stats
 
-
 EXTRA_WARMUP_STEPS = 3
 """Untimed steps after the profiled one, when ``steps`` leaves room for them. On the 2-core CPU
 machine a compiled configuration's steps 1-3 took 1.4-2.9 s in three runs of the default

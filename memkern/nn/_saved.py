@@ -25,8 +25,11 @@ import functools
 from collections.abc import Callable, Collection
 
 import torch
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from memkern._extension import check_same_in_cpp
 

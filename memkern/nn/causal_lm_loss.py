@@ -62,8 +62,8 @@ import torch
 from torch import nn
 
 from memkern.nn._autocast import autocast_enabled
-from memkern.nn.linear_cross_entropy import linear_cross_entropy
 from memkern.nn.linear import Linear as _MemkernLinear
+from memkern.nn.linear_cross_entropy import linear_cross_entropy
 
 SOFTCAP_ATTR = "final_logit_softcapping"
 """The config field of transformers' families that soft-cap their final logits (Gemma 2/3)."""

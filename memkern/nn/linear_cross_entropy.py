@@ -46,8 +46,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from memkern.ops.linear_cross_entropy import block_sizes
-from memkern.ops.linear_cross_entropy_layer import (linear_cross_entropy_layer,
-                                                    linear_cross_entropy_layer_entry)
+from memkern.ops.linear_cross_entropy_layer import (
+    linear_cross_entropy_layer,
+    linear_cross_entropy_layer_entry,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 

@@ -42,8 +42,14 @@ import torch
 from torch import nn
 
 from memkern import _fake
-from memkern.nn.causal_lm_loss import (_CALL, _HEADS, _FusedCall, _LossRequest,
-                                       output_layer_name, output_layer_problem)
+from memkern.nn.causal_lm_loss import (
+    _CALL,
+    _HEADS,
+    _FusedCall,
+    _LossRequest,
+    output_layer_name,
+    output_layer_problem,
+)
 
 IGNORE_INDEX = -100
 """The label of unmasked tokens (``CrossEntropyLoss``'s default ignore_index)."""

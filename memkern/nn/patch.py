@@ -66,17 +66,18 @@ import torch
 from torch import nn
 
 from memkern import _fake
-from memkern.nn import modulated_norm as _modulated_norm
 from memkern.nn import dropout as _dropout_mod
 from memkern.nn import hf_attention as _hf_attention
 from memkern.nn import linear as _linear_mod
 from memkern.nn import lora as _lora
+from memkern.nn import modulated_norm as _modulated_norm
 from memkern.nn import norm as _norm_mod
 from memkern.nn import split_mlp as _split_mlp
 from memkern.nn.causal_lm_loss import CausalLMHead, MemkernCausalLMHead, fuse_causal_lm_loss
-from memkern.nn.masked_lm_loss import fuse_masked_lm_loss
 from memkern.nn.linear import linear as _linear
-from memkern.nn.mlp import RECOMPUTE, mlp as _mlp
+from memkern.nn.masked_lm_loss import fuse_masked_lm_loss
+from memkern.nn.mlp import RECOMPUTE
+from memkern.nn.mlp import mlp as _mlp
 from memkern.nn.norm import rms_norm as _rms_norm
 from memkern.nn.swiglu import swiglu as _swiglu
 from memkern.nn.swiglu_unit import swiglu_unit as _swiglu_unit

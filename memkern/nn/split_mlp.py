@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memkern.nn.mlp import mlp
 from memkern.nn.linear import Linear
+from memkern.nn.mlp import mlp
 
 _CALL = "_memkern_split_mlp"
 

@@ -1,9 +1,9 @@
 """Argument checks shared by the flat-buffer ops: each error names the argument and the fix."""
 from __future__ import annotations
 
-import torch
-
 from typing import Any
+
+import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # float64 is accepted so that the reference implementation can serve as a float64 oracle.

@@ -93,8 +93,14 @@ from __future__ import annotations
 
 import torch
 
-from memkern.kernels.state8bit import (QBLOCK, SIGNED_CODES, SIGNED_POWER, UNSIGNED_CODES,
-                                       UNSIGNED_POWER, num_blocks)
+from memkern.kernels.state8bit import (
+    QBLOCK,
+    SIGNED_CODES,
+    SIGNED_POWER,
+    UNSIGNED_CODES,
+    UNSIGNED_POWER,
+    num_blocks,
+)
 from memkern.ops import _checks, adamw
 from memkern.ops._registry import Op
 

@@ -62,7 +62,8 @@ from memkern.ops._registry import COMPOSITE_REFERENCES
 from memkern.profile import saved as _saved
 from memkern.profile.caching_allocator import HostAllocator
 from memkern.profile.memory import MASTER_KEYS, _state_tensors
-from memkern.profile.targets import GEMMS, Target, target as _target
+from memkern.profile.targets import GEMMS, Target
+from memkern.profile.targets import target as _target
 
 CATEGORIES = ("parameters", "gradients", "master weights", "optimizer state",
               "saved for backward", "kept from forward", "transient")
