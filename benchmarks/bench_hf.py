@@ -227,7 +227,7 @@ def measure(family: str, names: list[str], size: dict, device: torch.device, rep
     for name in names:
         model, opt = make_configuration(name, base, family, device)
         forward_backward, step = make_steps(model, opt, batch)
-        saved = saved_bytes(lambda: loss_of(model, batch))
+        saved = saved_bytes(lambda model=model: loss_of(model, batch))
         first_loss = float(step())  # also creates the optimizer state
         sync()
         gc.collect()  # garbage freed during a measurement would lower its peak

@@ -90,7 +90,7 @@ def measure(n, v, h, dtype, reps):
         clear()
         got = []
         peaks[name] = allocation_stats(
-            lambda head=head: (got.append(head(x, w, t)), (got[0] * g).sum().backward())).peak
+            lambda head=head, got=got: (got.append(head(x, w, t)), (got[0] * g).sum().backward())).peak
         errors[name] = {what: ((a.double() - b).abs().max() / b.abs().max()).item()
                         for what, a, b in zip(("log_probs", "grad_input", "grad_weight"),
                                               (got[0].detach(), x.grad, w.grad), want)}
@@ -141,7 +141,7 @@ def plan(n, v, h, dtype):
                                            _backward_tile=_fold_in_place)
                        if name.startswith("trl") else contextlib.nullcontext())
 
-        def build(head=head):
+        def build(head=head, name=name):
             x, w, t, g = inputs(n, v, h, dtype)
             module = torch.nn.Module()
             module.weight = torch.nn.Parameter(w.detach())

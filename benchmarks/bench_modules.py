@@ -87,8 +87,8 @@ def layer_times(device: torch.device, reps: int) -> dict[str, dict]:
         width = next(m for m in theirs.modules() if hasattr(m, "weight")).weight.shape[-1]
         x = torch.randn(tokens, width, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn_like(x)
-        calls = {"torch": lambda m=theirs: m(x).backward(grad),
-                 "memkern": lambda m=ours: m(x).backward(grad)}
+        calls = {"torch": lambda m=theirs, x=x, grad=grad: m(x).backward(grad),
+                 "memkern": lambda m=ours, x=x, grad=grad: m(x).backward(grad)}
         times = common.interleaved_times({k: (common.nothing, f) for k, f in calls.items()},
                                          warmup=3, reps=reps, device=device)
         med = {k: statistics.median(v) for k, v in times.items()}

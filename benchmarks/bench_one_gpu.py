@@ -78,7 +78,7 @@ def run_config(cfg, options: dict, batch: int, seq: int, warmup: int, steps: int
     opt = OPTIMIZERS["sharded"].with_options(**options)(model.parameters())
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
 
-    def step() -> None:
+    def step(model=model, opt=opt) -> None:
         opt.backward(model(input_ids=ids, labels=ids).loss)
         opt.step()
         opt.zero_grad()
@@ -107,7 +107,7 @@ def run_config(cfg, options: dict, batch: int, seq: int, warmup: int, steps: int
               "planned_host_peak": plan.host_peak, "planned_host_pinned": plan.host_pinned,
               "planned_host_by_category": plan.host_by_category,
               "measured_pinned": None if pinned is None else pinned - (pinned_before or 0)}
-    del model, opt
+    del step, model, opt
     torch.cuda.empty_cache()
     return result
 

@@ -99,8 +99,8 @@ def bf16_bytes(base: GPT, batches: Batches, args) -> dict[str, float]:
         step = memkern_step(model, opt)
         step(*batches.next())
         key = f"memkern zero_stage={stage} bf16"
-        step(*batches.next(), after_backward=lambda: kept.__setitem__(
-            key, reachable_bytes(model, opt) / numel(model)))
+        step(*batches.next(), after_backward=lambda key=key, model=model, opt=opt: (
+            kept.__setitem__(key, reachable_bytes(model, opt) / numel(model))))
     return kept
 
 
@@ -129,7 +129,8 @@ def run(rank: int, world: int, args) -> dict | None:
     n = numel(base)
     kept = {}
     for name, (step, objs) in todo.items():
-        step(x, y, after_backward=lambda: kept.__setitem__(name, reachable_bytes(*objs) / n))
+        step(x, y, after_backward=lambda name=name, objs=objs: kept.__setitem__(
+            name, reachable_bytes(*objs) / n))
     kept.update(bf16_bytes(base, batches, args))
     per_rank = [None] * world
     dist.all_gather_object(per_rank, kept)

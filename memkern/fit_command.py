@@ -164,7 +164,7 @@ def _budget(text: str) -> int:
     try:
         return parse_bytes(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("memory budget "))
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("memory budget ")) from None
 
 
 def _budget_code(n: int) -> str:

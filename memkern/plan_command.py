@@ -127,7 +127,7 @@ def _lora(text: str) -> dict:
     try:
         return lora_options(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc))
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_lora_argument(parser: argparse.ArgumentParser) -> None:

@@ -144,7 +144,7 @@ def test_dit_saves_at_most_the_target_share():
     plain = saved_bytes(lambda: _loss(ref, batch))
     for recompute, bound in (("activation", 0.6), ("full", 0.45)):
         model = mk.patch(copy.deepcopy(ref), recompute=recompute)
-        ratio = saved_bytes(lambda: _loss(model, batch)) / plain
+        ratio = saved_bytes(lambda model=model: _loss(model, batch)) / plain
         assert ratio <= bound, (recompute, ratio)
 
 

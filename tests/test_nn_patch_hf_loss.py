@@ -245,7 +245,8 @@ def test_recompute_reaches_the_mlp_blocks(family):
         model, _ = _pair(family, recompute=policy)
         mlps = [m for m in model.modules() if hasattr(m, "_memkern_mlp")]
         assert len(mlps) == 2 and all(m._memkern_mlp["recompute"] == policy for m in mlps)
-        saved[policy] = saved_bytes(lambda: model(input_ids=ids, labels=labels).loss)
+        saved[policy] = saved_bytes(
+            lambda model=model: model(input_ids=ids, labels=labels).loss)
     assert saved["full"] < saved["activation"]
 
 

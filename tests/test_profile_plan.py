@@ -234,7 +234,7 @@ def test_plan_command_writes_table_json_and_plot(tmp_path):
     with open(json_path) as fh:
         plans = json.load(fh)["plans"]
     assert set(plans) == {"torch-fp32", "memkern-full"}
-    for name, plan in plans.items():
+    for plan in plans.values():
         peak = plan["peak"]
         assert sum(peak["by_category"].values()) == peak["allocated"]
         assert f"{peak['allocated'] / MIB:.1f}" in proc.stdout  # the summary row

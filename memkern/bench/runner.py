@@ -207,8 +207,8 @@ def run(names: Sequence[str], cfg: GPTConfig, corpus: torch.Tensor, *, steps: in
                           max_grad_norm=max_grad_norm)
             trials.append(trial)
             task = tasks[trial.name] = bars.add_task(trial.name, total=steps, loss="")
-            trial.prepare(untimed, lambda: bars.update(task, advance=1,
-                                                       loss=f"{trial.losses[-1]:.4f}"))
+            trial.prepare(untimed, lambda task=task, trial=trial: bars.update(
+                task, advance=1, loss=f"{trial.losses[-1]:.4f}"))
         by_name = {t.name: t for t in trials}
         timing.in_rounds({t.name: t.timed_step for t in trials}, steps - untimed,
                          after_each=lambda name: bars.update(
