@@ -11,8 +11,8 @@ float32 absmax costs in bytes (2 moments x 4 bytes / block per parameter).
    99th percentile) and over the whole update (``|du| / |u|``).
 2. Effect on training: the same model and data, ``--steps`` steps, with torch's AdamW whose
    moments are replaced after every step by their read-back through the map (in float32) at
-   each block size (the quantized algorithm: the step uses the exact new moments, the stored state is
-   quantized), against the float32-state run: largest and mean relative loss gap after 20
+   each block size (the quantized algorithm: the step uses the exact new moments, the stored state
+   is quantized), against the float32-state run: largest and mean relative loss gap after 20
    warm-up steps.
 
 Usage: python benchmarks/bench_8bit_block.py [--steps 200] [--state-steps 100] [--save PATH]

@@ -129,10 +129,10 @@ def _compare_steps(n, device, steps, state32: float, state8: float,
     """Per case of PARAM_DTYPES, ``steps(dtype)``'s 32-bit and 8-bit step alternating within
     every repetition (after 3 warm-up ones, so that load from other processes on a shared
     machine falls on both alike): medians of the wall time and of the process's CPU time,
-    the median of the per-repetition wall-time ratios (``common.ratio``), the CPU times' ratio, the ratio of each step's fastest repetition (what the work itself costs:
-    load from other processes only ever adds time), and each step's fraction of the copy
-    bandwidth counting the bytes it moves per element (grads and params, master 4 + 4, and
-    ``state32``/``state8`` of state)."""
+    the median of the per-repetition wall-time ratios (``common.ratio``), the CPU times' ratio, the
+    ratio of each step's fastest repetition (what the work itself costs: load from other processes
+    only ever adds time), and each step's fraction of the copy bandwidth counting the bytes it moves
+    per element (grads and params, master 4 + 4, and ``state32``/``state8`` of state)."""
     copy_bw = common.copy_bandwidth(device)
     out: dict[str, object] = {"elements": n, "target_ratio": 1.1, "repetitions": reps,
                               "copy_bandwidth_GBps": copy_bw / 1e9}

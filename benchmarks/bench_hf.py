@@ -19,13 +19,14 @@ step:
 Peak of a training step: the bytes the training state holds before the step (parameters,
 optimizer state) plus the step's peak allocation above that (CPU: the profiler's allocation
 trace; GPU: ``torch.cuda.max_memory_allocated``); next to it, what ``memkern.profile``'s
-planner predicts for the same measure (on fake tensors, in seconds, on the CPU). Peak of forward + backward (the issue's CPU
-measure): the parameters plus the peak allocation of ``model(...).loss.backward()``. Time: median step after warm-up; plain, memkern and
-memkern-full alternate step by step in one process, so their ratios share the machine's load;
-on a shared CPU the process CPU time (also reported) is the steadier measure of the work.
-GPT-2's dropout (0.1) draws different masks in torch and memkern: its losses differ slightly.
-Saved for backward (the issue's measure for the encoders, :func:`memkern.profile.saved_bytes`):
-the bytes the training forward leaves for backward, each storage once, parameters excluded.
+planner predicts for the same measure (on fake tensors, in seconds, on the CPU). Peak of forward +
+backward (the issue's CPU measure): the parameters plus the peak allocation of
+``model(...).loss.backward()``. Time: median step after warm-up; plain, memkern and memkern-full
+alternate step by step in one process, so their ratios share the machine's load; on a shared CPU the
+process CPU time (also reported) is the steadier measure of the work. GPT-2's dropout (0.1) draws
+different masks in torch and memkern: its losses differ slightly. Saved for backward (the issue's
+measure for the encoders, :func:`memkern.profile.saved_bytes`): the bytes the training forward
+leaves for backward, each storage once, parameters excluded.
 
 RoPE (Liger fuses it): the bytes ``apply_rotary_pos_emb`` saves for backward and its share of
 the step time, measured on the Llama model, show what fusing it could gain.
@@ -36,10 +37,10 @@ the step time, measured on the Llama model, show what fusing it could gain.
 
 ``--size cpu`` (default on a CPU): the issue's shape scaled down, width 256, 2 layers, 4 heads
 (2 KV), MLP 704, vocab 32000, batch 2 x 512, float32. ``--size small``: width 256, 2 layers, 4
-heads, MLP 1024, batch 4 x 128, float32 (the encoders' saved-bytes measure). ``--size 160m`` (default on a GPU): width
-1024, 8 layers, 16 heads (8 KV), MLP 2816, vocab 32000, batch 4 x 2048, bf16 parameters, fused
-AdamW. Targets: CPU forward + backward peak <= 0.5x plain's; GPU (160m Llama) peak <= 0.9x Liger's at <= 1.0x
-plain's time.
+heads, MLP 1024, batch 4 x 128, float32 (the encoders' saved-bytes measure). ``--size 160m``
+(default on a GPU): width 1024, 8 layers, 16 heads (8 KV), MLP 2816, vocab 32000, batch 4 x 2048,
+bf16 parameters, fused AdamW. Targets: CPU forward + backward peak <= 0.5x plain's; GPU (160m Llama)
+peak <= 0.9x Liger's at <= 1.0x plain's time.
 """
 from __future__ import annotations
 

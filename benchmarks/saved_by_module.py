@@ -2,7 +2,8 @@
 leaves for backward, plain and patched, each storage once (parameters excluded), attributed to
 the innermost module running when it was saved (layer indices kept).
 
-    python benchmarks/saved_by_module.py --family dit [--size small] [--variants plain,memkern,memkern-full]
+    python benchmarks/saved_by_module.py --family dit [--size small] \
+        [--variants plain,memkern,memkern-full]
 
 Prints, per variant, the total and each module's share (MiB), largest first.
 """

@@ -386,9 +386,9 @@ _PROBE_ROWS = 3
 
 def _same_on_a_probe(m: nn.Module, cfg: dict) -> bool:
     """Whether ``m``'s own forward and the fused MLP agree on a random input (``_PROBE_ROWS``
-    rows, the block in its mode, its dropout off): for a block whose forward is not a plain chain of its layers
-    (diffusers' ``TimestepEmbedding`` skips absent ones under ``if``), that it adds nothing
-    the fused block would drop. Fake or meta weights hold no values: taken as they are."""
+    rows, the block in its mode, its dropout off): for a block whose forward is not a plain chain of
+    its layers (diffusers' ``TimestepEmbedding`` skips absent ones under ``if``), that it adds
+    nothing the fused block would drop. Fake or meta weights hold no values: taken as they are."""
     fc = m.get_submodule(cfg["fc"])
     w = fc.weight
     if _fake.is_fake(w) or w.is_meta:
