@@ -477,8 +477,8 @@ def _write_json(path: str, payload: dict) -> None:
 
 def _is_out_of_memory(exc: BaseException) -> bool:
     text = str(exc)
-    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in text or \
-        "out of memory" in text.lower()
+    return (isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+            or "can't allocate memory" in text or "out of memory" in text.lower())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -219,4 +219,5 @@ def fuse_masked_lm_loss(model: nn.Module) -> tuple[str, str, str] | str | None:
     model.register_forward_hook(_close_call, with_kwargs=True, always_call=True)
     model.__dict__[_FUSED] = True
     model.__dict__[_SUMS_OVER_ITEMS] = _sums_over_items(model)
-    return name, f"{old.__module__}.{old.__qualname__}", f"memkern.nn.causal_lm_loss.{type(head).__qualname__}"
+    return (name, f"{old.__module__}.{old.__qualname__}",
+            f"memkern.nn.causal_lm_loss.{type(head).__qualname__}")

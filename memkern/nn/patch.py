@@ -243,7 +243,8 @@ def _ada_norm_zero_kind(m: nn.Module) -> tuple[str, str | None] | None:
     ``DiTTransformer2DModel``; None for anything else."""
     if _diffusers_class(m, "AdaLayerNormZero"):
         kind, layout = "ada_norm_zero", _modulated_norm.norm_layout
-    elif _diffusers_class(m, "BasicTransformerBlock") and getattr(m, "norm_type", None) == "ada_norm_zero":
+    elif (_diffusers_class(m, "BasicTransformerBlock")
+          and getattr(m, "norm_type", None) == "ada_norm_zero"):
         kind, layout = "ada_norm_zero_block", _modulated_norm.block_layout
     elif _diffusers_class(m, "DiTTransformer2DModel"):
         kind, layout = "ada_norm_zero_model", _modulated_norm.model_layout
@@ -275,8 +276,9 @@ def _linear_like(m: nn.Module) -> tuple[bool, bool] | None:
     """(is a linear layer, stores its weight [in, out]) for nn.Linear / Conv1D (patched or not)."""
     if isinstance(m, nn.Linear) and type(m) in (nn.Linear, _linear_mod.Linear):
         return True, False
-    if type(m) is _linear_mod.Conv1D or (type(m).__name__ == "Conv1D" and _from_transformers(m)) or (
-            _is_patched(m) and getattr(m, "_memkern_base", type(m)).__name__ == "Conv1D"):
+    if (type(m) is _linear_mod.Conv1D
+            or (type(m).__name__ == "Conv1D" and _from_transformers(m))
+            or (_is_patched(m) and getattr(m, "_memkern_base", type(m)).__name__ == "Conv1D")):
         return True, True
     return None
 
@@ -432,7 +434,8 @@ def _is_layer_norm(m: nn.Module) -> bool:
 
 def _only_children(m: nn.Module) -> dict[str, nn.Module] | None:
     """``m``'s children by name, if ``m`` holds no parameters or buffers of its own."""
-    if next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None:
+    if (next(m.parameters(recurse=False), None) is not None
+            or next(m.buffers(recurse=False), None) is not None):
         return None
     return dict(m.named_children())
 
@@ -555,8 +558,10 @@ def _split_mlp_config(layer: nn.Module, recompute: str):
     if _split_mlp.is_fused(layer) or _is_patched(layer):
         return None
     kids = dict(layer.named_children())
-    inter = [(c, lay) for c in kids.values() if not _is_patched(c) and (lay := _intermediate_layout(c))]
-    out = [(c, lay) for c in kids.values() if not _is_patched(c) and (lay := _residual_norm_layout(c))]
+    inter = [(c, lay) for c in kids.values()
+             if not _is_patched(c) and (lay := _intermediate_layout(c))]
+    out = [(c, lay) for c in kids.values()
+           if not _is_patched(c) and (lay := _residual_norm_layout(c))]
     if len(inter) != 1 or len(out) != 1:
         return None
     (im, (fc, act)), (om, (proj, drop, norm)) = inter[0], out[0]

@@ -69,7 +69,8 @@ def step_inputs(op: str, master: torch.Tensor, grads: torch.Tensor, params: torc
     scalar(op, "found_inf", found_inf, master)
 
 
-def keep_where_found_inf(found_inf: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+def keep_where_found_inf(found_inf: torch.Tensor | None, old: torch.Tensor,
+                         new: torch.Tensor) -> torch.Tensor:
     """``new``, or ``old`` unchanged when ``found_inf`` is set (no host sync)."""
     if found_inf is None:
         return new

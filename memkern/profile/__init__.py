@@ -13,5 +13,6 @@ from memkern.profile.saved import SavedTensorsRecorder, note_saved, recording, s
 from memkern.profile.workloads import hf_config, hf_workload
 
 __all__ = ["Moment", "StepPlan", "TrainingSetup", "hf_config", "hf_workload",
-           "on_host", "plan_training_step", "AllocationStats", "MemoryBreakdown", "Measurement", "measure", "memory_breakdown", "reachable_bytes", "SavedTensorsRecorder", "allocation_stats", "note_saved",
-           "peak_allocated_bytes", "recording", "saved_bytes"]
+           "on_host", "plan_training_step", "AllocationStats", "MemoryBreakdown", "Measurement",
+           "measure", "memory_breakdown", "reachable_bytes", "SavedTensorsRecorder",
+           "allocation_stats", "note_saved", "peak_allocated_bytes", "recording", "saved_bytes"]
