@@ -187,14 +187,16 @@ def bytes_per_param(cfg: GPTConfig, device: torch.device) -> dict[str, float]:
     for name in ("memkern-full", "memkern-full-8bit"):
         setup = build(name, cfg, device)
         setup.train_step(x, y)
-        out[f"{name} (bench model)"] = memory_breakdown(setup.model, setup.optimizer).optimizer_side_per_param
+        breakdown = memory_breakdown(setup.model, setup.optimizer)
+        out[f"{name} (bench model)"] = breakdown.optimizer_side_per_param
     for precision in ("32bit", "8bit"):
         model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(4)])
         model = model.to(device, torch.bfloat16)
         opt = memkern.optim.ShardedOptimizer(model.parameters(), lr=1e-3, state_precision=precision)
         opt.backward(model(torch.randn(4, 1024, device=device, dtype=torch.bfloat16)).float().sum())
         opt.step()
-        out[f"{precision} state (4 x Linear(1024, 1024))"] = memory_breakdown(model, opt).optimizer_side_per_param
+        out[f"{precision} state (4 x Linear(1024, 1024))"] = (
+            memory_breakdown(model, opt).optimizer_side_per_param)
     return out
 
 
@@ -235,7 +237,8 @@ def map_ablation(cfg: GPTConfig, device: torch.device) -> dict[str, float]:
             approx = fn(m, True, block) / (fn(v, False, block).sqrt() + eps)
             rel = ((approx - exact).abs() / exact.abs().clamp_min(1e-12))
             out[f"{name} map, block {block}: median"] = rel.median().item()
-            out[f"{name} map, block {block}: p99"] = rel.quantile(0.99).item() if rel.numel() < 2**24 else float("nan")
+            out[f"{name} map, block {block}: p99"] = (
+                rel.quantile(0.99).item() if rel.numel() < 2**24 else float("nan"))
     return out
 
 
@@ -405,7 +408,8 @@ def peers(device: torch.device, n: int, reps: int) -> dict[str, object]:
             print(f"skipping {name}: {type(e).__name__}: {str(e).splitlines()[0]}")
             continue
         opts[name] = opt
-        out[name] = {"state_bytes_per_param": sum(_nbytes(t) for t in _state_tensors(opt)) / p.numel()}
+        state_bytes = sum(_nbytes(t) for t in _state_tensors(opt))
+        out[name] = {"state_bytes_per_param": state_bytes / p.numel()}
     times = {name: [] for name in opts}
     for _ in range(reps):
         for name, opt in opts.items():

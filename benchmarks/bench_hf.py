@@ -93,9 +93,10 @@ def model_config(family: str, size: dict):
         from memkern.profile import hf_config
 
         model_type, task, vocab = ENCODERS[family]
-        image = dict(image_size=128, patch_size=8, num_labels=10) if task == "image-classification" \
-            else dict(vocab_size=vocab or s["vocab"], max_position_embeddings=s["seq"] + 2,
-                      num_labels=2)
+        image = (dict(image_size=128, patch_size=8, num_labels=10)
+                 if task == "image-classification"
+                 else dict(vocab_size=vocab or s["vocab"], max_position_embeddings=s["seq"] + 2,
+                           num_labels=2))
         return hf_config(model_type, dict(hidden_size=s["width"], num_hidden_layers=s["layers"],
                                           num_attention_heads=s["heads"],
                                           intermediate_size=s["mlp"], **image))
@@ -331,7 +332,8 @@ def main(argv=None) -> None:
     results = {"device": str(device), "size": size_name, "shape": size, "families": {}}
     for family in families:
         print(f"--- {family}", flush=True)
-        names = ["plain", "memkern", "memkern-full"] + (["memkern-sdpa"] if family in ENCODERS else [])
+        names = (["plain", "memkern", "memkern-full"]
+                 + (["memkern-sdpa"] if family in ENCODERS else []))
         fam = measure(family, names, size, device, args.reps)
         why = liger_available(family)
         if why is None:
@@ -362,10 +364,14 @@ def main(argv=None) -> None:
             if name in PATCHES and family != "dit":
                 r["planned_peak_bytes"] = planned_peak(family, name, size, device)
                 planned = f" (planned {r['planned_peak_bytes'] / 2**20:.1f})"
-            print(f"{name:>13}: step peak {r['peak_bytes'] / 2**20:7.1f} MiB{planned} ({r['peak_vs_plain']:.2f}x "
-                  f"plain)  fwd+bwd peak {r['forward_backward_peak_bytes'] / 2**20:7.1f} MiB "
-                  f"({r['forward_backward_peak_vs_plain']:.2f}x)  saved {r['saved_vs_plain']:.3f}x  step {1e3 * r['median_step_seconds']:8.1f} ms ({r['time_vs_plain']:.2f}x "
-                  f"plain; process CPU time {r['cpu_time_vs_plain']:.2f}x)  first loss {r['first_loss']:.4f}",
+            print(f"{name:>13}: step peak {r['peak_bytes'] / 2**20:7.1f} MiB{planned} "
+                  f"({r['peak_vs_plain']:.2f}x plain)  "
+                  f"fwd+bwd peak {r['forward_backward_peak_bytes'] / 2**20:7.1f} MiB "
+                  f"({r['forward_backward_peak_vs_plain']:.2f}x)  "
+                  f"saved {r['saved_vs_plain']:.3f}x  "
+                  f"step {1e3 * r['median_step_seconds']:8.1f} ms ({r['time_vs_plain']:.2f}x "
+                  f"plain; process CPU time {r['cpu_time_vs_plain']:.2f}x)  "
+                  f"first loss {r['first_loss']:.4f}",
                   flush=True)
         results["families"][family] = fam
     if "llama" in results["families"]:

@@ -90,7 +90,8 @@ def measure(n, v, h, dtype, reps):
         clear()
         got = []
         peaks[name] = allocation_stats(
-            lambda head=head, got=got: (got.append(head(x, w, t)), (got[0] * g).sum().backward())).peak
+            lambda head=head, got=got: (got.append(head(x, w, t)),
+                                        (got[0] * g).sum().backward())).peak
         errors[name] = {what: ((a.double() - b).abs().max() / b.abs().max()).item()
                         for what, a, b in zip(("log_probs", "grad_input", "grad_weight"),
                                               (got[0].detach(), x.grad, w.grad), want)}

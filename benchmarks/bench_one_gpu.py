@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         r = results[name]
         print(f"{name}: step {r['step_s'] * 1e3:.0f} ms; peak measured "
               f"{r['measured_peak'] / MIB:.0f} MiB, planned {r['planned_peak'] / MIB:.0f} MiB "
-              f"({r['measured_over_planned']:.3f}x); host planned {r['planned_host_peak'] / MIB:.0f} MiB (pinned "
+              f"({r['measured_over_planned']:.3f}x); "
+              f"host planned {r['planned_host_peak'] / MIB:.0f} MiB (pinned "
               f"{r['planned_host_pinned'] / MIB:.0f}, measured pinned "
               f"{'n/a' if r['measured_pinned'] is None else round(r['measured_pinned'] / MIB)})",
               flush=True)

@@ -147,10 +147,10 @@ def step_seconds(steps: dict[str, Callable], device: torch.device, reps: int,
 
 # --- launch counting (runs in a child process: TRITON_INTERPRET must be set before import) --
 
-_NO_KERNEL = {"promote_types", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-              "lift_fresh", "detach", "_has_compatible_shallow_copy_type", "set_", "resize_",
-              "_local_scalar_dense", "is_nonzero", "sym_size", "sym_stride", "sym_numel",
-              "sym_storage_offset"}
+_NO_KERNEL = {"promote_types", "empty", "empty_like", "empty_strided", "new_empty",
+              "new_empty_strided", "lift_fresh", "detach", "_has_compatible_shallow_copy_type",
+              "set_", "resize_", "_local_scalar_dense", "is_nonzero", "sym_size", "sym_stride",
+              "sym_numel", "sym_storage_offset"}
 
 
 def _count_launches(fn: Callable) -> dict[str, int]:

@@ -114,7 +114,8 @@ def cpu_rows() -> list[dict]:
     for name, patch in HF_VARIANTS.items():
         plan = plan_training_step(hf_workload(cfg, batch=2, seq=512, dtype=torch.float32,
                                               patch=patch, optimizer="adamw"), device="cpu")
-        planned = plan.held["parameters"] + plan.held["optimizer state"] + plan.step_peak_above_start
+        planned = (plan.held["parameters"] + plan.held["optimizer state"]
+                   + plan.step_peak_above_start)
         rows.append(dict(model="Llama w256 b2x512 fp32", config=name,
                          measured_mib=_hf_cpu_measured(cfg, patch) / MIB,
                          planned_mib=planned / MIB, ratio=planned / _hf_cpu_measured.last))

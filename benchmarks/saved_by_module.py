@@ -33,7 +33,8 @@ def saved_by_module(model: torch.nn.Module, batch: dict) -> collections.Counter:
 
     handles = []
     for name, mod in model.named_modules():
-        handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: stack.append(n or "<model>")))
+        handles.append(mod.register_forward_pre_hook(
+            lambda m, a, n=name: stack.append(n or "<model>")))
         handles.append(mod.register_forward_hook(left, always_call=True))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen, by = set(), collections.Counter()
