@@ -158,7 +158,8 @@ def test_compiled_norm_then_linear_under_autocast_keeps_what_it_did():
         out, eager = compiled(x), module(x)
         norm_out = torch.compile(module[0], fullgraph=True)(x)
         assert out.dtype == eager.dtype == torch.bfloat16 and norm_out.dtype == torch.float32
-        assert saved_bytes(compiled, x) == 4 * x.numel() + 2 * (x.numel() + module[1].weight.numel())
+        assert saved_bytes(compiled, x) == (4 * x.numel()
+                                            + 2 * (x.numel() + module[1].weight.numel()))
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, [x, *module.parameters()], g)
     want = torch.autograd.grad(eager, [x, *module.parameters()], g)

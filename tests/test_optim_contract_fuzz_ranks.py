@@ -77,7 +77,8 @@ def scenario_fuzz(rank, world, seed, out):
         @hypothesis_seed(seed)
         @settings(max_examples=int(os.environ[EXAMPLES_VARIABLE]), deadline=None,
                   database=None, suppress_health_check=list(HealthCheck))
-        @given(cfg=configs, ops=st.lists(ranked_operations, min_size=8, max_size=30).map(zeroed_after_steps),
+        @given(cfg=configs,
+               ops=st.lists(ranked_operations, min_size=8, max_size=30).map(zeroed_after_steps),
                example_seed=st.integers(0, 2**31 - 1))
         def drive(cfg, ops, example_seed):
             nonlocal examples
