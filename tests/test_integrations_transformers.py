@@ -26,7 +26,11 @@ from transformers import (  # noqa: E402
 from transformers.utils import is_accelerate_available  # noqa: E402
 
 import memkern as mk  # noqa: E402
-from memkern.integrations.transformers import COMPLETE, MemkernTrainer, last_complete_checkpoint  # noqa: E402
+from memkern.integrations.transformers import (  # noqa: E402
+    COMPLETE,
+    MemkernTrainer,
+    last_complete_checkpoint,
+)
 from memkern.profile import memory_breakdown  # noqa: E402
 from memkern.profile.allocations import allocation_stats  # noqa: E402
 
