@@ -149,11 +149,6 @@ class StepPlan:
         others = [m for p, m in self.phase_peaks.items() if p != self.peak.phase]
         return max(others, key=lambda m: m.allocated) if others else None
 
-    def table(self) -> str:
-        from memkern.profile.plan_report import format_plan
-
-        return format_plan(self)
-
 
 def collapse_indices(name: str) -> str:
     """``model.layers.3.mlp`` -> ``model.layers.*.mlp``: a layer's entries summed over layers."""
