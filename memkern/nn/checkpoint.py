@@ -40,8 +40,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from memkern._copies import dense, side_stream
+from memkern._saved_notes import is_parameter, note_saved, reporting
 from memkern.nn import input_offload
-from memkern.profile.saved import is_parameter, note_saved, reporting
 
 POLICIES = ("full", "selective", "offload", input_offload.POLICY)
 

@@ -57,9 +57,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from memkern import _fake, _host, backend
+from memkern import _fake, _host, _saved_notes, backend
 from memkern.ops._registry import COMPOSITE_REFERENCES
-from memkern.profile import saved as _saved
 from memkern.profile.caching_allocator import HostAllocator
 from memkern.profile.memory import MASTER_KEYS, _state_tensors
 from memkern.profile.targets import GEMMS, Target
@@ -653,7 +652,7 @@ def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Targ
     gc.collect()
     hooks = [nn.modules.module.register_module_forward_pre_hook(tl.module_entered),
              nn.modules.module.register_module_forward_hook(tl.module_left, always_call=True)]
-    _saved._observers.append(tl.noted)
+    _saved_notes.observers.append(tl.noted)
     _active.append(tl)
     try:
         with contextlib.ExitStack() as stack:
@@ -690,7 +689,7 @@ def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Targ
             del setup
     finally:
         _active.remove(tl)
-        _saved._observers.remove(tl.noted)
+        _saved_notes.observers.remove(tl.noted)
         for h in hooks:
             h.remove()
     best, run_peak, reserved, block, step_start = _replay(tl, tgt)
