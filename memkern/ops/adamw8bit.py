@@ -134,7 +134,7 @@ def _check(master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, grads
                  exp_avg_sq_absmax, master)
     # The rest (grads, params, scalars, hyper-parameters) as adamw_step_.
     adamw._check(master, master, master, grads, params, step, grad_multiplier, found_inf,
-                 lr, beta1, beta2, eps, weight_decay)
+                 lr, beta1, beta2, eps, weight_decay, op=op)
     return master.device
 
 
