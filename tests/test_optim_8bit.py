@@ -14,8 +14,8 @@ import torch
 import memkern as mk
 from memkern.kernels.state8bit import QBLOCK, num_blocks
 from memkern.ops import adamw8bit
-from memkern.optim.fused_adamw import MIN_8BIT_NUMEL
 from memkern.optim.grad_buffer import ALIGN
+from memkern.optim.state_precision import MIN_8BIT_NUMEL
 from net8bit import apply, exact_gradients, gradient_steps, make_net, stored_state
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05)
