@@ -218,8 +218,8 @@ def test_nothing_fits_says_what_each_configuration_needs(capsys):
 def test_a_transformers_model_recomputes_without_its_key_value_cache():
     """With the cache a transformers model keeps by default in training, a recomputed layer
     appends its keys again and torch's checkpoint refuses the step: "selective", "full" and
-    "full-host" are left out, and the report says why; with ``use_cache=False`` (what ``memkern fit`` passes
-    and its apply lines set) every level runs."""
+    "full-host" are left out, and the report says why; with ``use_cache=False`` (what
+    ``memkern fit`` passes and its apply lines set) every level runs."""
     model = memkern.patch(_llama(500))
     ids = torch.randint(0, 500, (4, 64))
     kwargs = dict(device="cpu", apply=False, throughput=1e12)

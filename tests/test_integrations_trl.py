@@ -25,8 +25,8 @@ datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
 import memkern as mk  # noqa: E402
-from memkern.integrations.transformers import MemkernTrainerMixin  # noqa: E402
 from compare import params_rel_err  # noqa: E402
+from memkern.integrations.transformers import MemkernTrainerMixin  # noqa: E402
 
 TOL, ADAMW_TOL, BF16_TOL = 1e-5, 1e-4, 1e-3
 CHARS = "abcdefghijklmnopqrstuvwxyz "

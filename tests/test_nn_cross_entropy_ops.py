@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memkern import backend, ops
 from compare import rel_err
+from memkern import backend, ops
 
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch."))
           for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)]

@@ -26,8 +26,8 @@ import os
 import pytest
 import torch
 
-import memkern as mk
 import launch_ranks
+import memkern as mk
 from compare import assert_same_bits, params_rel_err
 
 BUCKET_MB = 1e-3

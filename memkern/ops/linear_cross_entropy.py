@@ -132,11 +132,14 @@ def _check(x, weight, bias, target, ignore_index, label_smoothing, size, *, op, 
         _checks.same_dtype(op, "bias", bias, x, "x")
         _checks.same_device(op, "bias", bias, x, "x")
         if tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"memkern.ops.{op}: bias has shape {tuple(bias.shape)}; expected ({weight.shape[0]},)")
-    if not isinstance(target, torch.Tensor) or target.dtype != torch.int64 or tuple(target.shape) != (x.shape[0],):
+            raise ValueError(f"memkern.ops.{op}: bias has shape {tuple(bias.shape)}; expected "
+                             f"({weight.shape[0]},)")
+    if (not isinstance(target, torch.Tensor) or target.dtype != torch.int64
+            or tuple(target.shape) != (x.shape[0],)):
         raise ValueError(
             f"memkern.ops.{op}: target must be int64 of shape ({x.shape[0]},), got "
-            + (f"{target.dtype} of shape {tuple(target.shape)}" if isinstance(target, torch.Tensor) else repr(target))
+            + (f"{target.dtype} of shape {tuple(target.shape)}"
+               if isinstance(target, torch.Tensor) else repr(target))
         )
     _checks.same_device(op, "target", target, x, "x")
     name = "chunk_size" if op == "linear_cross_entropy_forward" else "vocab_block"
