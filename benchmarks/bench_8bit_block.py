@@ -11,8 +11,8 @@ float32 absmax costs in bytes (2 moments x 4 bytes / block per parameter).
    99th percentile) and over the whole update (``|du| / |u|``).
 2. Effect on training: the same model and data, ``--steps`` steps, with torch's AdamW whose
    moments are replaced after every step by their read-back through the map (in float32) at
-   each block size (the quantized algorithm: the step uses the exact new moments, the stored state is
-   quantized), against the float32-state run: largest and mean relative loss gap after 20
+   each block size (the quantized algorithm: the step uses the exact new moments, the stored state
+   is quantized), against the float32-state run: largest and mean relative loss gap after 20
    warm-up steps.
 
 Usage: python benchmarks/bench_8bit_block.py [--steps 200] [--state-steps 100] [--save PATH]
@@ -27,7 +27,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 from memkern.bench.configs import build  # noqa: E402
 from memkern.bench.data import Batches, stdlib_corpus  # noqa: E402
 from memkern.bench.model import SIZES, GPTConfig  # noqa: E402

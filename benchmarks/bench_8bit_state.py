@@ -40,7 +40,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 import memkern  # noqa: E402
 from memkern import backend  # noqa: E402
 from memkern.bench.configs import LR, build  # noqa: E402
@@ -130,10 +129,10 @@ def _compare_steps(n, device, steps, state32: float, state8: float,
     """Per case of PARAM_DTYPES, ``steps(dtype)``'s 32-bit and 8-bit step alternating within
     every repetition (after 3 warm-up ones, so that load from other processes on a shared
     machine falls on both alike): medians of the wall time and of the process's CPU time,
-    the median of the per-repetition wall-time ratios (``common.ratio``), the CPU times' ratio, the ratio of each step's fastest repetition (what the work itself costs:
-    load from other processes only ever adds time), and each step's fraction of the copy
-    bandwidth counting the bytes it moves per element (grads and params, master 4 + 4, and
-    ``state32``/``state8`` of state)."""
+    the median of the per-repetition wall-time ratios (``common.ratio``), the CPU times' ratio, the
+    ratio of each step's fastest repetition (what the work itself costs: load from other processes
+    only ever adds time), and each step's fraction of the copy bandwidth counting the bytes it moves
+    per element (grads and params, master 4 + 4, and ``state32``/``state8`` of state)."""
     copy_bw = common.copy_bandwidth(device)
     out: dict[str, object] = {"elements": n, "target_ratio": 1.1, "repetitions": reps,
                               "copy_bandwidth_GBps": copy_bw / 1e9}
@@ -188,14 +187,16 @@ def bytes_per_param(cfg: GPTConfig, device: torch.device) -> dict[str, float]:
     for name in ("memkern-full", "memkern-full-8bit"):
         setup = build(name, cfg, device)
         setup.train_step(x, y)
-        out[f"{name} (bench model)"] = memory_breakdown(setup.model, setup.optimizer).optimizer_side_per_param
+        breakdown = memory_breakdown(setup.model, setup.optimizer)
+        out[f"{name} (bench model)"] = breakdown.optimizer_side_per_param
     for precision in ("32bit", "8bit"):
         model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(4)])
         model = model.to(device, torch.bfloat16)
         opt = memkern.optim.ShardedOptimizer(model.parameters(), lr=1e-3, state_precision=precision)
         opt.backward(model(torch.randn(4, 1024, device=device, dtype=torch.bfloat16)).float().sum())
         opt.step()
-        out[f"{precision} state (4 x Linear(1024, 1024))"] = memory_breakdown(model, opt).optimizer_side_per_param
+        out[f"{precision} state (4 x Linear(1024, 1024))"] = (
+            memory_breakdown(model, opt).optimizer_side_per_param)
     return out
 
 
@@ -236,7 +237,8 @@ def map_ablation(cfg: GPTConfig, device: torch.device) -> dict[str, float]:
             approx = fn(m, True, block) / (fn(v, False, block).sqrt() + eps)
             rel = ((approx - exact).abs() / exact.abs().clamp_min(1e-12))
             out[f"{name} map, block {block}: median"] = rel.median().item()
-            out[f"{name} map, block {block}: p99"] = rel.quantile(0.99).item() if rel.numel() < 2**24 else float("nan")
+            out[f"{name} map, block {block}: p99"] = (
+                rel.quantile(0.99).item() if rel.numel() < 2**24 else float("nan"))
     return out
 
 
@@ -406,7 +408,8 @@ def peers(device: torch.device, n: int, reps: int) -> dict[str, object]:
             print(f"skipping {name}: {type(e).__name__}: {str(e).splitlines()[0]}")
             continue
         opts[name] = opt
-        out[name] = {"state_bytes_per_param": sum(_nbytes(t) for t in _state_tensors(opt)) / p.numel()}
+        state_bytes = sum(_nbytes(t) for t in _state_tensors(opt))
+        out[name] = {"state_bytes_per_param": state_bytes / p.numel()}
     times = {name: [] for name in opts}
     for _ in range(reps):
         for name, opt in opts.items():

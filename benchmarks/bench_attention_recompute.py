@@ -20,7 +20,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 import memkern as mk  # noqa: E402
 
 SHAPES = ((4, 128), (4, 512))

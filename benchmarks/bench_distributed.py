@@ -33,9 +33,13 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
-
-from memkern.profile import (TrainingSetup, allocation_stats, hf_config,  # noqa: E402
-                             hf_workload, memory_breakdown)
+from memkern.profile import (  # noqa: E402
+    TrainingSetup,
+    allocation_stats,
+    hf_config,
+    hf_workload,
+    memory_breakdown,
+)
 
 CONFIG = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=704, vocab_size=32000, attn_implementation="sdpa")

@@ -19,13 +19,14 @@ step:
 Peak of a training step: the bytes the training state holds before the step (parameters,
 optimizer state) plus the step's peak allocation above that (CPU: the profiler's allocation
 trace; GPU: ``torch.cuda.max_memory_allocated``); next to it, what ``memkern.profile``'s
-planner predicts for the same measure (on fake tensors, in seconds, on the CPU). Peak of forward + backward (the issue's CPU
-measure): the parameters plus the peak allocation of ``model(...).loss.backward()``. Time: median step after warm-up; plain, memkern and
-memkern-full alternate step by step in one process, so their ratios share the machine's load;
-on a shared CPU the process CPU time (also reported) is the steadier measure of the work.
-GPT-2's dropout (0.1) draws different masks in torch and memkern: its losses differ slightly.
-Saved for backward (the issue's measure for the encoders, :func:`memkern.profile.saved_bytes`):
-the bytes the training forward leaves for backward, each storage once, parameters excluded.
+planner predicts for the same measure (on fake tensors, in seconds, on the CPU). Peak of forward +
+backward (the issue's CPU measure): the parameters plus the peak allocation of
+``model(...).loss.backward()``. Time: median step after warm-up; plain, memkern and memkern-full
+alternate step by step in one process, so their ratios share the machine's load; on a shared CPU the
+process CPU time (also reported) is the steadier measure of the work. GPT-2's dropout (0.1) draws
+different masks in torch and memkern: its losses differ slightly. Saved for backward (the issue's
+measure for the encoders, :func:`memkern.profile.saved_bytes`): the bytes the training forward
+leaves for backward, each storage once, parameters excluded.
 
 RoPE (Liger fuses it): the bytes ``apply_rotary_pos_emb`` saves for backward and its share of
 the step time, measured on the Llama model, show what fusing it could gain.
@@ -36,10 +37,10 @@ the step time, measured on the Llama model, show what fusing it could gain.
 
 ``--size cpu`` (default on a CPU): the issue's shape scaled down, width 256, 2 layers, 4 heads
 (2 KV), MLP 704, vocab 32000, batch 2 x 512, float32. ``--size small``: width 256, 2 layers, 4
-heads, MLP 1024, batch 4 x 128, float32 (the encoders' saved-bytes measure). ``--size 160m`` (default on a GPU): width
-1024, 8 layers, 16 heads (8 KV), MLP 2816, vocab 32000, batch 4 x 2048, bf16 parameters, fused
-AdamW. Targets: CPU forward + backward peak <= 0.5x plain's; GPU (160m Llama) peak <= 0.9x Liger's at <= 1.0x
-plain's time.
+heads, MLP 1024, batch 4 x 128, float32 (the encoders' saved-bytes measure). ``--size 160m``
+(default on a GPU): width 1024, 8 layers, 16 heads (8 KV), MLP 2816, vocab 32000, batch 4 x 2048,
+bf16 parameters, fused AdamW. Targets: CPU forward + backward peak <= 0.5x plain's; GPU (160m Llama)
+peak <= 0.9x Liger's at <= 1.0x plain's time.
 """
 from __future__ import annotations
 
@@ -57,7 +58,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 import memkern as mk  # noqa: E402
 from memkern.profile import allocation_stats, saved_bytes  # noqa: E402
 
@@ -93,9 +93,10 @@ def model_config(family: str, size: dict):
         from memkern.profile import hf_config
 
         model_type, task, vocab = ENCODERS[family]
-        image = dict(image_size=128, patch_size=8, num_labels=10) if task == "image-classification" \
-            else dict(vocab_size=vocab or s["vocab"], max_position_embeddings=s["seq"] + 2,
-                      num_labels=2)
+        image = (dict(image_size=128, patch_size=8, num_labels=10)
+                 if task == "image-classification"
+                 else dict(vocab_size=vocab or s["vocab"], max_position_embeddings=s["seq"] + 2,
+                           num_labels=2))
         return hf_config(model_type, dict(hidden_size=s["width"], num_hidden_layers=s["layers"],
                                           num_attention_heads=s["heads"],
                                           intermediate_size=s["mlp"], **image))
@@ -228,7 +229,7 @@ def measure(family: str, names: list[str], size: dict, device: torch.device, rep
     for name in names:
         model, opt = make_configuration(name, base, family, device)
         forward_backward, step = make_steps(model, opt, batch)
-        saved = saved_bytes(lambda: loss_of(model, batch))
+        saved = saved_bytes(lambda model=model: loss_of(model, batch))
         first_loss = float(step())  # also creates the optimizer state
         sync()
         gc.collect()  # garbage freed during a measurement would lower its peak
@@ -331,7 +332,8 @@ def main(argv=None) -> None:
     results = {"device": str(device), "size": size_name, "shape": size, "families": {}}
     for family in families:
         print(f"--- {family}", flush=True)
-        names = ["plain", "memkern", "memkern-full"] + (["memkern-sdpa"] if family in ENCODERS else [])
+        names = (["plain", "memkern", "memkern-full"]
+                 + (["memkern-sdpa"] if family in ENCODERS else []))
         fam = measure(family, names, size, device, args.reps)
         why = liger_available(family)
         if why is None:
@@ -362,10 +364,14 @@ def main(argv=None) -> None:
             if name in PATCHES and family != "dit":
                 r["planned_peak_bytes"] = planned_peak(family, name, size, device)
                 planned = f" (planned {r['planned_peak_bytes'] / 2**20:.1f})"
-            print(f"{name:>13}: step peak {r['peak_bytes'] / 2**20:7.1f} MiB{planned} ({r['peak_vs_plain']:.2f}x "
-                  f"plain)  fwd+bwd peak {r['forward_backward_peak_bytes'] / 2**20:7.1f} MiB "
-                  f"({r['forward_backward_peak_vs_plain']:.2f}x)  saved {r['saved_vs_plain']:.3f}x  step {1e3 * r['median_step_seconds']:8.1f} ms ({r['time_vs_plain']:.2f}x "
-                  f"plain; process CPU time {r['cpu_time_vs_plain']:.2f}x)  first loss {r['first_loss']:.4f}",
+            print(f"{name:>13}: step peak {r['peak_bytes'] / 2**20:7.1f} MiB{planned} "
+                  f"({r['peak_vs_plain']:.2f}x plain)  "
+                  f"fwd+bwd peak {r['forward_backward_peak_bytes'] / 2**20:7.1f} MiB "
+                  f"({r['forward_backward_peak_vs_plain']:.2f}x)  "
+                  f"saved {r['saved_vs_plain']:.3f}x  "
+                  f"step {1e3 * r['median_step_seconds']:8.1f} ms ({r['time_vs_plain']:.2f}x "
+                  f"plain; process CPU time {r['cpu_time_vs_plain']:.2f}x)  "
+                  f"first loss {r['first_loss']:.4f}",
                   flush=True)
         results["families"][family] = fam
     if "llama" in results["families"]:

@@ -38,7 +38,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 import memkern as mk  # noqa: E402
 from memkern.kernels.state8bit import num_blocks  # noqa: E402
 

@@ -33,7 +33,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_8bit_state  # noqa: E402
 import common  # noqa: E402
-
 import memkern  # noqa: E402
 
 BETAS, LR, EPS, WD, MAX_NORM = (0.9, 0.999), 1e-4, 1e-8, 0.01, 1.0
@@ -48,7 +47,8 @@ def gpt2_small_shapes(vocab: int = 50257, ctx: int = 1024, width: int = 768, lay
     shapes = [(vocab, width), (ctx, width)]
     for _ in range(layers):
         shapes += [(width,), (width,), (width, 3 * width), (3 * width,), (width, width), (width,),
-                   (width,), (width,), (width, 4 * width), (4 * width,), (4 * width, width), (width,)]
+                   (width,), (width,), (width, 4 * width), (4 * width,), (4 * width, width),
+                   (width,)]
     return shapes + [(width,), (width,)]
 
 
@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in unscale:
         print(f"\nGPT-2 small gradients ({row['params'] / 1e6:.1f}M in {row['tensors']} tensors), "
               f"{row['dtype']}")
-        print(f"  unscale+check: torch ({row['unscale_torch_path']}) {row['unscale_torch_s'] * 1e3:8.2f} ms, "
+        print(f"  unscale+check: torch ({row['unscale_torch_path']}) "
+              f"{row['unscale_torch_s'] * 1e3:8.2f} ms, "
               f"memkern flat {row['unscale_memkern_s'] * 1e3:8.2f} ms   "
               f"speed-up {row['unscale_speedup']:.2f}x   "
               f"{row['unscale_memkern_bytes_per_s'] / copy_bw:.0%} of copy bandwidth")

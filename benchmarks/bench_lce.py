@@ -19,6 +19,7 @@ bandwidth the row kernels have).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -29,7 +30,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 import memkern as mk  # noqa: E402
 from memkern.nn.linear_cross_entropy import splits  # noqa: E402
 from memkern.ops.linear_cross_entropy import block_sizes  # noqa: E402
@@ -104,8 +104,8 @@ def candidates(n, v, h, dtype, device, variants):
         if (c, b) == (chunk, vocab) or f"memkern chunk={c} vocab={b}" in cases:
             continue
         name = f"memkern chunk={c} vocab={b}"
-        cases[name] = (lambda c, b: lambda x, w, t: mk.nn.functional.linear_cross_entropy(
-            x, w, t, chunk_size=c, vocab_block=b))(c, b)
+        cases[name] = functools.partial(mk.nn.functional.linear_cross_entropy, chunk_size=c,
+                                        vocab_block=b)
         ours.append(name)
     return cases, ours, lacks, (chunk, vocab)
 
@@ -178,7 +178,7 @@ def run_shape(n, v, h, dtype, device, reps, variants):
         clear()
         loss_box = []
 
-        def forward_backward(fn=fn):
+        def forward_backward(fn=fn, loss_box=loss_box):
             loss_box.append(fn(x, w, t))
             loss_box[0].backward()
         peaks[name] = peak_above_inputs(forward_backward, device)

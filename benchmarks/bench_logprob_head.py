@@ -42,14 +42,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+from trl.kernels import ChunkedLogProbFunction, chunked_logprob  # noqa: E402
 
-import memkern as mk  # noqa: E402
+import common  # noqa: E402
+from memkern.integrations.trl import MemkernLogProbHead  # noqa: E402
 from memkern.profile import allocation_stats  # noqa: E402
 from memkern.profile.plan import TrainingSetup, plan_training_step  # noqa: E402
-
-from memkern.integrations.trl import MemkernLogProbHead  # noqa: E402
-from trl.kernels import ChunkedLogProbFunction, chunked_logprob  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CPU_SHAPES = "4096x32000x512:float32,1024x128256x512:float32"
@@ -120,7 +118,8 @@ def measure(n, v, h, dtype, reps):
         clear()
         got = []
         peaks[name] = allocation_stats(
-            lambda head=head: (got.append(loss(head, x, w, t, g, g2)), got[0][0].backward())).peak
+            lambda head=head, got=got: (got.append(loss(head, x, w, t, g, g2)),
+                                        got[0][0].backward())).peak
         _, log_probs, entropy = got[0]
         grads = want[head[1]]
         errors[name] = {"log_probs": rel(log_probs.detach(), want_out[0]),
@@ -175,7 +174,7 @@ def plan(n, v, h, dtype):
                                            _backward_tile=_fold_in_place)
                        if name.startswith("trl") else contextlib.nullcontext())
 
-        def build(head=head):
+        def build(head=head, name=name):
             x, w, t, g, g2 = inputs(n, v, h, dtype)
             module = torch.nn.Module()
             module.weight = torch.nn.Parameter(w.detach())

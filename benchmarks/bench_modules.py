@@ -27,7 +27,6 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_lce  # noqa: E402
 import common  # noqa: E402
-
 import memkern as mk  # noqa: E402
 from memkern.bench import host_device  # noqa: E402
 from memkern.bench.block import GPT2Block  # noqa: E402
@@ -37,14 +36,17 @@ from memkern.profile import saved_bytes  # noqa: E402
 def saved_ratios(device, dtype):
     out = {}
     x = torch.randn(4, 256, 512, device=device, dtype=dtype, requires_grad=True)
-    base = saved_bytes(nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512)).to(device, dtype), x)
+    plain_mlp = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+    base = saved_bytes(plain_mlp.to(device, dtype), x)
     for rc in ("none", "activation", "full"):
-        out[f"mlp_{rc}"] = saved_bytes(mk.nn.MLP(512, 2048, recompute=rc).to(device, dtype), x) / base
+        mlp = mk.nn.MLP(512, 2048, recompute=rc).to(device, dtype)
+        out[f"mlp_{rc}"] = saved_bytes(mlp, x) / base
     base = saved_bytes(GPT2Block(512, 8, 0.1, False).to(device, dtype), x)
     for rc in ("activation", "full"):
-        out[f"gpt2_block_{rc}"] = saved_bytes(GPT2Block(512, 8, 0.1, True, rc).to(device, dtype), x) / base
-    out["layer_norm_bytes_per_input_byte"] = saved_bytes(mk.nn.LayerNorm(512).to(device, dtype), x) / (
-        x.numel() * x.element_size())
+        block = GPT2Block(512, 8, 0.1, True, rc).to(device, dtype)
+        out[f"gpt2_block_{rc}"] = saved_bytes(block, x) / base
+    out["layer_norm_bytes_per_input_byte"] = (
+        saved_bytes(mk.nn.LayerNorm(512).to(device, dtype), x) / (x.numel() * x.element_size()))
     out["dropout_bytes"] = saved_bytes(mk.nn.Dropout(0.1), x)
     out["torch_dropout_bytes"] = saved_bytes(nn.Dropout(0.1), x)
     return out
@@ -88,8 +90,8 @@ def layer_times(device: torch.device, reps: int) -> dict[str, dict]:
         width = next(m for m in theirs.modules() if hasattr(m, "weight")).weight.shape[-1]
         x = torch.randn(tokens, width, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn_like(x)
-        calls = {"torch": lambda m=theirs: m(x).backward(grad),
-                 "memkern": lambda m=ours: m(x).backward(grad)}
+        calls = {"torch": lambda m=theirs, x=x, grad=grad: m(x).backward(grad),
+                 "memkern": lambda m=ours, x=x, grad=grad: m(x).backward(grad)}
         times = common.interleaved_times({k: (common.nothing, f) for k, f in calls.items()},
                                          warmup=3, reps=reps, device=device)
         med = {k: statistics.median(v) for k, v in times.items()}
@@ -122,7 +124,8 @@ def main():
                "linear_cross_entropy": bench_lce.run(device, args.reps)}
     for k, v in results.items():
         print(k, v)
-    out = args.save or os.path.join(os.path.dirname(__file__), "results", f"{device.type}-modules.json")
+    out = args.save or os.path.join(os.path.dirname(__file__), "results",
+                                    f"{device.type}-modules.json")
     common.save(out, results)
 
 

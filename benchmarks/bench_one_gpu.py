@@ -39,7 +39,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 import memkern as mk  # noqa: E402
 from memkern.profile import hf_config, hf_workload, plan_training_step  # noqa: E402
 from memkern.profile.blocks import repeated_blocks  # noqa: E402
@@ -79,7 +78,7 @@ def run_config(cfg, options: dict, batch: int, seq: int, warmup: int, steps: int
     opt = OPTIMIZERS["sharded"].with_options(**options)(model.parameters())
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
 
-    def step() -> None:
+    def step(model=model, opt=opt) -> None:
         opt.backward(model(input_ids=ids, labels=ids).loss)
         opt.step()
         opt.zero_grad()
@@ -108,7 +107,7 @@ def run_config(cfg, options: dict, batch: int, seq: int, warmup: int, steps: int
               "planned_host_peak": plan.host_peak, "planned_host_pinned": plan.host_pinned,
               "planned_host_by_category": plan.host_by_category,
               "measured_pinned": None if pinned is None else pinned - (pinned_before or 0)}
-    del model, opt
+    del step, model, opt
     torch.cuda.empty_cache()
     return result
 
@@ -148,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         r = results[name]
         print(f"{name}: step {r['step_s'] * 1e3:.0f} ms; peak measured "
               f"{r['measured_peak'] / MIB:.0f} MiB, planned {r['planned_peak'] / MIB:.0f} MiB "
-              f"({r['measured_over_planned']:.3f}x); host planned {r['planned_host_peak'] / MIB:.0f} MiB (pinned "
+              f"({r['measured_over_planned']:.3f}x); "
+              f"host planned {r['planned_host_peak'] / MIB:.0f} MiB (pinned "
               f"{r['planned_host_pinned'] / MIB:.0f}, measured pinned "
               f"{'n/a' if r['measured_pinned'] is None else round(r['measured_pinned'] / MIB)})",
               flush=True)

@@ -43,7 +43,6 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 import memkern as mk  # noqa: E402
 from memkern.bench import host_device  # noqa: E402
 from memkern.bench.configs import DEFAULT_CONFIGS, build  # noqa: E402
@@ -148,18 +147,18 @@ def step_seconds(steps: dict[str, Callable], device: torch.device, reps: int,
 
 # --- launch counting (runs in a child process: TRITON_INTERPRET must be set before import) --
 
-_NO_KERNEL = {"promote_types", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-              "lift_fresh", "detach", "_has_compatible_shallow_copy_type", "set_", "resize_",
-              "_local_scalar_dense", "is_nonzero", "sym_size", "sym_stride", "sym_numel",
-              "sym_storage_offset"}
+_NO_KERNEL = {"promote_types", "empty", "empty_like", "empty_strided", "new_empty",
+              "new_empty_strided", "lift_fresh", "detach", "_has_compatible_shallow_copy_type",
+              "set_", "resize_", "_local_scalar_dense", "is_nonzero", "sym_size", "sym_stride",
+              "sym_numel", "sym_storage_offset"}
 
 
 def _count_launches(fn: Callable) -> dict[str, int]:
     """Kernel launches of one call of ``fn``: Triton launches + ATen ops that run a kernel +
     memkern kernel ops reached through the dispatcher (a layer's C++ autograd calls them so,
     where the forced Triton backend does not reach: each is one kernel on the GPU)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     import triton.runtime.jit as jit
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     counts = {"aten": 0, "triton": 0, "memkern": 0, "host_syncs": 0}
     inside_triton = [False]  # the interpreter's own host copies are not launches

@@ -38,7 +38,6 @@ from torch.nn.parallel import DistributedDataParallel
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
-
 import memkern as mk  # noqa: E402
 from memkern.bench.data import Batches, stdlib_corpus  # noqa: E402
 from memkern.bench.model import GPT, SIZES  # noqa: E402
@@ -100,8 +99,8 @@ def bf16_bytes(base: GPT, batches: Batches, args) -> dict[str, float]:
         step = memkern_step(model, opt)
         step(*batches.next())
         key = f"memkern zero_stage={stage} bf16"
-        step(*batches.next(), after_backward=lambda: kept.__setitem__(
-            key, reachable_bytes(model, opt) / numel(model)))
+        step(*batches.next(), after_backward=lambda key=key, model=model, opt=opt: (
+            kept.__setitem__(key, reachable_bytes(model, opt) / numel(model))))
     return kept
 
 
@@ -130,7 +129,8 @@ def run(rank: int, world: int, args) -> dict | None:
     n = numel(base)
     kept = {}
     for name, (step, objs) in todo.items():
-        step(x, y, after_backward=lambda: kept.__setitem__(name, reachable_bytes(*objs) / n))
+        step(x, y, after_backward=lambda name=name, objs=objs: kept.__setitem__(
+            name, reachable_bytes(*objs) / n))
     kept.update(bf16_bytes(base, batches, args))
     per_rank = [None] * world
     dist.all_gather_object(per_rank, kept)

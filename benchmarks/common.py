@@ -27,7 +27,8 @@ def median_seconds(fn: Callable[[], object], *, warmup: int = 2, reps: int = 7,
                    clock: Callable[[], float] = time.perf_counter) -> float:
     """Median time of ``fn()`` over ``reps`` runs after ``warmup`` runs: wall time, or
     ``clock=time.process_time`` for the process's CPU time."""
-    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+    on_cuda = device is not None and device.type == "cuda"
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     for _ in range(warmup):
         fn()
     sync()

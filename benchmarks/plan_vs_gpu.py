@@ -27,10 +27,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
+from memkern.bench.workload import bench_workload  # noqa: E402
 from memkern.profile import allocation_stats  # noqa: E402
 from memkern.profile.plan import plan_training_step  # noqa: E402
-from memkern.bench.workload import bench_workload  # noqa: E402
 from memkern.profile.workloads import hf_config, hf_workload  # noqa: E402
 
 MIB = 1 << 20
@@ -115,7 +114,8 @@ def cpu_rows() -> list[dict]:
     for name, patch in HF_VARIANTS.items():
         plan = plan_training_step(hf_workload(cfg, batch=2, seq=512, dtype=torch.float32,
                                               patch=patch, optimizer="adamw"), device="cpu")
-        planned = plan.held["parameters"] + plan.held["optimizer state"] + plan.step_peak_above_start
+        planned = (plan.held["parameters"] + plan.held["optimizer state"]
+                   + plan.step_peak_above_start)
         rows.append(dict(model="Llama w256 b2x512 fp32", config=name,
                          measured_mib=_hf_cpu_measured(cfg, patch) / MIB,
                          planned_mib=planned / MIB, ratio=planned / _hf_cpu_measured.last))

@@ -2,7 +2,8 @@
 leaves for backward, plain and patched, each storage once (parameters excluded), attributed to
 the innermost module running when it was saved (layer indices kept).
 
-    python benchmarks/saved_by_module.py --family dit [--size small] [--variants plain,memkern,memkern-full]
+    python benchmarks/saved_by_module.py --family dit [--size small] \
+        [--variants plain,memkern,memkern-full]
 
 Prints, per variant, the total and each module's share (MiB), largest first.
 """
@@ -18,7 +19,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_hf  # noqa: E402
-
 import memkern as mk  # noqa: E402
 
 VARIANTS = {"plain": None, "memkern": {}, "memkern-full": {"recompute": "full"}}
@@ -33,7 +33,8 @@ def saved_by_module(model: torch.nn.Module, batch: dict) -> collections.Counter:
 
     handles = []
     for name, mod in model.named_modules():
-        handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: stack.append(n or "<model>")))
+        handles.append(mod.register_forward_pre_hook(
+            lambda m, a, n=name: stack.append(n or "<model>")))
         handles.append(mod.register_forward_hook(left, always_call=True))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen, by = set(), collections.Counter()

@@ -22,9 +22,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
-from plan_xlmr_table import ROWS  # noqa: E402
-
 from memkern.profile.workloads import hf_config, hf_workload  # noqa: E402
+from plan_xlmr_table import ROWS  # noqa: E402
 
 SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
              vocab_size=250002, max_position_embeddings=514, num_labels=2)

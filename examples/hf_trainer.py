@@ -10,8 +10,9 @@
 
 The model is built from a config (nothing is downloaded) and learns arithmetic token
 sequences. Checkpoints go to ``--out``, by default a folder in the system's temporary
-directory (``DEFAULT_OUT``), so running the example leaves nothing in the checkout. Gradient accumulation, clipping, the LR schedule and checkpoints are ``Trainer``'s
-own ``TrainingArguments``; memkern's optimizer takes them over (see docs/integrations.md).
+directory (``DEFAULT_OUT``), so running the example leaves nothing in the checkout. Gradient
+accumulation, clipping, the LR schedule and checkpoints are ``Trainer``'s own ``TrainingArguments``;
+memkern's optimizer takes them over (see docs/integrations.md).
 """
 import argparse
 import os

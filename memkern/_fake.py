@@ -159,9 +159,10 @@ def _active_fake_mode(caller: str):
 
 
 def fake_with_data(real: torch.Tensor) -> torch.Tensor:
-    """A fake tensor of the active fake mode standing for ``real``, which it keeps (:func:`data_of`):
-    for what a planned step must compute from data, a shape that depends on values (the
-    labelled rows of a masked-LM batch). torch has no public query of the active fake mode."""
+    """A fake tensor of the active fake mode standing for ``real``, which it keeps
+    (:func:`data_of`): for what a planned step must compute from data, a shape that depends on
+    values (the labelled rows of a masked-LM batch). torch has no public query of the active fake
+    mode."""
     fake = _active_fake_mode("fake_with_data").from_tensor(real)
     setattr(fake, _DATA, real)
     return fake

@@ -34,8 +34,14 @@ from collections.abc import Sequence
 
 import torch
 
-from memkern.bench.configs import (BASELINE, CONFIGS, DEFAULT_CONFIGS, DESCRIPTIONS,
-                                    MAX_GRAD_NORM, MIN_STEPS)
+from memkern.bench.configs import (
+    BASELINE,
+    CONFIGS,
+    DEFAULT_CONFIGS,
+    DESCRIPTIONS,
+    MAX_GRAD_NORM,
+    MIN_STEPS,
+)
 from memkern.bench.model import SIZES, GPTConfig
 
 
@@ -53,7 +59,7 @@ def _at_least(minimum: int, why: str = ""):
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}{why}, got {value}")
         return value
@@ -66,7 +72,7 @@ def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
@@ -88,7 +94,7 @@ def _device(text: str) -> torch.device:
         device = torch.device(text)
     except RuntimeError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a device name; available here: "
-                                         f"{available}")
+                                         f"{available}") from None
     if device.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"{text!r}: memkern bench runs on cpu or cuda; "
                                          f"available here: {available}")
@@ -119,7 +125,7 @@ def _output_file(text: str) -> str:
     try:
         open(text, "a").close()  # creates nothing it does not remove, truncates nothing
     except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror}")
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror}") from None
     if not existed:
         os.remove(text)
     return text
@@ -131,7 +137,7 @@ def _chart_file(text: str) -> str:
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
-        raise argparse.ArgumentTypeError("needs matplotlib: pip install matplotlib")
+        raise argparse.ArgumentTypeError("needs matplotlib: pip install matplotlib") from None
     formats = FigureCanvasBase.get_supported_filetypes()
     if os.path.splitext(text)[1].lstrip(".").lower() not in formats:
         raise argparse.ArgumentTypeError(
@@ -154,7 +160,8 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated whole numbers, got {text!r}") from None
     if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"world sizes must be >= 1, got {text!r}")
     return values
@@ -305,9 +312,9 @@ nothing) and the table is marked as a few measurements only."""
 
 
 def _print_bench(rows, cfg: GPTConfig, args, device: torch.device) -> None:
-    from memkern.output import table
     from memkern.bench.runner import untimed_steps
     from memkern.bench.timing import ratio
+    from memkern.output import table
 
     base = next((r for r in rows if r.config == BASELINE), None)
     vs = f" vs {BASELINE}" if base is not None else ""
@@ -470,8 +477,8 @@ def _write_json(path: str, payload: dict) -> None:
 
 def _is_out_of_memory(exc: BaseException) -> bool:
     text = str(exc)
-    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in text or \
-        "out of memory" in text.lower()
+    return (isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+            or "can't allocate memory" in text or "out of memory" in text.lower())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

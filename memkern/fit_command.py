@@ -35,8 +35,13 @@ from collections.abc import Callable
 import torch
 
 from memkern.profile.costs import PCIE_BYTES_PER_S, Rates, StepCost, host_step_rate, step_cost
-from memkern.profile.fit import (DEFAULT_MARGIN, FitReport, MemoryBudgetError, parse_bytes,
-                                 throughput_of)
+from memkern.profile.fit import (
+    DEFAULT_MARGIN,
+    FitReport,
+    MemoryBudgetError,
+    parse_bytes,
+    throughput_of,
+)
 from memkern.profile.targets import TARGETS
 from memkern.profile.workloads import DEFAULT_OPTIMIZER, OPTIMIZERS, TASKS
 
@@ -159,7 +164,7 @@ def _budget(text: str) -> int:
     try:
         return parse_bytes(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("memory budget "))
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("memory budget ")) from None
 
 
 def _budget_code(n: int) -> str:
@@ -175,8 +180,14 @@ def _model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
     batch of that task's inputs and labels (:func:`memkern.profile.workloads.task_batch`)."""
     import memkern
     from memkern.plan_command import DTYPES
-    from memkern.profile.workloads import (NO_KV_CACHE, hf_config, model_class, task_batch,
-                                           uses_kv_cache, with_lora)
+    from memkern.profile.workloads import (
+        NO_KV_CACHE,
+        hf_config,
+        model_class,
+        task_batch,
+        uses_kv_cache,
+        with_lora,
+    )
 
     cfg = hf_config(args.hf, args.set)
     limit = getattr(cfg, "max_position_embeddings", None)

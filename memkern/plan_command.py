@@ -23,14 +23,23 @@ import torch
 
 from memkern.bench.configs import DEFAULT_CONFIGS
 from memkern.bench.workload import bench_workload
-from memkern.profile.plan import CATEGORIES, StepPlan, plan_training_step
+from memkern.nn.checkpoint import POLICIES
 from memkern.output import table
+from memkern.profile.plan import CATEGORIES, StepPlan, plan_training_step
 from memkern.profile.plan_report import MIB, SHORT, format_plan, legend, plan_chart
 from memkern.profile.targets import TARGETS
-from memkern.nn.checkpoint import POLICIES
-from memkern.profile.workloads import (DEFAULT_OPTIMIZER, OPTIMIZERS, PATCH_OPTIONS, SHARDINGS,
-                                       TASKS, default_seq, hf_config, hf_workload,
-                                       lora_options, uses_kv_cache)
+from memkern.profile.workloads import (
+    DEFAULT_OPTIMIZER,
+    OPTIMIZERS,
+    PATCH_OPTIONS,
+    SHARDINGS,
+    TASKS,
+    default_seq,
+    hf_config,
+    hf_workload,
+    lora_options,
+    uses_kv_cache,
+)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -118,7 +127,7 @@ def _lora(text: str) -> dict:
     try:
         return lora_options(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc))
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_lora_argument(parser: argparse.ArgumentParser) -> None:

@@ -31,8 +31,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
-from test_optim_kill_resume import (check_run, torchrun_command,  # noqa: E402
-                                    torchrun_env)
+from test_optim_kill_resume import check_run, torchrun_command, torchrun_env  # noqa: E402
 
 MODES = ["zero2", "offload-8bit", "streamed-8bit", "offload-1proc"]
 

@@ -61,7 +61,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     and payload: x86 CPUs produce -NaN where GPUs produce +NaN; -0 != +0)."""
     if t.is_floating_point():
         t = t.masked_fill(t.isnan(), math.nan)
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    same_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(same_size[t.element_size()])
 
 
 def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -186,7 +187,8 @@ def cpu_clone(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().cpu().clone()
 
 
-def adamw_magnitudes(master, exp_avg, exp_avg_sq, grads, step, grad_multiplier, hyper, new_exp_avg_sq):
+def adamw_magnitudes(master, exp_avg, exp_avg_sq, grads, step, grad_multiplier, hyper,
+                     new_exp_avg_sq):
     """Per element, the size of the terms AdamW adds up (float64 inputs before the step).
 
     ``exp_avg``: |m| + |g| (the lerp subtracts them); ``exp_avg_sq``: |v| + g**2;

@@ -112,8 +112,9 @@ def test_reference_follows_torch_adamw():
     w0 = torch.randn(n, dtype=torch.float64)
     p = torch.nn.Parameter(w0.clone())
     torch_opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
-    state = [w0.clone(), torch.zeros(n, dtype=torch.int8), torch.zeros(num_blocks(n), dtype=torch.float64),
-             torch.zeros(n, dtype=torch.uint8), torch.zeros(num_blocks(n), dtype=torch.float64)]
+    state = [w0.clone(), torch.zeros(n, dtype=torch.int8),
+             torch.zeros(num_blocks(n), dtype=torch.float64), torch.zeros(n, dtype=torch.uint8),
+             torch.zeros(num_blocks(n), dtype=torch.float64)]
     step = torch.zeros(1)
     for t in range(30):
         g = torch.randn(n, dtype=torch.float64) * (1 + torch.arange(n) / n)

@@ -10,8 +10,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_objects_go_to_build_ext_whatever_temporary_folder_pip_gives(tmp_path, monkeypatch):
-    import setuptools  # noqa: F401  (provides distutils on Python >= 3.12)
     from distutils.core import run_setup
+
+    import setuptools  # noqa: F401  (provides distutils on Python >= 3.12)
 
     monkeypatch.delenv("MEMKERN_BUILD_EXT", raising=False)
     monkeypatch.setenv("MEMKERN_BUILD_CUDA", "0")

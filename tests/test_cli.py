@@ -524,7 +524,8 @@ def test_plan_tables_headers_stay_apart_and_whole_at_every_width(monkeypatch, co
         while top > 0 and lines[top - 1].startswith(" "):
             top -= 1
         names = ("patch:recompute=full", "plain", "forward", "backward", "optimizer")
-        body = list(itertools.takewhile(lambda ln: ln.split()[0] in names, lines[rule + 1:]))
+        body = list(itertools.takewhile(lambda ln, names=names: ln.split()[0] in names,
+                                                   lines[rule + 1:]))
         assert _headers_by_column(lines[top:rule], body) in expected, block
         assert "params: parameters; grads: gradients;" in block or tables == 1
     assert tables == 3

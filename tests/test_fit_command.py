@@ -30,11 +30,13 @@ TINY_LLAMA = ["--hf", "llama", "--set", "hidden_size=32", "--set", "intermediate
 
 # ------------------------------------------------------------------------------- the choice
 
-# (offload, state precision) -> device peak with every block kept, with every block "full",
-# and the host memory; a model of 1000 bf16 parameters: weights 2000 bytes, so the devices'
-# floors are 16000 (32-bit state: weights, gradients, masters, moments), 8000 (8-bit) and 4000
-PEAKS = {(False, "32bit"): (30000, 20000, 0), (False, "8bit"): (25000, 18000, 0),
-         (True, "32bit"): (12000, 9000, 28000), (True, "8bit"): (12000, 9000, 16000)}
+# (where the optimizer steps, state precision) -> device peak with every block kept, with every
+# block "full", and the host memory; a model of 1000 bf16 parameters: weights 2000 bytes, so the
+# devices' floors are 16000 (32-bit state: weights, gradients, masters, moments), 8000 (8-bit),
+# 4000 (on the host: weights and gradients) and 2000 (gradients streamed: the weights)
+PEAKS = {("gpu", "32bit"): (30000, 20000, 0), ("gpu", "8bit"): (25000, 18000, 0),
+         ("host", "32bit"): (12000, 9000, 28000), ("host", "8bit"): (12000, 9000, 16000),
+         ("streamed", "32bit"): (10000, 7000, 30000), ("streamed", "8bit"): (10000, 7000, 18000)}
 RATES = Rates(flops_per_s=1e12, host_params_per_s=lambda precision: 1e6, pcie_bytes_per_s=1e6)
 STEP_FLOPS = 10**9  # 1 ms at 1e12: backward 2/3 ms
 
@@ -43,7 +45,9 @@ def _fake_fit(calls: list):
     """memkern.fit's stand-in: recomputation grows from 0 (budget >= keep) to 1e9 FLOPs
     (budget = full), linearly in the budget."""
     def fit(budget: int, **options) -> FitReport:
-        key = (options.get("offload") == "cpu", options.get("state_precision", "32bit"))
+        where = ("streamed" if options.get("gradients") == "host" else
+                 "host" if options.get("offload") == "cpu" else "gpu")
+        key = (where, options.get("state_precision", "32bit"))
         calls.append(key)
         keep, full, host = PEAKS[key]
         if budget < full:
@@ -57,25 +61,31 @@ def _fake_fit(calls: list):
     return fit
 
 
-# by hand: offload's exposed time = max(host step, gradients down) - backward + weights up
-#   = max(1000 / 1e6 * (1 + 24/28), 2000 / 1e6) - 2/3 ms + 2 ms = 3.333 ms (32-bit and 8-bit:
-#   the copy down, 2 ms, is the longer); recomputation: extra FLOPs / 1e12
+GPU32, GPU8 = ("gpu", "32bit"), ("gpu", "8bit")
+HOST, STREAMED = [("host", "32bit"), ("host", "8bit")], [("streamed", "32bit"),
+                                                          ("streamed", "8bit")]
+
+
+# by hand: the host step's exposed time = max(host step, gradients down) - backward + weights
+#   up = max(1000 / 1e6 * (1 + 24/28), 2000 / 1e6) - 2/3 ms + 2 ms = 3.333 ms (32-bit and
+#   8-bit, on the host and streamed: the copy down, 2 ms, is the longer); recomputation:
+#   extra FLOPs / 1e12
 @pytest.mark.parametrize("budget,host_budget,chosen,tried", [
-    (40000, None, "32-bit optimizer state", [(False, "32bit")]),  # fits as it is: nothing else
+    (40000, None, "32-bit optimizer state", [GPU32]),  # fits as it is: nothing else
     # 32-bit recomputes 0.3e9 (0.3 ms); 8-bit fits as it is (0 ms): chosen, nothing after it
-    (27000, None, "8-bit optimizer state", [(False, "32bit"), (False, "8bit")]),
+    (27000, None, "8-bit optimizer state", [GPU32, GPU8]),
     # 32-bit needs 20000; 8-bit recomputes 6/7e9 (0.86 ms); the host's least, the weights'
     # 2 ms copy up, is more: not planned
-    (19000, None, "8-bit optimizer state", [(False, "32bit"), (False, "8bit")]),
-    # 32-bit's floor (16000) is over the budget: not planned; 8-bit needs 18000; on the host,
-    # 32-bit and 8-bit cost 3.33 ms each: the first is kept
-    (15000, None, "the optimizer on the host", [(False, "8bit"), (True, "32bit"),
-                                                 (True, "8bit")]),
-    # the host budget leaves 32-bit state out (28000 of host memory)
-    (15000, 20000, "the optimizer on the host, 8-bit state",
-     [(False, "8bit"), (True, "32bit"), (True, "8bit")]),
-    (8500, None, None, [(False, "8bit"), (True, "32bit"), (True, "8bit")]),  # all need more
-    (3000, None, None, []),  # even the weights and gradients are more: nothing planned
+    (19000, None, "8-bit optimizer state", [GPU32, GPU8]),
+    # 32-bit's floor (16000) is over the budget: not planned; 8-bit needs 18000; on the host
+    # and streamed, every one costs 3.33 ms: the first is kept
+    (15000, None, "the optimizer on the host", [GPU8] + HOST + STREAMED),
+    # the host budget leaves 32-bit state out (28000 and 30000 of host memory)
+    (15000, 20000, "the optimizer on the host, 8-bit state", [GPU8] + HOST + STREAMED),
+    # only the streamed gradients fit (recomputing 0.5e9: 3.83 ms)
+    (8500, None, "gradients streamed to the host", [GPU8] + HOST + STREAMED),
+    (5000, None, None, HOST + STREAMED),  # all need more
+    (1500, None, None, []),  # even the weights are more: nothing planned
 ])
 def test_fit_chooses_the_cheapest_configuration_that_fits(budget, host_budget, chosen, tried):
     model = torch.nn.Linear(100, 10, bias=False).bfloat16()
@@ -88,7 +98,9 @@ def test_fit_chooses_the_cheapest_configuration_that_fits(budget, host_budget, c
     assert len(candidates) == len(fit_command.CANDIDATES)
     if chosen == "the optimizer on the host":
         assert best.cost.exposed == pytest.approx(2e-3 - 2e-3 / 3 + 2e-3)
-        assert "costs about 3 ms" in candidates[-1].why_not  # 8-bit on the host fits too
+        assert "costs about 3 ms" in candidates[-1].why_not  # streamed 8-bit fits too
+    if chosen == "gradients streamed to the host":
+        assert best.cost.exposed == pytest.approx(0.5e-3 + 2e-3 - 2e-3 / 3 + 2e-3)
     if chosen is None:
         assert all(c.why_not for c in candidates)
 
@@ -206,8 +218,8 @@ def test_nothing_fits_says_what_each_configuration_needs(capsys):
 def test_a_transformers_model_recomputes_without_its_key_value_cache():
     """With the cache a transformers model keeps by default in training, a recomputed layer
     appends its keys again and torch's checkpoint refuses the step: "selective", "full" and
-    "full-host" are left out, and the report says why; with ``use_cache=False`` (what ``memkern fit`` passes
-    and its apply lines set) every level runs."""
+    "full-host" are left out, and the report says why; with ``use_cache=False`` (what
+    ``memkern fit`` passes and its apply lines set) every level runs."""
     model = memkern.patch(_llama(500))
     ids = torch.randint(0, 500, (4, 64))
     kwargs = dict(device="cpu", apply=False, throughput=1e12)

@@ -78,7 +78,8 @@ def test_unscale(backend, device, n, dtype, flag):
         fi = torch.finfo(dtype)
         err = (grads.cpu().double() - oracle).abs()
         allowed = (fi.eps / 2 + 2.0**-23) * oracle.abs() + fi.smallest_normal * fi.eps
-        assert bool((err <= allowed).all()), f"worst error {(err / allowed).max().item():.3f}x allowed"
+        assert bool((err <= allowed).all()), (
+            f"worst error {(err / allowed).max().item():.3f}x allowed")
 
 
 @pytest.mark.parametrize("position", POSITIONS)
@@ -309,7 +310,8 @@ SGD_VARIANTS = {
     # name: (momentum, dampening, nesterov, weight_decay, optional tensors given)
     "plain": lambda: (0.0, 0.0, False, 0.0, False),
     "wd": lambda: (0.0, 0.0, False, fo.uniform(0.01, 0.5), False),
-    "momentum": lambda: (fo.uniform(0.5, 0.95), fo.uniform(0.0, 0.5), False, fo.uniform(0.01, 0.5), True),
+    "momentum": lambda: (fo.uniform(0.5, 0.95), fo.uniform(0.0, 0.5), False,
+                         fo.uniform(0.01, 0.5), True),
     "nesterov": lambda: (fo.uniform(0.5, 0.95), 0.0, True, fo.uniform(0.01, 0.5), True),
 }
 SGD_CASES = [("plain", "later"), ("wd", "first"), ("momentum", "first"), ("momentum", "later"),
@@ -332,7 +334,8 @@ def _sgd_step_and_check(backend, dev, dtype, master, buf, step, hyper, *, with_o
                                              fo.cpu_clone(found_inf), *hyper)
     step_before = step.item()
 
-    run(backend, ops.sgd_step_, master, buf, g.to(dev, copy=True), params, step, mult_t, found_inf, *hyper)
+    run(backend, ops.sgd_step_, master, buf, g.to(dev, copy=True), params, step, mult_t,
+        found_inf, *hyper)
 
     what = f"sgd_step_ {dtype} n={n} step {step_before:.0f} {hyper}"
     assert_close64(master, oracle_master, f"{what}: master (call {it})", magnitude=mag_master)
@@ -355,7 +358,8 @@ def test_sgd_step(backend, device, n, variant, start, dtype):
     buf = None
     if momentum != 0.0:
         # On the first step the buffer is initialised from d, whatever it holds: poison it.
-        buf = fo.poison(n, torch.float32, dev) if start == "first" else (torch.randn(n) * 0.1).to(dev)
+        buf = (fo.poison(n, torch.float32, dev) if start == "first"
+               else (torch.randn(n) * 0.1).to(dev))
     step = scalar(0 if start == "first" else fo.randint(1, 50), dev)
     for it in range(calls(n)):  # "first": the initialisation, then an ordinary momentum step
         _sgd_step_and_check(backend, dev, dtype, master, buf, step, hyper,
@@ -390,8 +394,9 @@ def test_sgd_step_keeps_an_infinite_master_without_weight_decay(backend, device,
 def _optimizer_args(op: str, n: int, dtype, dev, *, step0: int, found_inf, beta1=None):
     g = fo.scaled_grads(n, dtype, None)
     fo.inject(g, fo.choice(POSITIONS), math.inf)  # what a skipped step usually sees
-    common = dict(grads=g.to(dev, copy=True), params=fo.poison(n, dtype, dev), step=scalar(step0, dev),
-                  grad_multiplier=scalar(fo.odd_multiplier(), dev), found_inf=found_inf)
+    common = dict(grads=g.to(dev, copy=True), params=fo.poison(n, dtype, dev),
+                  step=scalar(step0, dev), grad_multiplier=scalar(fo.odd_multiplier(), dev),
+                  found_inf=found_inf)
     if op == "adamw_step_":
         master, exp_avg, exp_avg_sq = _adamw_state(n, dev)
         hyper = fo.adamw_hyper()
@@ -430,7 +435,8 @@ OPTIMIZERS = [pytest.param("adamw_step_", 0.9, id="adamw-beta1=0.9"),
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter
 @pytest.mark.parametrize("position", POSITIONS)
-@pytest.mark.parametrize("value", [pytest.param(math.nan, id="nan"), pytest.param(math.inf, id="inf")])
+@pytest.mark.parametrize("value", [pytest.param(math.nan, id="nan"),
+                                   pytest.param(math.inf, id="inf")])
 @pytest.mark.parametrize("op,beta1", OPTIMIZERS)
 @pytest.mark.parametrize("backend,device", BACKEND_CASES)
 def test_optimizer_non_finite_grads_propagate(backend, device, op, beta1, value, position):
@@ -450,7 +456,8 @@ def test_optimizer_non_finite_grads_propagate(backend, device, op, beta1, value,
 
     run(backend, getattr(ops, op), *args)
 
-    names = ("master", "exp_avg", "exp_avg_sq") if op == "adamw_step_" else ("master", "momentum_buffer")
+    names = (("master", "exp_avg", "exp_avg_sq") if op == "adamw_step_"
+             else ("master", "momentum_buffer"))
     for i, name in enumerate(names):
         assert_close64(args[i], oracle[i], f"{op} {name} with {value} at {position}")
     assert_bits_equal(args[gi + 1], args[0].to(args[gi + 1].dtype), "params")
@@ -596,7 +603,8 @@ OPCHECK = [("unscale_", True), ("l2_norm", True), ("adamw_step_", True), ("adamw
 @pytest.mark.parametrize("name,optionals", OPCHECK,
                          ids=[f"{n}-{'optionals' if o else 'bare'}" for n, o in OPCHECK])
 def test_opcheck(name, optionals, dtype):
-    torch.library.opcheck(getattr(torch.ops.memkern, name).default, _op_args(name, dtype, optionals))
+    torch.library.opcheck(getattr(torch.ops.memkern, name).default,
+                          _op_args(name, dtype, optionals))
 
 
 def _bad(name, **change):
@@ -608,24 +616,34 @@ def _bad(name, **change):
 
 BAD_INPUTS = [
     # (op, args, exception, message fragment)
-    ("unscale_", lambda: _bad("unscale_", a0=torch.randn(4, 5)), ValueError, "grads must be a contiguous 1-D"),
-    ("unscale_", lambda: _bad("unscale_", a1=torch.zeros(1, dtype=torch.float64)), ValueError, "found_inf must be a one-element float32"),
-    ("unscale_", lambda: _bad("unscale_", a2=torch.ones(2)), ValueError, "inv_scale must be a one-element"),
+    ("unscale_", lambda: _bad("unscale_", a0=torch.randn(4, 5)), ValueError,
+     "grads must be a contiguous 1-D"),
+    ("unscale_", lambda: _bad("unscale_", a1=torch.zeros(1, dtype=torch.float64)), ValueError,
+     "found_inf must be a one-element float32"),
+    ("unscale_", lambda: _bad("unscale_", a2=torch.ones(2)), ValueError,
+     "inv_scale must be a one-element"),
     ("l2_norm", lambda: [torch.randn(10)[::2]], ValueError, "grads must be a contiguous 1-D"),
     ("l2_norm", lambda: [torch.arange(5)], TypeError, "grads has dtype torch.int64"),
-    ("adamw_step_", lambda: _bad("adamw_step_", a1=torch.randn(36)), ValueError, "exp_avg has 36 elements"),
-    ("adamw_step_", lambda: _bad("adamw_step_", a0=torch.randn(37).half(), a1=torch.randn(37).half(),
-                                 a2=torch.rand(37).half()), TypeError, "master has dtype torch.float16"),
-    ("adamw_step_", lambda: _bad("adamw_step_", a3=torch.randn(37, 1)), ValueError, "grads must be a contiguous 1-D"),
-    ("adamw_step_", lambda: _bad("adamw_step_", a7=torch.zeros(1, dtype=torch.int32)), ValueError, "found_inf must be a one-element float32"),
+    ("adamw_step_", lambda: _bad("adamw_step_", a1=torch.randn(36)), ValueError,
+     "exp_avg has 36 elements"),
+    ("adamw_step_", lambda: _bad("adamw_step_", a0=torch.randn(37).half(),
+                                 a1=torch.randn(37).half(), a2=torch.rand(37).half()), TypeError,
+     "master has dtype torch.float16"),
+    ("adamw_step_", lambda: _bad("adamw_step_", a3=torch.randn(37, 1)), ValueError,
+     "grads must be a contiguous 1-D"),
+    ("adamw_step_", lambda: _bad("adamw_step_", a7=torch.zeros(1, dtype=torch.int32)), ValueError,
+     "found_inf must be a one-element float32"),
     ("adamw_step_", lambda: _bad("adamw_step_", a9=1.0), ValueError, "betas must be in"),
     ("sgd_step_", lambda: _bad("sgd_step_", a1=None), ValueError, "needs a momentum_buffer"),
-    ("sgd_step_", lambda: _bad("sgd_step_", a3=torch.randn(38)), ValueError, "params has 38 elements"),
-    ("sgd_step_", lambda: _bad("sgd_step_", a9=0.5), ValueError, "nesterov needs momentum > 0 and dampening == 0"),
+    ("sgd_step_", lambda: _bad("sgd_step_", a3=torch.randn(38)), ValueError,
+     "params has 38 elements"),
+    ("sgd_step_", lambda: _bad("sgd_step_", a9=0.5), ValueError,
+     "nesterov needs momentum > 0 and dampening == 0"),
 ]
 
 
-@pytest.mark.parametrize("case", range(len(BAD_INPUTS)), ids=[f"{c[0]}-{c[3][:24]}" for c in BAD_INPUTS])
+@pytest.mark.parametrize("case", range(len(BAD_INPUTS)),
+                         ids=[f"{c[0]}-{c[3][:24]}" for c in BAD_INPUTS])
 @pytest.mark.parametrize("backend", fo.cpu_backends())
 def test_bad_input_raises(backend, case):
     name, make, exc, fragment = BAD_INPUTS[case]
@@ -634,7 +652,8 @@ def test_bad_input_raises(backend, case):
 
 
 @pytest.mark.parametrize("name,argument,index", [("unscale_", "grads", 0), ("l2_norm", "grads", 0),
-                                                 ("adamw_step_", "master", 0), ("adamw_step_", "grads", 3),
+                                                 ("adamw_step_", "master", 0),
+                                                 ("adamw_step_", "grads", 3),
                                                  ("sgd_step_", "master", 0)])
 def test_triton_rejects_float64(name, argument, index):
     """float64 passes the op's checks (the reference is the float64 oracle); the Triton

@@ -23,12 +23,12 @@ from torch.utils.data import DataLoader
 from compare import params_rel_err
 
 mmengine = pytest.importorskip("mmengine")
+import mmengine.optim.optimizer.amp_optimizer_wrapper as amp_wrapper_module  # noqa: E402
+from mmengine.hooks import Hook  # noqa: E402
 from mmengine.model import BaseModel  # noqa: E402
 from mmengine.optim import AmpOptimWrapper  # noqa: E402
-from mmengine.hooks import Hook  # noqa: E402
 from mmengine.registry import HOOKS, OPTIM_WRAPPERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
-import mmengine.optim.optimizer.amp_optimizer_wrapper as amp_wrapper_module  # noqa: E402
 
 import memkern  # noqa: E402
 from memkern.integrations.mmengine import MemkernOptimWrapper  # noqa: E402
@@ -160,7 +160,6 @@ class CpuAmpOptimWrapper(AmpOptimWrapper):
 def _train(tmp_path, wrapper: str, optimizer: dict, *, epochs: int = 2, data_seed: int = 1,
            poison: int | None = None, representable: torch.dtype = torch.float32,
            work_dir=None, resume: bool = False, hooks=None,
-           scheduler=dict(type="MultiStepLR", milestones=[1], gamma=0.5, by_epoch=True),
            log_level: str = "ERROR", **optim_wrapper) -> Runner:
     torch.manual_seed(0)
     runner = Runner(
@@ -169,7 +168,7 @@ def _train(tmp_path, wrapper: str, optimizer: dict, *, epochs: int = 2, data_see
         train_dataloader=DataLoader(_data(data_seed, poison), batch_size=2),
         train_cfg=dict(by_epoch=True, max_epochs=epochs),
         optim_wrapper=dict(type=wrapper, optimizer=optimizer, **optim_wrapper),
-        param_scheduler=scheduler,
+        param_scheduler=dict(type="MultiStepLR", milestones=[1], gamma=0.5, by_epoch=True),
         default_hooks=dict(logger=dict(type="LoggerHook", interval=1),
                            checkpoint=dict(type="CheckpointHook", interval=1)),
         custom_hooks=hooks, resume=resume, log_level=log_level)

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 import memkern as mk
-from memkern.profile import saved_bytes
 from compare import rel_err
 from conftest import needs_layer_extension
+from memkern.profile import saved_bytes
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

@@ -28,8 +28,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from memkern.optim.grad_buffer import ALIGN  # noqa: E402
 from launch_ranks import REPO, free_port, run_launcher  # noqa: E402
+from memkern.optim.grad_buffer import ALIGN  # noqa: E402
 from test_integrations_transformers import one_thread  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "tests", "scripts", "trainer_ranks.py")
@@ -200,9 +200,8 @@ def test_documented_launch_commands_run_as_written(command, tmp_path):
 def test_fsdp_settings_are_refused_in_one_line(tmp_path):
     """On the CPU accelerate drops TrainingArguments' fsdp settings and Trainer wraps the model
     in DDP; MemkernTrainer says what to do instead."""
-    from test_integrations_transformers import Sequences, arguments, tiny_gpt2
-
     from memkern.integrations.transformers import MemkernTrainer
+    from test_integrations_transformers import Sequences, arguments, tiny_gpt2
 
     with pytest.raises(ValueError, match=r"drop the fsdp/deepspeed settings and pass "
                                          r"MemkernTrainer\(\.\.\., fsdp2=True\)"):
@@ -218,9 +217,8 @@ def test_fsdp_settings_are_refused_in_one_line(tmp_path):
     ({}, r"FSDP2 needs a process group: launch with torchrun"),
 ])
 def test_fsdp2_refuses_what_it_cannot_run_in_one_line(tmp_path, settings, message):
-    from test_integrations_transformers import Sequences, arguments, tiny_gpt2
-
     from memkern.integrations.transformers import MemkernTrainer
+    from test_integrations_transformers import Sequences, arguments, tiny_gpt2
 
     fp16 = settings.pop("fp16", False)
     model = tiny_gpt2()

@@ -15,13 +15,22 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig,  # noqa: E402
-                          LlamaForCausalLM, Trainer, TrainingArguments)
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainingArguments,
+)
 from transformers.utils import is_accelerate_available  # noqa: E402
 
 import memkern as mk  # noqa: E402
-from memkern.integrations.transformers import (COMPLETE, MemkernTrainer,  # noqa: E402
-                                               last_complete_checkpoint)
+from memkern.integrations.transformers import (  # noqa: E402
+    COMPLETE,
+    MemkernTrainer,
+    last_complete_checkpoint,
+)
 from memkern.profile import memory_breakdown  # noqa: E402
 from memkern.profile.allocations import allocation_stats  # noqa: E402
 

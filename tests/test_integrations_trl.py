@@ -26,11 +26,12 @@ peft = pytest.importorskip("peft")
 datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
+from trl.kernels import ChunkedLogProbFunction  # noqa: E402
+
 import memkern as mk  # noqa: E402
+from compare import params_rel_err, rel_err  # noqa: E402
 from memkern.integrations import trl as trl_head  # noqa: E402
 from memkern.integrations.transformers import MemkernTrainerMixin  # noqa: E402
-from trl.kernels import ChunkedLogProbFunction  # noqa: E402
-from compare import params_rel_err, rel_err  # noqa: E402
 
 TOL, ADAMW_TOL, BF16_TOL = 1e-5, 1e-4, 1e-3
 CHARS = "abcdefghijklmnopqrstuvwxyz "

@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compare import rel_err
+from layer_oracle import norm64
 from memkern import ops
 from memkern._extension import compiled
 from memkern.ops.dropout import keep_mask
-from compare import rel_err
-from layer_oracle import norm64
 
 DEVICES = [
     pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(

@@ -13,10 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import memkern as mk
+from compare import rel_err
 from memkern.nn.checkpoint import policy_of
 from memkern.profile import allocation_stats, saved_bytes
-from compare import rel_err
-
 
 
 class Block(nn.Module):
@@ -24,7 +23,8 @@ class Block(nn.Module):
         super().__init__()
         self.ln = (mk.nn.LayerNorm if memkern else nn.LayerNorm)(d)
         self.mlp = (mk.nn.MLP(d, 4 * d, activation="gelu_tanh", recompute="none") if memkern else
-                    nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d)))
+                    nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"),
+                                  nn.Linear(4 * d, d)))
         self.drop = (mk.nn.Dropout if memkern else nn.Dropout)(p)
 
     def forward(self, x):

@@ -158,7 +158,8 @@ def test_compiled_norm_then_linear_under_autocast_keeps_what_it_did():
         out, eager = compiled(x), module(x)
         norm_out = torch.compile(module[0], fullgraph=True)(x)
         assert out.dtype == eager.dtype == torch.bfloat16 and norm_out.dtype == torch.float32
-        assert saved_bytes(compiled, x) == 4 * x.numel() + 2 * (x.numel() + module[1].weight.numel())
+        assert saved_bytes(compiled, x) == (4 * x.numel()
+                                            + 2 * (x.numel() + module[1].weight.numel()))
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, [x, *module.parameters()], g)
     want = torch.autograd.grad(eager, [x, *module.parameters()], g)
@@ -206,10 +207,10 @@ def test_compiled_linear_cross_entropy_is_its_two_loop_ops_and_keeps_what_eager_
     log-sum-exp and dx (and the divisor for "mean"); the parameters are not counted. The loss
     and gradients against the float64 unfused graph. The partitioner is inductor's
     (min-cut); the graphs are run by AOTAutograd without inductor's code generation (cheap)."""
+    import torch.nn.functional as F
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
-    import torch.nn.functional as F
     from memkern.profile import saved_bytes
 
     graphs = {}

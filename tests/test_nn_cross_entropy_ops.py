@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compare import rel_err
 from memkern import backend, ops
 from memkern.ops import cross_entropy as ops_ce
-from compare import rel_err
 
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch."))
           for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)]

@@ -24,8 +24,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-import memkern as mk
 import launch_ranks
+import memkern as mk
 from clean_exit import DTENSOR_CACHES
 from compare import params_rel_err, rel_err
 
@@ -160,7 +160,7 @@ TOLERANCE = 1e-6
 float64 gradient; or twice plain torch's own float32 error, where that is larger."""
 
 
-@pytest.mark.parametrize("family, layout", CASES, ids=[f"{f}-{l}" for f, l in CASES])
+@pytest.mark.parametrize("family, layout", CASES, ids=[f"{f}-{lay}" for f, lay in CASES])
 def test_gradients_equal_the_plain_model(runs, family, layout):
     bf16 = "mp_policy" in LAYOUTS[layout][1]
     for rank, result in enumerate(runs):

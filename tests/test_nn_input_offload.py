@@ -377,7 +377,7 @@ def test_on_cuda_pinned_exact_host_buffers_and_a_lower_peak():
     peaks, results = {}, {}
     for policy in ("full", "full-host"):
         blocks = _blocks(policy, n=n, d=256, dtype=torch.float32).cuda()
-        step = lambda: _grads(blocks, x, w)  # noqa: E731
+        step = lambda blocks=blocks: _grads(blocks, x, w)  # noqa: E731
         step()  # warm-up: cuBLAS workspaces, the host buffers
         stats = allocation_stats(step, device="cuda")
         peaks[policy], results[policy] = stats.peak, stats.result

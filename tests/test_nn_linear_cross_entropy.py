@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 import memkern as mk
-from memkern.nn.functional import linear_cross_entropy as lce
-from memkern.ops import linear_cross_entropy as lce_ops
-from memkern.ops.cross_entropy import ENTROPY_ROW, ROW_ENTROPY, ROW_IS_TOP1, ROW_MEAN_LOGIT
 from compare import rel_err
 from conftest import needs_layer_extension, runs_cpp_autograd
 from host_reads import HostReadSpy
+from memkern.nn.functional import linear_cross_entropy as lce
+from memkern.ops import linear_cross_entropy as lce_ops
+from memkern.ops.cross_entropy import ENTROPY_ROW, ROW_ENTROPY, ROW_IS_TOP1, ROW_MEAN_LOGIT
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 LOW = [torch.float32, torch.bfloat16, torch.float16]

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 import memkern as mk
-from memkern.nn import linear_log_probs as log_probs_module
-from memkern.nn.functional import linear_cross_entropy, linear_log_probs
 from compare import rel_err
 from conftest import needs_layer_extension
+from memkern.nn import linear_log_probs as log_probs_module
+from memkern.nn.functional import linear_cross_entropy, linear_log_probs
 
 N, H, V = 37, 9, 67
 CHUNK, BLOCK = 8, 16  # 5 chunks of tokens (the last of 5), 5 blocks of classes (the last of 3)

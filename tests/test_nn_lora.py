@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import memkern as mk
+from compare import rel_err
+from conftest import needs_layer_extension
 from memkern.nn.functional import lora
 from memkern.ops.dropout import reference as dropout_reference
 from memkern.profile import saved_bytes
-from compare import rel_err
-from conftest import needs_layer_extension
 
 TOL = 2e-6
 

@@ -20,11 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import memkern as mk
-from memkern.profile import SavedTensorsRecorder, allocation_stats, saved_bytes
 from compare import rel_err
 from conftest import needs_layer_extension
 from memkern.bench.block import GPT2Block
-
+from memkern.profile import SavedTensorsRecorder, allocation_stats, saved_bytes
 
 
 def test_saved_bytes_counts_each_storage_once_and_skips_parameters():
@@ -36,7 +35,8 @@ def test_saved_bytes_counts_each_storage_once_and_skips_parameters():
 
 
 @needs_layer_extension
-@pytest.mark.parametrize("activation,torch_act", [("gelu", nn.GELU()), ("gelu_tanh", nn.GELU(approximate="tanh")),
+@pytest.mark.parametrize("activation,torch_act", [("gelu", nn.GELU()),
+                                                   ("gelu_tanh", nn.GELU(approximate="tanh")),
                                                    ("silu", nn.SiLU())])
 def test_mlp_activation_saves_at_most_60_percent(activation, torch_act):
     ref = nn.Sequential(nn.Linear(96, 384), torch_act, nn.Linear(384, 96))
@@ -119,7 +119,8 @@ def test_linear_after_a_norm_saves_no_normalised_output(norm):
     lin = mk.nn.Linear(d, 7)
     chain = saved_bytes(lambda: lin(m(x)))
     assert chain == x.numel() * 4 + stats
-    torch_chain = saved_bytes(lambda: nn.Linear(d, 7)((nn.LayerNorm(d) if norm == "layer" else nn.RMSNorm(d))(x)))
+    torch_chain = saved_bytes(
+        lambda: nn.Linear(d, 7)((nn.LayerNorm(d) if norm == "layer" else nn.RMSNorm(d))(x)))
     assert torch_chain >= 2 * x.numel() * 4
     # and the rebuilt output gives the right gradients
     lin_t = nn.Linear(d, 7)
@@ -156,7 +157,8 @@ def test_dropout_saves_no_mask():
 
 
 def _load_torch_into_memkern(t: GPT2Block, m: GPT2Block) -> None:
-    sd = {k.replace("mlp.0.", "mlp.fc1.").replace("mlp.2.", "mlp.fc2."): v for k, v in t.state_dict().items()}
+    sd = {k.replace("mlp.0.", "mlp.fc1.").replace("mlp.2.", "mlp.fc2."): v
+          for k, v in t.state_dict().items()}
     m.load_state_dict(sd)
 
 

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 import memkern as mk
+from compare import rel_err
+from conftest import needs_layer_extension, runs_cpp_autograd
 from memkern.nn import modulated_norm as _modulated_norm
 from memkern.nn.modulated_norm import modulated_layer_norm
 from memkern.ops import _gemm_layer
 from memkern.profile import SavedTensorsRecorder
-from compare import rel_err
-from conftest import needs_layer_extension, runs_cpp_autograd
 
 EPS = 1e-6
 
@@ -103,7 +103,7 @@ def test_consumer_saves_the_recipe_not_the_output(consumer):
     with SavedTensorsRecorder() as rec:
         y = modulated_layer_norm(*leaves[:3], EPS)
         out = layer(y, *leaves[3:])
-    assert getattr(y, "_memkern_recipe").kind == _gemm_layer.MODULATED_LAYER_NORM
+    assert y._memkern_recipe.kind == _gemm_layer.MODULATED_LAYER_NORM
     token_sized = [e for e in rec.entries.values() if e.shape[-1] == d and e.shape[:-1] == (b, t)]
     assert len(token_sized) == 1, rec.entries  # x itself
     g = torch.randn(out.shape, dtype=torch.float64)

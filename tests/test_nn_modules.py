@@ -308,7 +308,8 @@ def test_rms_norm_matches_torch(shape, dtype, affine):
 
 
 def test_norms_over_several_dims_and_default_eps():
-    for ref, m in ((nn.LayerNorm((3, 5)), mk.nn.LayerNorm((3, 5))), (nn.RMSNorm((3, 5)), mk.nn.RMSNorm((3, 5)))):
+    for ref, m in ((nn.LayerNorm((3, 5)), mk.nn.LayerNorm((3, 5))),
+                   (nn.RMSNorm((3, 5)), mk.nn.RMSNorm((3, 5)))):
         with torch.no_grad():
             for p in ref.parameters():
                 p.normal_()
@@ -355,7 +356,8 @@ def test_norms_match_float64_oracle(norm, dtype):
     dimensions of an odd-sized input, with weight and bias."""
     shape, tol = (3, 5, 7), {torch.float32: 2e-6}.get(dtype, TOL[dtype])
     x64 = torch.randn(2, *shape, dtype=torch.float64) * 3 + 1
-    w64, b64 = torch.randn(shape[1:], dtype=torch.float64), torch.randn(shape[1:], dtype=torch.float64)
+    w64 = torch.randn(shape[1:], dtype=torch.float64)
+    b64 = torch.randn(shape[1:], dtype=torch.float64)
     if norm == "layer":
         m, eps = mk.nn.LayerNorm(shape[1:], eps=1e-4), 1e-4
     else:
@@ -486,8 +488,8 @@ def test_mlp_matches_torch_low_precision(dtype, recompute):
 class _TorchSwiGLU(nn.Module):
     def __init__(self, m: mk.nn.SwiGLU) -> None:
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = (copy.deepcopy(m.gate_proj), copy.deepcopy(m.up_proj),
-                                                        copy.deepcopy(m.down_proj))
+        self.gate_proj, self.up_proj, self.down_proj = (
+            copy.deepcopy(m.gate_proj), copy.deepcopy(m.up_proj), copy.deepcopy(m.down_proj))
         for lin in (self.gate_proj, self.up_proj, self.down_proj):
             lin.__class__ = nn.Linear
 
@@ -581,7 +583,8 @@ def test_frozen_weights_only_input_grad():
 def test_nan_and_inf_propagate_like_torch(name, where):
     d = 13
     m = {"Linear": lambda: mk.nn.Linear(d, 7), "LayerNorm": lambda: mk.nn.LayerNorm(d),
-         "RMSNorm": lambda: mk.nn.RMSNorm(d), "MLP": lambda: mk.nn.MLP(d, 17, activation="gelu_tanh"),
+         "RMSNorm": lambda: mk.nn.RMSNorm(d),
+         "MLP": lambda: mk.nn.MLP(d, 17, activation="gelu_tanh"),
          "SwiGLU": lambda: mk.nn.SwiGLU(d, 17)}[name]()
     if name == "MLP":
         ref = _torch_mlp(m)
@@ -596,7 +599,8 @@ def test_nan_and_inf_propagate_like_torch(name, where):
     x[(row + 1) % 5, d - 1 - row] = float("inf")
     x.requires_grad_()
     y, yr = m(x), ref(x)
-    assert torch.equal(torch.isnan(y), torch.isnan(yr)) and torch.equal(torch.isinf(y), torch.isinf(yr))
+    assert torch.equal(torch.isnan(y), torch.isnan(yr))
+    assert torch.equal(torch.isinf(y), torch.isinf(yr))
     finite = torch.isfinite(yr)
     assert rel_err(y[finite], yr[finite]) <= 1e-5
     g = torch.randn_like(yr)
@@ -610,7 +614,8 @@ def test_nan_and_inf_propagate_like_torch(name, where):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
-@pytest.mark.skipif(not mk.backend.runs_on("triton", torch.device("cpu")), reason="no triton interpreter")
+@pytest.mark.skipif(not mk.backend.runs_on("triton", torch.device("cpu")),
+                    reason="no triton interpreter")
 def test_linear_cross_entropy_on_triton_backend_matches_reference():
     """The one layer with a Python autograd (a forced backend reaches its kernel ops)."""
     m = mk.nn.LinearCrossEntropy(37, 301)
@@ -754,7 +759,8 @@ def test_layer_after_a_norm_saves_its_recipe_and_matches_float64(norm, layer):
 
 
 @needs_layer_extension
-@pytest.mark.parametrize("layer", ["linear", "mlp-activation", "mlp-full-transposed", "swiglu-none"])
+@pytest.mark.parametrize("layer", ["linear", "mlp-activation", "mlp-full-transposed",
+                                   "swiglu-none"])
 @pytest.mark.parametrize("dtype", DTYPES[:2])
 @pytest.mark.parametrize("norm", ["layer_norm", "rms_norm_2d"])
 def test_layer_after_a_norm_under_autocast(norm, dtype, layer):

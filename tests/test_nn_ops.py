@@ -15,13 +15,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memkern import backend, ops
-from memkern._extension import compiled
-from memkern.ops.cross_entropy import (ENTROPY_ROW, IS_TOP1_ROW, MEAN_LOGIT_ROW, ROW_ENTROPY,
-                                       ROW_IS_TOP1, ROW_MEAN_LOGIT)
-from memkern.ops.dropout import keep_mask, philox4x32
 from compare import rel_err
 from layer_oracle import norm64
+from memkern import backend, ops
+from memkern._extension import compiled
+from memkern.ops.cross_entropy import (
+    ENTROPY_ROW,
+    IS_TOP1_ROW,
+    MEAN_LOGIT_ROW,
+    ROW_ENTROPY,
+    ROW_IS_TOP1,
+    ROW_MEAN_LOGIT,
+)
+from memkern.ops.dropout import keep_mask, philox4x32
 
 LOW = [pytest.param(d, id=str(d).removeprefix("torch."))
        for d in (torch.float32, torch.bfloat16, torch.float16)]
@@ -93,7 +99,8 @@ def test_norm_reference_matches_float64_autograd(rms, affine):
     g = torch.randn_like(y)
     grads = torch.autograd.grad(y, [x] + params, g)
     wd = None if w is None else w.detach()
-    ry, mean, rstd = ops.norm_forward.reference(x.detach(), wd, None if b is None else b.detach(), 1e-6, rms)
+    bd = None if b is None else b.detach()
+    ry, mean, rstd = ops.norm_forward.reference(x.detach(), wd, bd, 1e-6, rms)
     assert rel_err(ry, y) < 1e-14
     assert mean.shape == ((0,) if rms else (9,)) and rstd.shape == (9,)
     dx, dw, db = ops.norm_backward.reference(g, x.detach(), wd, mean, rstd, rms)
@@ -294,8 +301,10 @@ def test_triton_activation_matches_reference(device, shape, kind, dtype):
 @pytest.mark.parametrize("device, shape", DEVICE_SHAPES)
 def test_triton_swiglu_matches_reference(device, shape, dtype):
     a, b, g = (torch.randn(shape, device=device).mul(3).to(dtype) for _ in range(3))
-    assert rel_err(_triton(ops.swiglu_forward, a, b), ops.swiglu_forward.reference(a, b)) <= TRITON_TOL[dtype]
-    for got, want in zip(_triton(ops.swiglu_backward, g, a, b), ops.swiglu_backward.reference(g, a, b)):
+    got = _triton(ops.swiglu_forward, a, b)
+    assert rel_err(got, ops.swiglu_forward.reference(a, b)) <= TRITON_TOL[dtype]
+    for got, want in zip(_triton(ops.swiglu_backward, g, a, b),
+                         ops.swiglu_backward.reference(g, a, b)):
         assert rel_err(got, want) <= TRITON_TOL[dtype]
 
 
@@ -431,7 +440,8 @@ def test_norm_backward_sums_a_later_rows_non_finite_gradient(kernel, rms):
         dx, dw, db = ops.norm_backward(dy, x, w, mean, rstd, rms)
     _, _, _, (dx64, dw64, db64) = norm64(x, w, b, 1e-5, rms, dy)
     for name, got, want in (("dw", dw, dw64), ("db", db, dy.double().sum(0))):
-        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), name
+        assert torch.equal(got.isnan(), want.isnan()), name
+        assert torch.equal(got.isinf(), want.isinf()), name
         assert want[7].isnan() and want[2].isinf() and want.isfinite().sum() == 65, name
         finite = want.isfinite()
         assert torch.equal(got[~finite & ~want.isnan()], want[~finite & ~want.isnan()].float())
@@ -515,7 +525,8 @@ def _opcheck_cases():
         ("cross_entropy_rows_", (torch.randn(5, 17), t, torch.randn(5), -100, 0.0, True, 3.0)),
         ("cross_entropy_block_grad_", (torch.randn(5, 7), torch.randn(5), t, torch.randn(5), 4,
                                        17, -100, 0.1, 2.0)),
-        ("linear_cross_entropy_forward", (x, w, torch.randn(11), tt, -100, 0.0, 2, True, True, True)),
+        ("linear_cross_entropy_forward", (x, w, torch.randn(11), tt, -100, 0.0, 2, True, True,
+                                          True)),
         ("linear_cross_entropy_backward", (torch.randn(5), x, w, None, tt, torch.randn(5), -100,
                                            0.0, 3, True, True)),
         ("linear_cross_entropy_forward", (x, w, None, tt, -100, 0.1, 3, True, True, False, 2.5)),
@@ -531,7 +542,8 @@ def _opcheck_cases():
     ]
 
 
-@pytest.mark.parametrize("name,args", _opcheck_cases(), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("name,args", _opcheck_cases(),
+                         ids=lambda v: v if isinstance(v, str) else "")
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_opcheck(device, name, args):
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
@@ -555,7 +567,8 @@ def _layer_opcheck_cases():
         ("norm_layer", (x, leaf(17), leaf(17), 1, 1e-5, False)),
         ("norm_layer", (x, leaf(17), None, 1, 1e-6, True)),
         ("modulated_norm_layer", (x, leaf(2, 17), leaf(2, 17), 1e-6)),
-        ("modulated_norm_layer", (leaf(3, 17, dtype=torch.float64), leaf(3, 17, dtype=torch.float64),
+        ("modulated_norm_layer", (leaf(3, 17, dtype=torch.float64),
+                                  leaf(3, 17, dtype=torch.float64),
                                   leaf(3, 17, dtype=torch.float64), 1e-5)),
         ("mlp_layer", (x, leaf(13, 17), leaf(13), leaf(11, 13), None, "gelu", "activation",
                        False)),
@@ -597,17 +610,22 @@ def test_every_layer_op_is_opchecked():
     (lambda: ops.act_forward(torch.randn(3), "tanh"), "kind='tanh'"),
     (lambda: ops.act_backward(torch.randn(3), torch.randn(4), "gelu"), "grad has shape"),
     (lambda: ops.act_forward(torch.randn(4, 3).t(), "gelu"), "contiguous"),
-    (lambda: ops.swiglu_forward(torch.randn(3), torch.randn(3, dtype=torch.float16)), "up has dtype"),
+    (lambda: ops.swiglu_forward(torch.randn(3), torch.randn(3, dtype=torch.float16)),
+     "up has dtype"),
     (lambda: ops.dropout(torch.randn(3), torch.tensor(1.0), 0.5), "seed must be an int64"),
     (lambda: ops.dropout(torch.randn(3), torch.tensor(1), 1.5), "p=1.5"),
     (lambda: ops.norm_forward(torch.randn(3, 4, 5), None, None, 1e-5, False), "x must be 2-D"),
-    (lambda: ops.norm_forward(torch.randn(3, 4), torch.randn(5), None, 1e-5, False), "weight has shape"),
-    (lambda: ops.norm_forward(torch.randn(3, 4), torch.randn(4), torch.randn(4), 1e-5, True), "takes no bias"),
+    (lambda: ops.norm_forward(torch.randn(3, 4), torch.randn(5), None, 1e-5, False),
+     "weight has shape"),
+    (lambda: ops.norm_forward(torch.randn(3, 4), torch.randn(4), torch.randn(4), 1e-5, True),
+     "takes no bias"),
     (lambda: ops.linear_cross_entropy_forward(torch.randn(3, 4), torch.randn(5, 6), None,
-                                              torch.tensor([0, 1, 2]), -100, 0.0, 2, True, True, True),
+                                              torch.tensor([0, 1, 2]), -100, 0.0, 2, True, True,
+                                              True),
      "same H"),
-    (lambda: ops.linear_cross_entropy_forward(torch.randn(3, 4).bfloat16(), torch.randn(5, 4).bfloat16(),
-                                              None, torch.tensor([0, 1, 2]), -100, 0.0, 2, True,
+    (lambda: ops.linear_cross_entropy_forward(torch.randn(3, 4).bfloat16(),
+                                              torch.randn(5, 4).bfloat16(), None,
+                                              torch.tensor([0, 1, 2]), -100, 0.0, 2, True,
                                               True, False),
      "compute 16-bit weight gradients with linear_cross_entropy_backward"),
 ])

@@ -16,14 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import memkern as mk
-from memkern.profile import saved_bytes
 from compare import rel_err
 from conftest import needs_layer_extension
-
+from memkern.profile import saved_bytes
 
 
 class TinyGPT(nn.Module):
-    """A GPT-2-like model from plain torch.nn: MLP blocks are nn.Sequential(fc, GELU, proj, drop)."""
+    """A GPT-2-like model from plain torch.nn: MLP blocks are nn.Sequential(fc, GELU, proj,
+    drop)."""
 
     def __init__(self, vocab=97, d=48, heads=4, layers=2, p=0.1):
         super().__init__()
@@ -34,8 +34,8 @@ class TinyGPT(nn.Module):
             blk = nn.Module()
             blk.ln_1, blk.attn, blk.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
             blk.ln_2 = nn.LayerNorm(d)
-            blk.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d),
-                                    nn.Dropout(p))
+            blk.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"),
+                                    nn.Linear(4 * d, d), nn.Dropout(p))
             self.blocks.append(blk)
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
@@ -48,7 +48,8 @@ class TinyGPT(nn.Module):
         for blk in self.blocks:
             q, k, v = blk.attn(blk.ln_1(x)).split(C, dim=2)
             q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            a = a.transpose(1, 2).reshape(B, T, C)
             x = x + blk.proj(a)
             x = x + blk.mlp(blk.ln_2(x))
         logits = self.head(self.ln_f(x))
@@ -66,7 +67,8 @@ class TinyLlama(nn.Module):
             blk = nn.Module()
             blk.norm1, blk.norm2 = nn.RMSNorm(d, eps=1e-6), nn.RMSNorm(d, eps=1e-6)
             blk.qkv, blk.o = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
-            blk.gate, blk.up, blk.down = (nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False),
+            blk.gate, blk.up, blk.down = (nn.Linear(d, hidden, bias=False),
+                                          nn.Linear(d, hidden, bias=False),
                                           nn.Linear(hidden, d, bias=False))
             self.layers.append(blk)
         self.norm = nn.RMSNorm(d, eps=1e-6)
@@ -78,7 +80,8 @@ class TinyLlama(nn.Module):
         for blk in self.layers:
             q, k, v = blk.qkv(blk.norm1(x)).split(C, dim=2)
             q, k, v = (t.view(B, T, 4, -1).transpose(1, 2) for t in (q, k, v))
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            a = a.transpose(1, 2).reshape(B, T, C)
             x = x + blk.o(a)
             h = blk.norm2(x)
             x = x + blk.down(F.silu(blk.gate(h)) * blk.up(h))
@@ -117,7 +120,8 @@ MODELS = {"torch-gpt": _plain(TinyGPT), "torch-llama": _plain(TinyLlama),
 
 
 def _snapshot(model):
-    return {n: (p, p.dtype, p.device, p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()}
+    return {n: (p, p.dtype, p.device, p.requires_grad, p.detach().clone())
+            for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 import memkern as mk
-from memkern.profile import SavedTensorsRecorder, saved_bytes
 from compare import rel_err
 from conftest import needs_layer_extension
+from memkern.profile import SavedTensorsRecorder, saved_bytes
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,7 +39,8 @@ def _encoder(family: str, head: str, dropout: float = 0.0, vocab: int = VOCAB):
 
 
 def _vision(family: str):
-    cls = {"vit": transformers.ViTForImageClassification, "deit": transformers.DeiTForImageClassification}[family]
+    cls = {"vit": transformers.ViTForImageClassification,
+           "deit": transformers.DeiTForImageClassification}[family]
     cfg = transformers.AutoConfig.for_model(
         family, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=2,
         intermediate_size=MLP_WIDTH, image_size=12, patch_size=4, num_labels=3,
@@ -144,7 +145,7 @@ def test_dit_saves_at_most_the_target_share():
     plain = saved_bytes(lambda: _loss(ref, batch))
     for recompute, bound in (("activation", 0.6), ("full", 0.45)):
         model = mk.patch(copy.deepcopy(ref), recompute=recompute)
-        ratio = saved_bytes(lambda: _loss(model, batch)) / plain
+        ratio = saved_bytes(lambda model=model: _loss(model, batch)) / plain
         assert ratio <= bound, (recompute, ratio)
 
 
@@ -160,7 +161,8 @@ def test_dit_block_left_alone_where_its_forward_would_differ():
     block = mk.patch(copy.deepcopy(ref))
     assert any("cross-attention" in why for _, why in mk.nn.patch_report(block).skipped)
     assert "AdaLayerNormZero" in _swapped_classes(block)
-    x, context = torch.randn(2, 5, D, dtype=torch.float64), torch.randn(2, 3, D, dtype=torch.float64)
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    context = torch.randn(2, 3, D, dtype=torch.float64)
     args = dict(encoder_hidden_states=context, timestep=torch.tensor([3, 700]),
                 class_labels=torch.tensor([1, 9]))
     assert rel_err(block(x, **args), ref(x, **args)) < 1e-12
@@ -202,7 +204,8 @@ def test_intermediate_module_called_alone_computes_what_it_did():
     ref = _encoder("xlm-roberta", "cls").double()
     model = mk.patch(copy.deepcopy(ref))
     x = torch.randn(2, 5, D, dtype=torch.float64)
-    inter, ref_inter = model.roberta.encoder.layer[0].intermediate, ref.roberta.encoder.layer[0].intermediate
+    inter = model.roberta.encoder.layer[0].intermediate
+    ref_inter = ref.roberta.encoder.layer[0].intermediate
     assert inter(x).shape == (2, 5, MLP_WIDTH)
     assert rel_err(inter(x), ref_inter(x)) < 1e-14
 
@@ -465,6 +468,7 @@ def test_dit_left_alone_under_another_diffusers_series(monkeypatch):
     monkeypatch.setattr(diffusers, "__version__", "0.99.0")
     model = mk.patch(_dit())
     why = [w for _, w in mk.nn.patch_report(model).skipped if "diffusers 0.99.0" in w]
-    assert len(why) == 2 * 2 + 1, mk.nn.patch_report(model)  # per block: its norm, itself; the model
+    # per block: its norm, itself; the model
+    assert len(why) == 2 * 2 + 1, mk.nn.patch_report(model)
     assert not {"AdaLayerNormZero", "BasicTransformerBlock",
                 "DiTTransformer2DModel"} & _swapped_classes(model)

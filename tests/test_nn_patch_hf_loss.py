@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import memkern as mk
-from memkern.nn.causal_lm_loss import MemkernCausalLMHead
-from memkern.profile import peak_allocated_bytes, saved_bytes
 from compare import rel_err
 from conftest import needs_layer_extension
+from memkern.nn.causal_lm_loss import MemkernCausalLMHead
+from memkern.profile import peak_allocated_bytes, saved_bytes
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,7 +33,8 @@ _COMMON = dict(hidden_size=48, intermediate_size=88, num_hidden_layers=2, num_at
 def _gpt2():
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_embd=48, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0,
-        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa"))
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        attn_implementation="sdpa"))
 
 
 def _family(cls_name, head_scale=1.0, **extra):
@@ -51,8 +52,8 @@ FAMILIES = {
     "llama": _family("Llama", attn_implementation="sdpa"),
     "mistral": _family("Mistral", attn_implementation="sdpa"),
     "qwen2": _family("Qwen2", attn_implementation="sdpa"),
-    "gemma2": _family("Gemma2", head_scale=50.0, head_dim=12, final_logit_softcapping=2.0, attn_logit_softcapping=50.0,
-                      attn_implementation="eager"),
+    "gemma2": _family("Gemma2", head_scale=50.0, head_dim=12, final_logit_softcapping=2.0,
+                      attn_logit_softcapping=50.0, attn_implementation="eager"),
     "mixtral": _family("Mixtral", num_local_experts=3, num_experts_per_tok=2,
                        output_router_logits=True, attn_implementation="sdpa"),
 }
@@ -245,7 +246,8 @@ def test_recompute_reaches_the_mlp_blocks(family):
         model, _ = _pair(family, recompute=policy)
         mlps = [m for m in model.modules() if hasattr(m, "_memkern_mlp")]
         assert len(mlps) == 2 and all(m._memkern_mlp["recompute"] == policy for m in mlps)
-        saved[policy] = saved_bytes(lambda: model(input_ids=ids, labels=labels).loss)
+        saved[policy] = saved_bytes(
+            lambda model=model: model(input_ids=ids, labels=labels).loss)
     assert saved["full"] < saved["activation"]
 
 

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 import memkern as mk
-from memkern.nn.functional import lora, swiglu_unit
-from memkern.profile import saved_bytes
 from compare import rel_err
 from conftest import needs_layer_extension
+from memkern.nn.functional import lora, swiglu_unit
+from memkern.profile import saved_bytes
 
 
 def _pair(*shape, dtype=torch.float32):

@@ -14,10 +14,9 @@ import torch
 import memkern as mk
 from memkern.kernels.state8bit import QBLOCK, num_blocks
 from memkern.ops import adamw8bit
-from memkern.optim.fused_adamw import MIN_8BIT_NUMEL
 from memkern.optim.grad_buffer import ALIGN
+from memkern.optim.state_precision import MIN_8BIT_NUMEL
 from net8bit import apply, exact_gradients, gradient_steps, make_net, stored_state
-
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05)
 SGD_HYPER = dict(lr=0.02, momentum=0.9, dampening=0.1, weight_decay=0.01)
@@ -59,8 +58,10 @@ def test_fused_8bit_equals_per_parameter_float64_oracle():
         w = p0.detach().double().reshape(-1).clone()
         n = w.numel()
         if n >= MIN_8BIT_NUMEL:
-            state = [w, torch.zeros(n, dtype=torch.int8), torch.zeros(num_blocks(n), dtype=torch.float64),
-                     torch.zeros(n, dtype=torch.uint8), torch.zeros(num_blocks(n), dtype=torch.float64)]
+            state = [w, torch.zeros(n, dtype=torch.int8),
+                     torch.zeros(num_blocks(n), dtype=torch.float64),
+                     torch.zeros(n, dtype=torch.uint8),
+                     torch.zeros(num_blocks(n), dtype=torch.float64)]
             step = torch.zeros(1)
             for g in grads:
                 mk.ops.adamw8bit_step_.reference(*state, g[i].double().reshape(-1), None, step,
@@ -269,7 +270,8 @@ def test_lr_scheduler_drives_the_8bit_step():
 def test_optimizer_state_bytes_are_a_quarter_plus_scales():
     """bfloat16 model: float32 masters (4 B) plus 8-bit moments (2 B + 8 B per QBLOCK
     elements) for the quantized parameters, measured from the storages."""
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(torch.bfloat16)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512),
+                                torch.nn.Linear(512, 256)).to(torch.bfloat16)
     opt = mk.optim.FusedAdamW(model.parameters(), lr=1e-3, state_precision="8bit")
     model(torch.randn(4, 256, dtype=torch.bfloat16)).float().sum().backward()
     opt.step()
@@ -279,7 +281,8 @@ def test_optimizer_state_bytes_are_a_quarter_plus_scales():
     # each small parameter is padded to ALIGN elements; one float32 step counter per segment
     expected = 2 * big + 2 * 4 * num_blocks(big) + 8 * (small + ALIGN) + 4 * len(opt.segments)
     assert abs(breakdown.optimizer_state - expected) <= 8 * ALIGN
-    per_param = (breakdown.grads + breakdown.master_weights + breakdown.optimizer_state) / breakdown.num_params
+    per_param = ((breakdown.grads + breakdown.master_weights + breakdown.optimizer_state)
+                 / breakdown.num_params)
     print(f"optimizer-side bytes per parameter: {per_param:.4f}")
     assert per_param <= 8.2
 
@@ -336,7 +339,8 @@ def test_checkpoint_of_another_state_precision_is_refused(name):
     eight = fused(model.parameters(), **hyper, state_precision="8bit")
     apply(model, eight, gradient_steps(model, 1))
     thirty_two = fused(make_net(10).parameters(), **hyper)
-    with pytest.raises(ValueError, match="saved with state_precision='8bit'.*state_precision='8bit' to load"):
+    with pytest.raises(ValueError, match="saved with state_precision='8bit'"
+                                         ".*state_precision='8bit' to load"):
         thirty_two.load_state_dict(eight.state_dict())
     torch_model = make_net(10)
     torch_opt = torch_optimizer(torch_model.parameters(), **hyper)

@@ -36,7 +36,8 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 import memkern as mk
 from memkern.optim.state_precision import MIN_8BIT_NUMEL

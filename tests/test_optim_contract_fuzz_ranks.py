@@ -22,12 +22,13 @@ import warnings
 
 import pytest
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, seed as hypothesis_seed, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch_ranks import fresh_seed, launch, serve  # noqa: E402
-from test_optim_contract_fuzz import (Config, backwards, configs, operations,  # noqa: E402
-                                      run)
+from test_optim_contract_fuzz import Config, backwards, configs, operations, run  # noqa: E402
 
 WORLD = 2
 EXAMPLES, LONG_EXAMPLES = 30, 400
@@ -76,7 +77,8 @@ def scenario_fuzz(rank, world, seed, out):
         @hypothesis_seed(seed)
         @settings(max_examples=int(os.environ[EXAMPLES_VARIABLE]), deadline=None,
                   database=None, suppress_health_check=list(HealthCheck))
-        @given(cfg=configs, ops=st.lists(ranked_operations, min_size=8, max_size=30).map(zeroed_after_steps),
+        @given(cfg=configs,
+               ops=st.lists(ranked_operations, min_size=8, max_size=30).map(zeroed_after_steps),
                example_seed=st.integers(0, 2**31 - 1))
         def drive(cfg, ops, example_seed):
             nonlocal examples

@@ -23,11 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import launch_ranks
 import memkern as mk
+from compare import params_rel_err
 from memkern.optim.grad_buffer import ALIGN
 from memkern.profile import reachable_bytes
-import launch_ranks
-from compare import params_rel_err
 
 WINDOWS, ACCUMULATION, BATCH = 20, 2, 12  # BATCH rows per micro-batch, split over the ranks
 POISONED = (5, 1)  # (window, micro-batch) whose loss is inf on the last rank only
@@ -606,7 +606,8 @@ def test_reference_equals_torch(reference, seed, algorithm):
         for w, m in window:
             x, y = batch(seed, w, m, 0, 1)
             with_items = w % 2 == 1 and w < WINDOWS
-            loss = torch.nn.functional.mse_loss(model(x), y, reduction="sum" if with_items else "mean")
+            loss = torch.nn.functional.mse_loss(model(x), y,
+                                                reduction="sum" if with_items else "mean")
             if (w, m) == POISONED:
                 loss = loss * float("inf")
             items += y.numel()
@@ -690,7 +691,8 @@ def test_checkpoint_saved_at_two_ranks_continues_at_three(runs):
     uninterrupted = runs[2]["checkpoint_save"][0]["uninterrupted"]
     for rank, result in enumerate(runs[3]["checkpoint_load"]):
         for how in ("state_dict", "sharded"):
-            assert params_rel_err(result[how]["params"], uninterrupted["params"]) <= 1e-6, (rank, how)
+            err = params_rel_err(result[how]["params"], uninterrupted["params"])
+            assert err <= 1e-6, (rank, how)
             assert result[how]["skipped"] == uninterrupted["skipped"] == 1
             assert result[how]["loss_scale"] == uninterrupted["loss_scale"]
     # What load_sharded restored is what was saved, element for element.
@@ -780,8 +782,8 @@ def test_sharded_checkpoint_in_one_process(tmp_path, offload):
 
 
 def test_bad_process_group_is_named(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{launch_ranks.new_store(str(tmp_path))}", rank=0,
-                            world_size=1, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"file://{launch_ranks.new_store(str(tmp_path))}",
+                            rank=0, world_size=1, timeout=timedelta(seconds=60))
     try:
         with pytest.raises(TypeError, match="process_group must be a torch.distributed."
                                             "ProcessGroup .* got str"):

@@ -16,15 +16,14 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-import memkern as mk
 import launch_ranks
+import memkern as mk
 from clean_exit import DTENSOR_CACHES
 from compare import params_rel_err
 

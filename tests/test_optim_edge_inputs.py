@@ -34,7 +34,7 @@ def clones(params):
 def assert_close_to_torch(ours, theirs):
     for i, (p, q) in enumerate(zip(ours, theirs)):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=2e-6, atol=2e-7,
-                                   msg=lambda m: f"parameter {i}: {m}")
+                                   msg=lambda m, i=i: f"parameter {i}: {m}")
 
 
 def step_both(opt, ref, ours, theirs, loss_of) -> None:
@@ -66,7 +66,8 @@ def test_a_parameter_without_a_gradient_in_a_window_is_stepped_with_zero(options
     opt, ref = sharded(ours, **options), torch_adamw(theirs)
     for window in range(3):
         x = torch.randn(3)
-        step_both(opt, ref, ours, theirs, lambda params: (params[0] @ x).square().sum()
+        step_both(opt, ref, ours, theirs,
+                  lambda params, x=x, window=window: (params[0] @ x).square().sum()
                   + (params[1].sum() if window != 1 else 0))
     assert_close_to_torch(ours, theirs)
 
@@ -124,7 +125,7 @@ def test_zero_element_parameters_train_beside_the_others(options):
     opt, ref = sharded(ours, **options), torch_adamw(theirs)
     for _ in range(3):
         xs = [torch.randn(s) for s in shapes]
-        step_both(opt, ref, ours, theirs, lambda params: params[3].square().sum()
+        step_both(opt, ref, ours, theirs, lambda params, xs=xs: params[3].square().sum()
                   + sum((p * x).sum() for p, x in zip(params, xs)))
     assert_close_to_torch(ours, theirs)
     state = opt.state_dict()
@@ -149,7 +150,8 @@ def test_non_contiguous_parameters_train_like_torch():
     opt, ref = sharded(ours), torch_adamw(theirs)
     for _ in range(3):
         xs = [torch.randn(5, 3), torch.randn(3, 4)]
-        step_both(opt, ref, ours, theirs, lambda params: (params[0] @ xs[0]).square().sum()
+        step_both(opt, ref, ours, theirs,
+                  lambda params, xs=xs: (params[0] @ xs[0]).square().sum()
                   + (xs[1] @ params[1]).square().sum())
     assert_close_to_torch(ours, theirs)
 

@@ -382,7 +382,7 @@ def window_with_torch(model, opt, twin, twin_opt, window: int, between=lambda gr
 def assert_close_to_torch(model, twin, what: str) -> None:
     for i, (p, q) in enumerate(zip(model.parameters(), twin.parameters())):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=2e-6, atol=2e-7,
-                                   msg=lambda m: f"{what}, parameter {i}: {m}")
+                                   msg=lambda m, i=i: f"{what}, parameter {i}: {m}")
 
 
 CHANGES = {"adamw": [("weight_decay", 0.5), ("betas", (0.5, 0.9)), ("eps", 0.1)],
@@ -399,7 +399,8 @@ def test_hyper_parameters_set_after_the_last_backward_are_the_ones_the_step_uses
     window_with_torch(model, opt, twin, twin_opt, 0)
     for window, (key, value) in enumerate(CHANGES[algorithm], start=1):
         window_with_torch(model, opt, twin, twin_opt, window,
-                          between=lambda group: group.__setitem__(key, value))
+                          between=lambda group, key=key, value=value: (
+                              group.__setitem__(key, value)))
         assert_close_to_torch(model, twin, f"{key} set to {value} before step {window + 1}")
 
 

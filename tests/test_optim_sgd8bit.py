@@ -6,15 +6,14 @@ threshold, state dicts, training against torch, skipped steps, accumulation with
 and clipping, and bad input: test_optim_8bit.py, parametrized over both optimizers."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 import flat_oracle as fo
 import memkern as mk
 from flat_oracle import assert_close64, f64
 from memkern.kernels.state8bit import QBLOCK, num_blocks
-from memkern.optim.state_precision import MIN_8BIT_NUMEL
 from memkern.optim.grad_buffer import ALIGN
+from memkern.optim.state_precision import MIN_8BIT_NUMEL
 from net8bit import apply, gradient_steps, make_net, stored_state
 
 HYPER = dict(lr=0.02, momentum=0.9, dampening=0.1, weight_decay=0.01)
@@ -66,7 +65,8 @@ def test_each_step_equals_the_float64_oracles_per_parameter():
                 mk.ops.sgd8bit_step_.reference(master, codes, absmax, g, None, step, None,
                                                None, *HYPER_VALUES)
                 fo.assert_codes_close(stored[0], codes, f"{what}: codes")
-                assert_close64(stored[1], absmax, f"{what}: absmax", magnitude=fo.block_max(mag_buf))
+                assert_close64(stored[1], absmax, f"{what}: absmax",
+                               magnitude=fo.block_max(mag_buf))
             else:
                 buf = None if state is None else state[0]
                 master, buf = fo.sgd_torch(master, buf, g, step, None, None, *HYPER_VALUES)
@@ -131,7 +131,8 @@ def test_lr_scheduler_drives_the_8bit_step():
 def test_optimizer_state_bytes_are_a_quarter_plus_scales():
     """bfloat16 model: float32 masters (4 B) plus an 8-bit momentum buffer (1 B + 4 B per
     block) for the quantized parameters, measured from the storages."""
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(torch.bfloat16)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512),
+                                torch.nn.Linear(512, 256)).to(torch.bfloat16)
     opt = mk.optim.FusedSGD(model.parameters(), lr=1e-3, momentum=0.9, state_precision="8bit")
     model(torch.randn(4, 256, dtype=torch.bfloat16)).float().sum().backward()
     opt.step()
@@ -141,7 +142,8 @@ def test_optimizer_state_bytes_are_a_quarter_plus_scales():
     # small parameters are padded to ALIGN elements; one float32 step counter per segment
     expected = big + 4 * num_blocks(big) + 4 * (small + ALIGN) + 4 * len(opt.segments)
     assert abs(breakdown.optimizer_state - expected) <= 4 * ALIGN
-    per_param = (breakdown.grads + breakdown.master_weights + breakdown.optimizer_state) / breakdown.num_params
+    per_param = ((breakdown.grads + breakdown.master_weights + breakdown.optimizer_state)
+                 / breakdown.num_params)
     print(f"optimizer-side bytes per parameter: {per_param:.4f}")
     # 2 grad + 4 master + 1 momentum code + 4 / QBLOCK absmax, plus 1.2% for the small ones
     assert per_param <= 7 + 4 / QBLOCK + 0.012

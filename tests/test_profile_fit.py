@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import memkern as mk
+from conftest import needs_layer_extension
 from memkern.bench.configs import build
 from memkern.bench.model import SIZES, GPTConfig
 from memkern.profile import allocation_stats, memory_breakdown
 from memkern.profile.fit import DEFAULT_MARGIN, LEVELS, parse_bytes, repeated_blocks
-from conftest import needs_layer_extension
 
 MIB = 1 << 20
 

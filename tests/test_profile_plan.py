@@ -23,10 +23,10 @@ from conftest import needs_layer_extension
 from memkern.bench.data import stdlib_corpus
 from memkern.bench.model import SIZES, GPTConfig
 from memkern.bench.runner import run
+from memkern.bench.workload import bench_workload
 from memkern.profile import allocation_stats
 from memkern.profile.caching_allocator import CudaCachingAllocator
 from memkern.profile.plan import CATEGORIES, plan_training_step
-from memkern.bench.workload import bench_workload
 from memkern.profile.workloads import hf_config, hf_workload
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -123,8 +123,9 @@ def test_plan_matches_a_transformers_step_on_the_cpu(patch):
     plan = plan_training_step(workload, device="cpu")
     planned = plan.held["parameters"] + plan.held["optimizer state"] + plan.step_peak_above_start
 
-    import memkern
     import transformers
+
+    import memkern
 
     model = transformers.AutoModelForCausalLM.from_config(cfg).train()
     if patch is not None:
@@ -233,7 +234,7 @@ def test_plan_command_writes_table_json_and_plot(tmp_path):
     with open(json_path) as fh:
         plans = json.load(fh)["plans"]
     assert set(plans) == {"torch-fp32", "memkern-full"}
-    for name, plan in plans.items():
+    for plan in plans.values():
         peak = plan["peak"]
         assert sum(peak["by_category"].values()) == peak["allocated"]
         assert f"{peak['allocated'] / MIB:.1f}" in proc.stdout  # the summary row

@@ -344,9 +344,12 @@ BAD_INPUTS = [  # op, {argument index: value}, error, message fragment
                          ids=[f"{c[0]}-{c[3][:30]}" for c in BAD_INPUTS])
 @pytest.mark.parametrize("backend", fo.cpu_backends())
 def test_bad_input_raises(backend, case):
+    """Each error names the op called (not the 32-bit op whose checks it shares) and what was
+    wrong."""
     op, change, exc, fragment = BAD_INPUTS[case]
     args = list(_op_args(op, torch.float32, True))
     for index, value in change.items():
         args[index] = value
-    with pytest.raises(exc, match=fragment):
+    with pytest.raises(exc, match=fragment) as raised:
         run(backend, op, *args)
+    assert f"memkern.{op}: " in str(raised.value)

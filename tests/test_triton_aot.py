@@ -56,7 +56,8 @@ def test_kernels_compile_for_gpu(op):
     assert {r["arch"] for r in results} == set(triton_aot.ARCHS)
     failures = [f"sm_{r['arch']} {r['kernel']} {r['signature']} {r['constexprs']}:\n{r['error']}"
                 for r in results if r["error"] is not None]
-    assert not failures, f"{len(failures)} of {len(results)} compilations failed:\n" + "\n\n".join(failures[:5])
+    assert not failures, (f"{len(failures)} of {len(results)} compilations failed:\n"
+                          + "\n\n".join(failures[:5]))
 
 
 def test_bf16_hand_rounding_compiles_to_the_interpreters_semantics():

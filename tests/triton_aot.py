@@ -56,7 +56,8 @@ def _pairwise(axes: dict[str, tuple]) -> list[dict[str, Any]]:
         best, best_hits = None, -1
         for combo in itertools.product(*(axes[n] for n in names)):
             row = dict(zip(names, combo))
-            hits = sum((a, row[a], b, row[b]) in uncovered for a, b in itertools.combinations(names, 2))
+            hits = sum((a, row[a], b, row[b]) in uncovered
+                       for a, b in itertools.combinations(names, 2))
             if hits > best_hits:
                 best, best_hits = row, hits
         chosen.append(best)
@@ -64,7 +65,8 @@ def _pairwise(axes: dict[str, tuple]) -> list[dict[str, Any]]:
     return chosen
 
 
-def _covering(dtype_axes: dict[str, tuple], flag_axes: dict[str, tuple]) -> Iterator[dict[str, Any]]:
+def _covering(dtype_axes: dict[str, tuple],
+              flag_axes: dict[str, tuple]) -> Iterator[dict[str, Any]]:
     """Every combination of the dtype axes (flags at their first value), then a pairwise
     covering of the flag axes (dtypes at their first value): every value of every axis, and
     every pair of flags, is launched at least once."""
@@ -87,6 +89,7 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def _flat_step_cases(op_name: str) -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _common
 
     grads = _common.GRAD_DTYPES
@@ -143,6 +146,7 @@ def _flat_step_cases(op_name: str) -> Iterator[tuple]:
 
 def _unscale_cases() -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _common
 
     for dtype in _common.GRAD_DTYPES:
@@ -151,6 +155,7 @@ def _unscale_cases() -> Iterator[tuple]:
 
 def _l2_norm_cases() -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _common
 
     for dtype in _common.GRAD_DTYPES:
@@ -159,6 +164,7 @@ def _l2_norm_cases() -> Iterator[tuple]:
 
 def _activation_cases(backward: bool) -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _nn_common
     from memkern.ops.activation import KINDS
 
@@ -169,15 +175,18 @@ def _activation_cases(backward: bool) -> Iterator[tuple]:
 
 def _swiglu_cases(backward: bool) -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _nn_common
 
     for dtype in _nn_common.DTYPES:
         a = torch.empty(37, 29, dtype=dtype)
-        yield (torch.empty_like(a), a, torch.empty_like(a)) if backward else (a, torch.empty_like(a))
+        yield ((torch.empty_like(a), a, torch.empty_like(a)) if backward
+               else (a, torch.empty_like(a)))
 
 
 def _dropout_cases() -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _nn_common
 
     for dtype in _nn_common.DTYPES:
@@ -186,6 +195,7 @@ def _dropout_cases() -> Iterator[tuple]:
 
 def _norm_cases(backward: bool) -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _nn_common
     from memkern.kernels.norm import MAX_D
 
@@ -199,7 +209,8 @@ def _norm_cases(backward: bool) -> Iterator[tuple]:
         return (x, w, b, 1e-5, rms)
 
     dtypes = _nn_common.DTYPES
-    for c in _covering({"x": dtypes, "w": (*dtypes, None)}, {"rms": (False, True), "bias": (True, False)}):
+    for c in _covering({"x": dtypes, "w": (*dtypes, None)},
+                       {"rms": (False, True), "bias": (True, False)}):
         yield case(c["x"], c["w"], c["bias"], c["rms"], 129)
     for D in _powers_of_two(MAX_D):  # BLOCK_D = next_power_of_2(D), and num_warps with it
         yield case(dtypes[0], dtypes[0], True, False, D)
@@ -207,9 +218,9 @@ def _norm_cases(backward: bool) -> Iterator[tuple]:
 
 def _cross_entropy_cases() -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _nn_common
     from memkern.kernels.cross_entropy import MAX_BLOCK_V
-
     from memkern.ops.cross_entropy import ROW_ENTROPY, ROW_IS_TOP1, ROW_MEAN_LOGIT
 
     def case(dtype, V, scale, grad, softcap, outputs=0):
@@ -231,13 +242,15 @@ def _cross_entropy_cases() -> Iterator[tuple]:
 
 def _cross_entropy_block_cases() -> Iterator[tuple]:
     import torch
+
     from memkern.kernels import _nn_common
     from memkern.kernels.cross_entropy import MAX_BLOCK_V
 
     def case(dtype, width, softcap, entropy=False):
-        return (torch.empty(7, width, dtype=dtype), torch.empty(7), torch.zeros(7, dtype=torch.int64),
-                torch.empty(1).expand(7), 3, width + 5, -100, 0.1, softcap,
-                torch.empty(7) if entropy else None, torch.empty(7) if entropy else None)
+        return (torch.empty(7, width, dtype=dtype), torch.empty(7),
+                torch.zeros(7, dtype=torch.int64), torch.empty(1).expand(7), 3, width + 5, -100,
+                0.1, softcap, torch.empty(7) if entropy else None,
+                torch.empty(7) if entropy else None)
 
     for c in _covering({"dtype": _nn_common.DTYPES},
                        {"softcap": (0.0, 2.5), "entropy": (False, True)}):

@@ -31,8 +31,8 @@ auto make_node() {
   }
 }
 
-// What the Python layers' @once_differentiable gives: a backward that builds a graph
-// (create_graph=True) is refused, since these backwards add into .grad in place and return
+// A backward that builds a graph (create_graph=True) is refused, as torch's
+// @once_differentiable refuses it: these backwards add into .grad in place and return
 // gradients that are not differentiable.
 inline void check_not_double_backward(const char* layer) {
   TORCH_CHECK(!at::GradMode::is_enabled(), "memkern ", layer,

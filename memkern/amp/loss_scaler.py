@@ -24,15 +24,22 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from memkern import ops
 from memkern._fake import is_fake
 
-if TYPE_CHECKING:
-    from memkern.optim.grad_buffer import GradBuffer
+
+@runtime_checkable
+class FlatGradients(Protocol):
+    """What :meth:`LossScaler.unscale_` reads of a :class:`~memkern.GradBuffer`: its flat
+    buffers (``buckets``, each with its ``grads``) and their ``device``. A protocol, so that
+    this module (which ``memkern.optim`` imports) does not import ``memkern.optim``."""
+
+    buckets: list
+    device: torch.device
 
 
 class _HostMirror:
@@ -182,7 +189,7 @@ class LossScaler:
         scale = self.scale_tensor(loss.device)
         return loss * scale.to(loss.device, non_blocking=True)
 
-    def unscale_(self, grads: GradBuffer | Iterable[torch.Tensor]) -> torch.Tensor:
+    def unscale_(self, grads: FlatGradients | Iterable[torch.Tensor]) -> torch.Tensor:
         """Divides the gradients by the scale in place; returns ``found_inf``.
 
         ``grads``: a :class:`~memkern.GradBuffer` (one ``memkern.ops.unscale_`` kernel per flat
@@ -190,10 +197,8 @@ class LossScaler:
         a new 0-dim float32 tensor on the gradients' device, 1.0 if any gradient held an
         inf/NaN before unscaling, else 0.0. Nothing is read on the host.
         """
-        # Imported here, not at the top: memkern.optim imports this module.
-        from memkern.optim.grad_buffer import GradBuffer
-
-        if isinstance(grads, GradBuffer):
+        flat_buffers = isinstance(grads, FlatGradients)
+        if flat_buffers:
             flats = [b.grads for b in grads.buckets]
             device = grads.device
         else:
@@ -211,7 +216,7 @@ class LossScaler:
         if not self.enabled:
             return found_inf
         inv_scale = self.inv_scale(device)
-        if isinstance(grads, GradBuffer):
+        if flat_buffers:
             for flat in flats:
                 ops.unscale_(flat, found_inf, inv_scale)
         else:

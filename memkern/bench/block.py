@@ -20,13 +20,14 @@ class GPT2Block(nn.Module):
         ln = mk.nn.LayerNorm if memkern else nn.LayerNorm
         drop = mk.nn.Dropout if memkern else nn.Dropout
         self.heads = heads
-        self.ln_1, self.c_attn, self.c_proj, self.resid_dropout = ln(d), lin(d, 3 * d), lin(d, d), drop(p)
+        self.ln_1, self.c_attn = ln(d), lin(d, 3 * d)
+        self.c_proj, self.resid_dropout = lin(d, d), drop(p)
         self.ln_2 = ln(d)
         if memkern:
             self.mlp = mk.nn.MLP(d, 4 * d, activation="gelu_tanh", dropout=p, recompute=recompute)
         else:
-            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d),
-                                     nn.Dropout(p))
+            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"),
+                                     nn.Linear(4 * d, d), nn.Dropout(p))
 
     def forward(self, x):
         B, T, C = x.shape

@@ -17,7 +17,6 @@ from memkern.bench.model import GPTConfig
 from memkern.profile import memory_breakdown, saved_bytes
 from memkern.profile.allocations import allocation_stats
 
-
 EXTRA_WARMUP_STEPS = 3
 """Untimed steps after the profiled one, when ``steps`` leaves room for them. On the 2-core CPU
 machine a compiled configuration's steps 1-3 took 1.4-2.9 s in three runs of the default
@@ -208,8 +207,8 @@ def run(names: Sequence[str], cfg: GPTConfig, corpus: torch.Tensor, *, steps: in
                           max_grad_norm=max_grad_norm)
             trials.append(trial)
             task = tasks[trial.name] = bars.add_task(trial.name, total=steps, loss="")
-            trial.prepare(untimed, lambda: bars.update(task, advance=1,
-                                                       loss=f"{trial.losses[-1]:.4f}"))
+            trial.prepare(untimed, lambda task=task, trial=trial: bars.update(
+                task, advance=1, loss=f"{trial.losses[-1]:.4f}"))
         by_name = {t.name: t for t in trials}
         timing.in_rounds({t.name: t.timed_step for t in trials}, steps - untimed,
                          after_each=lambda name: bars.update(

@@ -25,7 +25,8 @@ Importing this module registers them in MMEngine's registries (in a config file:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from mmengine.hooks import Hook

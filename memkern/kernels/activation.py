@@ -1,4 +1,5 @@
-"""Triton kernels of ``memkern::act_forward`` / ``memkern::act_backward`` (memkern/ops/activation.py).
+"""Triton kernels of ``memkern::act_forward`` / ``memkern::act_backward``
+(memkern/ops/activation.py).
 
 The tanh-approximate GELU is written with ``1 + tanh(u) = 2 * sigmoid(2u)``, which has no
 cancellation where ``tanh(u)`` is close to -1.

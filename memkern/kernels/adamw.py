@@ -21,8 +21,12 @@ import triton
 import triton.language as tl
 
 from memkern.kernels import _common
-from memkern.kernels._common import (load_grads_and_master, load_splat, pow_f64,
-                                     store_master_and_params)
+from memkern.kernels._common import (
+    load_grads_and_master,
+    load_splat,
+    pow_f64,
+    store_master_and_params,
+)
 
 
 @triton.jit

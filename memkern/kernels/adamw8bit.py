@@ -14,8 +14,7 @@ import triton.language as tl
 
 from memkern.kernels._common import store_master_and_params
 from memkern.kernels.adamw import adamw_update, hyper_args
-from memkern.kernels.quantize8bit import (launch_qblock_step, load_qblocks, load_state,
-                                          store_state)
+from memkern.kernels.quantize8bit import launch_qblock_step, load_qblocks, load_state, store_state
 
 
 @triton.jit

@@ -24,8 +24,14 @@ import triton.language as tl
 
 from memkern.kernels import _nn_common as C
 from memkern.kernels._common import f32, round_to
-from memkern.ops.cross_entropy import (ENTROPY_ROW, IS_TOP1_ROW, MEAN_LOGIT_ROW, ROW_ENTROPY,
-                                       ROW_IS_TOP1, ROW_MEAN_LOGIT)
+from memkern.ops.cross_entropy import (
+    ENTROPY_ROW,
+    IS_TOP1_ROW,
+    MEAN_LOGIT_ROW,
+    ROW_ENTROPY,
+    ROW_IS_TOP1,
+    ROW_MEAN_LOGIT,
+)
 
 MAX_BLOCK_V = 4096
 """Widest tile of a row (classes per loop step). The same on the GPU and under the CPU

@@ -19,7 +19,8 @@ CHUNK_BLOCKS = 8
 
 
 @triton.jit
-def _sum_squares_kernel(grads_ptr, partials_ptr, n, BLOCK: tl.constexpr, CHUNK_BLOCKS: tl.constexpr):
+def _sum_squares_kernel(grads_ptr, partials_ptr, n, BLOCK: tl.constexpr,
+                        CHUNK_BLOCKS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     start = pid * (BLOCK * CHUNK_BLOCKS)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -53,5 +54,6 @@ def l2_norm(grads: torch.Tensor) -> torch.Tensor:
             grads, partials, n, BLOCK=_common.BLOCK, CHUNK_BLOCKS=CHUNK_BLOCKS,
             num_warps=_common.NUM_WARPS,
         )
-        _finish_kernel[(1,)](partials, out, num_partials, BLOCK=_common.BLOCK, num_warps=_common.NUM_WARPS)
+        _finish_kernel[(1,)](partials, out, num_partials, BLOCK=_common.BLOCK,
+                             num_warps=_common.NUM_WARPS)
     return out

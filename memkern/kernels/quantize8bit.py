@@ -15,8 +15,14 @@ import triton.language as tl
 
 from memkern.kernels import _common
 from memkern.kernels._common import load_grads_and_master, load_splat
-from memkern.kernels.state8bit import (QBLOCK, SIGNED_CODES, SIGNED_POWER, UNSIGNED_CODES,
-                                       UNSIGNED_POWER, num_blocks)
+from memkern.kernels.state8bit import (
+    QBLOCK,
+    SIGNED_CODES,
+    SIGNED_POWER,
+    UNSIGNED_CODES,
+    UNSIGNED_POWER,
+    num_blocks,
+)
 
 
 @triton.jit

@@ -1,16 +1,14 @@
-"""Saving activations for backward — and not saving the ones that are cheap to recompute.
+"""Not saving for backward what is cheap to recompute, under ``torch.compile``:
+:func:`compiled_region`.
 
-A memkern norm's output carries a *recipe* (a ``memkern._C.NormRecipe``, left by the norm's
-C++ entry, csrc/autograd/norm.cpp): how to rebuild it from tensors that are saved anyway (its
-input, its weight and bias). When another memkern layer saves that output — the Linear or MLP
-right after the norm saves its input for the weight gradient — it saves the recipe's tensors
-instead, which share storage with what the norm already saved, and rebuilds the normalised
-output in backward. So no normalised output is ever kept between forward and backward, by the
-norm or by its consumer. The layers read the recipe in C++ (csrc/autograd/saved_input.h).
-
-The recipe holds only weak references (it never keeps a tensor alive) and the tensors' version
-counters; if anything was freed or modified in place since, the consumer saves the output
-itself, as it would without this mechanism.
+In eager mode the layers do it in C++: a memkern norm's output (and a modulated LayerNorm's,
+and SwiGLU's gated unit's) carries a *recipe*, a ``WeakNormRecipe`` (``memkern._C.NormRecipe``)
+that the C++ entry points put in its ``_memkern_recipe`` attribute (csrc/autograd/python_entry.h):
+how to rebuild it from tensors that are saved anyway. A memkern layer that saves that output —
+the Linear or MLP right after the norm saves its input for the weight gradient — saves the
+recipe's tensors instead and rebuilds the output in backward (csrc/autograd/saved_input.h). The
+recipe holds only weak references and the tensors' version counters; if anything was freed or
+modified in place since, the consumer saves the output itself.
 
 Under ``torch.compile`` tensors carry no Python attributes, and the compiler merges a
 backward's recomputation with the forward op it repeats (then keeps that op's output). There
@@ -25,8 +23,11 @@ import functools
 from collections.abc import Callable, Collection
 
 import torch
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from memkern._extension import check_same_in_cpp
 

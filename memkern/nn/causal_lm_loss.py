@@ -62,8 +62,8 @@ import torch
 from torch import nn
 
 from memkern.nn._autocast import autocast_enabled
-from memkern.nn.linear_cross_entropy import linear_cross_entropy
 from memkern.nn.linear import Linear as _MemkernLinear
+from memkern.nn.linear_cross_entropy import linear_cross_entropy
 
 SOFTCAP_ATTR = "final_logit_softcapping"
 """The config field of transformers' families that soft-cap their final logits (Gemma 2/3)."""
@@ -279,9 +279,12 @@ def _why_not_fusable(model: nn.Module) -> str | None:
         return problem
     original = getattr(model, "loss_function", None)
     if original is None:
-        return "no loss_function: this transformers version computes the loss inline (needs >= 4.46)"
-    if getattr(original, "__name__", "") != "ForCausalLMLoss" and not isinstance(original, FusedCausalLMLoss):
-        return f"its loss_function is {getattr(original, '__name__', type(original).__name__)}, not ForCausalLMLoss"
+        return ("no loss_function: this transformers version computes the loss inline "
+                "(needs >= 4.46)")
+    name = getattr(original, "__name__", "")
+    if name != "ForCausalLMLoss" and not isinstance(original, FusedCausalLMLoss):
+        return (f"its loss_function is {name or type(original).__name__}, "
+                "not ForCausalLMLoss")
     try:
         source = inspect.getsource(type(model).forward)
     except (OSError, TypeError):

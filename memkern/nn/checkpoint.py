@@ -40,8 +40,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from memkern._copies import dense, side_stream
+from memkern._saved_notes import is_parameter, note_saved, reporting
 from memkern.nn import input_offload
-from memkern.profile.saved import is_parameter, note_saved, reporting
 
 POLICIES = ("full", "selective", "offload", input_offload.POLICY)
 
@@ -51,7 +51,8 @@ _SAVE_OP_NAMES = (
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_flash_attention_forward", "_efficient_attention_forward",
 )
-_SAVE_OPS = {getattr(torch.ops.aten, n).default for n in _SAVE_OP_NAMES if hasattr(torch.ops.aten, n)}
+_SAVE_OPS = {getattr(torch.ops.aten, n).default for n in _SAVE_OP_NAMES
+             if hasattr(torch.ops.aten, n)}
 
 
 def _save_ops() -> set:
@@ -256,9 +257,11 @@ def checkpoint(module: nn.Module, policy: str | None = "full", *,
     ``offload_min_bytes``: with ``"offload"``, saved tensors smaller than this stay on the GPU.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"memkern.checkpoint: module must be an nn.Module, got {type(module).__name__}")
+        raise TypeError("memkern.checkpoint: module must be an nn.Module, got "
+                        f"{type(module).__name__}")
     if policy is not None and policy not in POLICIES:
-        raise ValueError(f"memkern.checkpoint: policy={policy!r} is not one of {POLICIES} (or None)")
+        raise ValueError(f"memkern.checkpoint: policy={policy!r} is not one of {POLICIES} "
+                         "(or None)")
     current = module.__dict__.get("forward")
     if isinstance(current, _CheckpointedForward):
         del module.forward

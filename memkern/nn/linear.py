@@ -68,8 +68,9 @@ class Linear(nn.Linear):
     Saves for backward: the input only (none when the input is a memkern norm's output: the
     norm's input is reused; a copy of it when it is a view spanning at most half of its
     storage, e.g. ``hidden[:, 0]``, so that the storage is not kept). When ``weight.grad``
-    exists — e.g. a view into the front end's :class:`memkern.GradBuffer` — the weight-gradient GEMM adds into it (``beta = 1``) with no
-    transient ``dW``, and ``weight``'s post-accumulate-grad hooks still fire.
+    exists — e.g. a view into the front end's :class:`memkern.GradBuffer` — the weight-gradient GEMM
+    adds into it (``beta = 1``) with no transient ``dW``, and ``weight``'s post-accumulate-grad
+    hooks still fire.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -46,8 +46,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from memkern.ops.linear_cross_entropy import block_sizes
-from memkern.ops.linear_cross_entropy_layer import (linear_cross_entropy_layer,
-                                                    linear_cross_entropy_layer_entry)
+from memkern.ops.linear_cross_entropy_layer import (
+    linear_cross_entropy_layer,
+    linear_cross_entropy_layer_entry,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -181,13 +183,15 @@ class LinearCrossEntropy(nn.Module):
                  device=None, dtype=None) -> None:
         super().__init__()
         if reduction not in REDUCTIONS:
-            raise ValueError(f"memkern.nn.LinearCrossEntropy: reduction={reduction!r} is not one of {REDUCTIONS}")
+            raise ValueError(f"memkern.nn.LinearCrossEntropy: reduction={reduction!r} is not one "
+                             f"of {REDUCTIONS}")
         self.in_features = in_features
         self.num_classes = num_classes
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
-        self.weight = nn.Parameter(torch.empty(num_classes, in_features, device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(num_classes, in_features, device=device,
+                                               dtype=dtype))
         if bias:
             self.bias = nn.Parameter(torch.empty(num_classes, device=device, dtype=dtype))
         else:

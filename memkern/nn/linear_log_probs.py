@@ -35,11 +35,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from memkern._extension import compiled
 from memkern.nn.linear_cross_entropy import check_call
 from memkern.ops.cross_entropy import ROW_ENTROPY, ROW_IS_TOP1, ROW_MEAN_LOGIT
 from memkern.ops.linear_cross_entropy import block_sizes
 from memkern.ops.linear_log_prob_layer import linear_log_prob_layer
-from memkern._extension import compiled
 
 WHERE = "memkern.nn.functional.linear_log_probs"
 

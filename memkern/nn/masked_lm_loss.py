@@ -42,8 +42,14 @@ import torch
 from torch import nn
 
 from memkern import _fake
-from memkern.nn.causal_lm_loss import (_CALL, _HEADS, _FusedCall, _LossRequest,
-                                       output_layer_name, output_layer_problem)
+from memkern.nn.causal_lm_loss import (
+    _CALL,
+    _HEADS,
+    _FusedCall,
+    _LossRequest,
+    output_layer_name,
+    output_layer_problem,
+)
 
 IGNORE_INDEX = -100
 """The label of unmasked tokens (``CrossEntropyLoss``'s default ignore_index)."""
@@ -213,4 +219,5 @@ def fuse_masked_lm_loss(model: nn.Module) -> tuple[str, str, str] | str | None:
     model.register_forward_hook(_close_call, with_kwargs=True, always_call=True)
     model.__dict__[_FUSED] = True
     model.__dict__[_SUMS_OVER_ITEMS] = _sums_over_items(model)
-    return name, f"{old.__module__}.{old.__qualname__}", f"memkern.nn.causal_lm_loss.{type(head).__qualname__}"
+    return (name, f"{old.__module__}.{old.__qualname__}",
+            f"memkern.nn.causal_lm_loss.{type(head).__qualname__}")

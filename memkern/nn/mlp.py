@@ -49,7 +49,8 @@ check_same_in_cpp(__name__, {"RECOMPUTE": RECOMPUTE})
 
 def check_args(activation: str, recompute: str, where: str) -> None:
     if activation not in ACTIVATIONS:
-        raise ValueError(f"{where}: activation={activation!r} is not supported; use one of {ACTIVATIONS}")
+        raise ValueError(f"{where}: activation={activation!r} is not supported; use one of "
+                         f"{ACTIVATIONS}")
     if recompute not in RECOMPUTE:
         raise ValueError(f"{where}: recompute={recompute!r} is not one of {RECOMPUTE}")
 
@@ -73,7 +74,8 @@ def mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None
             f"memkern.nn.functional.mlp: input shape {tuple(x.shape)} does not end with "
             f"fc1's in_features={in_features}"
         )
-    _autocast.compute_dtype(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)  # raises for mixed dtypes
+    # raises for mixed dtypes
+    _autocast.compute_dtype(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
     return _saved.compiled_region(mlp_layer, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
                                   activation, recompute, transposed,
                                   recomputed=RECOMPUTED[recompute])

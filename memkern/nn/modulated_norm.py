@@ -51,8 +51,8 @@ def _check(x, scale, shift) -> None:
     want = (x.shape[0], x.shape[-1])
     for arg, t in (("scale", scale), ("shift", shift)):
         if tuple(t.shape) != want:
-            raise ValueError(f"{name}: {arg} has shape {tuple(t.shape)}, expected [batch, features] "
-                             f"= {list(want)} for x of shape {tuple(x.shape)}")
+            raise ValueError(f"{name}: {arg} has shape {tuple(t.shape)}, expected "
+                             f"[batch, features] = {list(want)} for x of shape {tuple(x.shape)}")
 
 
 def modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
@@ -100,7 +100,8 @@ def norm_layout(m: nn.Module) -> str | None:
     """None when ``m`` (an ``AdaLayerNormZero``) is ``linear(silu(emb))`` chunked in six, its
     norm a LayerNorm without affine parameters; else why not."""
     if not _is_plain_layer_norm(getattr(m, "norm", None)):
-        return f"its norm is {type(getattr(m, 'norm', None)).__name__}, not a LayerNorm without affine parameters"
+        return (f"its norm is {type(getattr(m, 'norm', None)).__name__}, not a LayerNorm "
+                "without affine parameters")
     linear = getattr(m, "linear", None)
     if not (isinstance(linear, nn.Linear) and type(getattr(m, "silu", None)) is nn.SiLU
             and linear.out_features == 6 * m.norm.normalized_shape[0]):

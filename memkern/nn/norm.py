@@ -52,7 +52,8 @@ def _norm(x, normalized_shape, weight, bias, eps, rms, name):
             f"normalized_shape {shape}"
         )
     if (weight is not None and weight.shape != shape) or (bias is not None and bias.shape != shape):
-        pname, p = ("weight", weight) if weight is not None and weight.shape != shape else ("bias", bias)
+        wrong_weight = weight is not None and weight.shape != shape
+        pname, p = ("weight", weight) if wrong_weight else ("bias", bias)
         raise ValueError(
             f"memkern.nn.functional.{name}: {pname} has shape {tuple(p.shape)}, expected {shape}"
         )

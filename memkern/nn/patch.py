@@ -66,17 +66,18 @@ import torch
 from torch import nn
 
 from memkern import _fake
-from memkern.nn import modulated_norm as _modulated_norm
 from memkern.nn import dropout as _dropout_mod
 from memkern.nn import hf_attention as _hf_attention
 from memkern.nn import linear as _linear_mod
 from memkern.nn import lora as _lora
+from memkern.nn import modulated_norm as _modulated_norm
 from memkern.nn import norm as _norm_mod
 from memkern.nn import split_mlp as _split_mlp
 from memkern.nn.causal_lm_loss import CausalLMHead, MemkernCausalLMHead, fuse_causal_lm_loss
-from memkern.nn.masked_lm_loss import fuse_masked_lm_loss
 from memkern.nn.linear import linear as _linear
-from memkern.nn.mlp import RECOMPUTE, mlp as _mlp
+from memkern.nn.masked_lm_loss import fuse_masked_lm_loss
+from memkern.nn.mlp import RECOMPUTE
+from memkern.nn.mlp import mlp as _mlp
 from memkern.nn.norm import rms_norm as _rms_norm
 from memkern.nn.swiglu import swiglu as _swiglu
 from memkern.nn.swiglu_unit import swiglu_unit as _swiglu_unit
@@ -242,7 +243,8 @@ def _ada_norm_zero_kind(m: nn.Module) -> tuple[str, str | None] | None:
     ``DiTTransformer2DModel``; None for anything else."""
     if _diffusers_class(m, "AdaLayerNormZero"):
         kind, layout = "ada_norm_zero", _modulated_norm.norm_layout
-    elif _diffusers_class(m, "BasicTransformerBlock") and getattr(m, "norm_type", None) == "ada_norm_zero":
+    elif (_diffusers_class(m, "BasicTransformerBlock")
+          and getattr(m, "norm_type", None) == "ada_norm_zero"):
         kind, layout = "ada_norm_zero_block", _modulated_norm.block_layout
     elif _diffusers_class(m, "DiTTransformer2DModel"):
         kind, layout = "ada_norm_zero_model", _modulated_norm.model_layout
@@ -274,8 +276,9 @@ def _linear_like(m: nn.Module) -> tuple[bool, bool] | None:
     """(is a linear layer, stores its weight [in, out]) for nn.Linear / Conv1D (patched or not)."""
     if isinstance(m, nn.Linear) and type(m) in (nn.Linear, _linear_mod.Linear):
         return True, False
-    if type(m) is _linear_mod.Conv1D or (type(m).__name__ == "Conv1D" and _from_transformers(m)) or (
-            _is_patched(m) and getattr(m, "_memkern_base", type(m)).__name__ == "Conv1D"):
+    if (type(m) is _linear_mod.Conv1D
+            or (type(m).__name__ == "Conv1D" and _from_transformers(m))
+            or (_is_patched(m) and getattr(m, "_memkern_base", type(m)).__name__ == "Conv1D")):
         return True, True
     return None
 
@@ -385,9 +388,9 @@ _PROBE_ROWS = 3
 
 def _same_on_a_probe(m: nn.Module, cfg: dict) -> bool:
     """Whether ``m``'s own forward and the fused MLP agree on a random input (``_PROBE_ROWS``
-    rows, the block in its mode, its dropout off): for a block whose forward is not a plain chain of its layers
-    (diffusers' ``TimestepEmbedding`` skips absent ones under ``if``), that it adds nothing
-    the fused block would drop. Fake or meta weights hold no values: taken as they are."""
+    rows, the block in its mode, its dropout off): for a block whose forward is not a plain chain of
+    its layers (diffusers' ``TimestepEmbedding`` skips absent ones under ``if``), that it adds
+    nothing the fused block would drop. Fake or meta weights hold no values: taken as they are."""
     fc = m.get_submodule(cfg["fc"])
     w = fc.weight
     if _fake.is_fake(w) or w.is_meta:
@@ -431,7 +434,8 @@ def _is_layer_norm(m: nn.Module) -> bool:
 
 def _only_children(m: nn.Module) -> dict[str, nn.Module] | None:
     """``m``'s children by name, if ``m`` holds no parameters or buffers of its own."""
-    if next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None:
+    if (next(m.parameters(recurse=False), None) is not None
+            or next(m.buffers(recurse=False), None) is not None):
         return None
     return dict(m.named_children())
 
@@ -554,8 +558,10 @@ def _split_mlp_config(layer: nn.Module, recompute: str):
     if _split_mlp.is_fused(layer) or _is_patched(layer):
         return None
     kids = dict(layer.named_children())
-    inter = [(c, lay) for c in kids.values() if not _is_patched(c) and (lay := _intermediate_layout(c))]
-    out = [(c, lay) for c in kids.values() if not _is_patched(c) and (lay := _residual_norm_layout(c))]
+    inter = [(c, lay) for c in kids.values()
+             if not _is_patched(c) and (lay := _intermediate_layout(c))]
+    out = [(c, lay) for c in kids.values()
+           if not _is_patched(c) and (lay := _residual_norm_layout(c))]
     if len(inter) != 1 or len(out) != 1:
         return None
     (im, (fc, act)), (om, (proj, drop, norm)) = inter[0], out[0]

@@ -15,10 +15,10 @@ residual add and the LayerNorm then run as the output module's own layers (memke
 :func:`memkern.patch`): what is saved is that of memkern's MLP followed by a residual LayerNorm.
 
 How, without touching the layer's code: the layer's forward (a memkern subclass's) opens a
-*call* around its own; during it the intermediate module returns its input unchanged (the call remembers it) and the output
-module, given that very tensor, computes the fused block. Outside a layer call (the
-intermediate module called on its own) both modules compute what they always did. If the layer
-uses the intermediate's result for anything but the output module, the call raises a
+*call* around its own; during it the intermediate module returns its input unchanged (the call
+remembers it) and the output module, given that very tensor, computes the fused block. Outside a
+layer call (the intermediate module called on its own) both modules compute what they always did. If
+the layer uses the intermediate's result for anything but the output module, the call raises a
 RuntimeError rather than compute a wrong result (``memkern.patch(model, mlp=False)`` keeps such
 a layer unfused). If a dense layer is no longer a plain linear layer (a LoRA adapter put in its
 place after ``patch``) or has a hook, the modules compute what they always did
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memkern.nn.mlp import mlp
 from memkern.nn.linear import Linear
+from memkern.nn.mlp import mlp
 
 _CALL = "_memkern_split_mlp"
 

@@ -44,9 +44,11 @@ def swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
            down_weight: torch.Tensor, gate_bias: torch.Tensor | None = None,
            up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None, *,
            recompute: str = "activation") -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` saving, per ``recompute``, what the module docstring lists."""
+    """``down(silu(gate(x)) * up(x))`` saving, per ``recompute``, what the module docstring
+    lists."""
     if recompute not in RECOMPUTE:
-        raise ValueError(f"memkern.nn.functional.swiglu: recompute={recompute!r} is not one of {RECOMPUTE}")
+        raise ValueError(f"memkern.nn.functional.swiglu: recompute={recompute!r} is not one of "
+                         f"{RECOMPUTE}")
     if swiglu_layer_entry is None:
         h = F.silu(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight, up_bias)
         return F.linear(h, down_weight, down_bias)
@@ -76,7 +78,8 @@ class SwiGLU(nn.Module):
     """
 
     def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None,
-                 bias: bool = False, recompute: str = "activation", device=None, dtype=None) -> None:
+                 bias: bool = False, recompute: str = "activation", device=None,
+                 dtype=None) -> None:
         super().__init__()
         check_args("silu", recompute, "memkern.nn.SwiGLU")
         out_features = in_features if out_features is None else out_features

@@ -30,12 +30,12 @@ from memkern.ops.activation import act_backward, act_forward  # noqa: E402
 from memkern.ops.cross_entropy import cross_entropy_block_grad_, cross_entropy_rows_  # noqa: E402
 from memkern.ops.dropout import dropout  # noqa: E402
 from memkern.ops.dropout_layer import dropout_layer  # noqa: E402
-from memkern.ops.linear_layer import linear_layer  # noqa: E402
 from memkern.ops.linear_cross_entropy import (  # noqa: E402
-    linear_cross_entropy_backward,
-    linear_cross_entropy_forward,
+           linear_cross_entropy_backward,
+           linear_cross_entropy_forward,
 )
 from memkern.ops.linear_cross_entropy_layer import linear_cross_entropy_layer  # noqa: E402
+from memkern.ops.linear_layer import linear_layer  # noqa: E402
 from memkern.ops.linear_log_prob_layer import linear_log_prob_layer  # noqa: E402
 from memkern.ops.lora_layer import lora_layer  # noqa: E402
 from memkern.ops.mlp_layer import mlp_layer  # noqa: E402

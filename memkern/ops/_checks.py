@@ -1,9 +1,9 @@
 """Argument checks shared by the flat-buffer ops: each error names the argument and the fix."""
 from __future__ import annotations
 
-import torch
-
 from typing import Any
+
+import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # float64 is accepted so that the reference implementation can serve as a float64 oracle.
@@ -69,7 +69,8 @@ def step_inputs(op: str, master: torch.Tensor, grads: torch.Tensor, params: torc
     scalar(op, "found_inf", found_inf, master)
 
 
-def keep_where_found_inf(found_inf: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+def keep_where_found_inf(found_inf: torch.Tensor | None, old: torch.Tensor,
+                         new: torch.Tensor) -> torch.Tensor:
     """``new``, or ``old`` unchanged when ``found_inf`` is set (no host sync)."""
     if found_inf is None:
         return new

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from memkern import backend
-from memkern._fake import fake_mode_active
 from memkern._extension import compiled
+from memkern._fake import fake_mode_active
 
 LIBRARY = torch.library.Library("memkern", "DEF")
 

@@ -36,7 +36,8 @@ check_same_in_cpp(__name__, {"ACTIVATIONS": KINDS})
 
 def check_kind(op: str, kind: str) -> None:
     if kind not in KINDS:
-        raise ValueError(f"memkern.ops.{op}: kind={kind!r} is not an activation; use one of {KINDS}")
+        raise ValueError(f"memkern.ops.{op}: kind={kind!r} is not an activation; use one of "
+                         f"{KINDS}")
 
 
 def _check_forward(x: torch.Tensor, kind: str) -> torch.device:

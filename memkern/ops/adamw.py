@@ -48,8 +48,9 @@ SCHEMA = (
 
 
 def _check(master, exp_avg, exp_avg_sq, grads, params, step, grad_multiplier, found_inf,
-           lr, beta1, beta2, eps, weight_decay) -> torch.device:
-    op = "adamw_step_"
+           lr, beta1, beta2, eps, weight_decay, op: str = "adamw_step_") -> torch.device:
+    """``op``: the op named in the errors (``adamw8bit_step_`` checks its common arguments
+    here)."""
     state_dtypes = (torch.float32, torch.float64)
     _checks.flat(op, "master", master, state_dtypes)
     _checks.flat(op, "exp_avg", exp_avg, (master.dtype,), like=master)

@@ -93,8 +93,14 @@ from __future__ import annotations
 
 import torch
 
-from memkern.kernels.state8bit import (QBLOCK, SIGNED_CODES, SIGNED_POWER, UNSIGNED_CODES,
-                                       UNSIGNED_POWER, num_blocks)
+from memkern.kernels.state8bit import (
+    QBLOCK,
+    SIGNED_CODES,
+    SIGNED_POWER,
+    UNSIGNED_CODES,
+    UNSIGNED_POWER,
+    num_blocks,
+)
 from memkern.ops import _checks, adamw
 from memkern.ops._registry import Op
 
@@ -128,7 +134,7 @@ def _check(master, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, grads
                  exp_avg_sq_absmax, master)
     # The rest (grads, params, scalars, hyper-parameters) as adamw_step_.
     adamw._check(master, master, master, grads, params, step, grad_multiplier, found_inf,
-                 lr, beta1, beta2, eps, weight_decay)
+                 lr, beta1, beta2, eps, weight_decay, op=op)
     return master.device
 
 

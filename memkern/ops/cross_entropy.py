@@ -81,11 +81,14 @@ check_same_in_cpp(__name__, {"CE_ROW_ENTROPY": ROW_ENTROPY, "CE_ROW_IS_TOP1": RO
 def _check_common(op, logits, target, label_smoothing, softcap):
     _checks.tensor(op, "logits", logits)
     if logits.dim() != 2:
-        raise ValueError(f"memkern.ops.{op}: logits must be 2-D [n, V], got shape {tuple(logits.shape)}")
-    if not isinstance(target, torch.Tensor) or target.dtype != torch.int64 or target.shape != logits.shape[:1]:
+        raise ValueError(f"memkern.ops.{op}: logits must be 2-D [n, V], got shape "
+                         f"{tuple(logits.shape)}")
+    if (not isinstance(target, torch.Tensor) or target.dtype != torch.int64
+            or target.shape != logits.shape[:1]):
         raise ValueError(
             f"memkern.ops.{op}: target must be an int64 tensor of shape ({logits.shape[0]},), got "
-            + (f"{target.dtype} of shape {tuple(target.shape)}" if isinstance(target, torch.Tensor) else repr(target))
+            + (f"{target.dtype} of shape {tuple(target.shape)}"
+               if isinstance(target, torch.Tensor) else repr(target))
         )
     _checks.same_device(op, "target", target, logits, "logits")
     if not (0.0 <= label_smoothing <= 1.0):

@@ -49,7 +49,8 @@ def _check(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.device:
     if not isinstance(seed, torch.Tensor) or seed.dtype != torch.int64 or seed.numel() != 1:
         raise ValueError(
             "memkern.ops.dropout: seed must be an int64 tensor with one element, got "
-            + (f"{seed.dtype} of shape {tuple(seed.shape)}" if isinstance(seed, torch.Tensor) else repr(seed))
+            + (f"{seed.dtype} of shape {tuple(seed.shape)}"
+               if isinstance(seed, torch.Tensor) else repr(seed))
         )
     _checks.same_device("dropout", "seed", seed, x, "x")
     if not (0.0 <= p <= 1.0):

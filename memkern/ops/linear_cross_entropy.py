@@ -64,8 +64,13 @@ from memkern import backend
 from memkern._extension import check_same_in_cpp
 from memkern.ops import _checks
 from memkern.ops._registry import Op
-from memkern.ops.cross_entropy import (ROW_ENTROPY, ROW_IS_TOP1, ROW_MEAN_LOGIT,
-                                       cross_entropy_block_grad_, cross_entropy_rows_)
+from memkern.ops.cross_entropy import (
+    ROW_ENTROPY,
+    ROW_IS_TOP1,
+    ROW_MEAN_LOGIT,
+    cross_entropy_block_grad_,
+    cross_entropy_rows_,
+)
 
 MIN_BLOCK_BYTES = 8 << 20
 """The smallest logits block :func:`block_sizes` picks (small inputs still get few chunks)."""
@@ -141,11 +146,14 @@ def _check(x, weight, bias, target, ignore_index, label_smoothing, size, *, op, 
         _checks.same_dtype(op, "bias", bias, x, "x")
         _checks.same_device(op, "bias", bias, x, "x")
         if tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"memkern.ops.{op}: bias has shape {tuple(bias.shape)}; expected ({weight.shape[0]},)")
-    if not isinstance(target, torch.Tensor) or target.dtype != torch.int64 or tuple(target.shape) != (x.shape[0],):
+            raise ValueError(f"memkern.ops.{op}: bias has shape {tuple(bias.shape)}; expected "
+                             f"({weight.shape[0]},)")
+    if (not isinstance(target, torch.Tensor) or target.dtype != torch.int64
+            or tuple(target.shape) != (x.shape[0],)):
         raise ValueError(
             f"memkern.ops.{op}: target must be int64 of shape ({x.shape[0]},), got "
-            + (f"{target.dtype} of shape {tuple(target.shape)}" if isinstance(target, torch.Tensor) else repr(target))
+            + (f"{target.dtype} of shape {tuple(target.shape)}"
+               if isinstance(target, torch.Tensor) else repr(target))
         )
     _checks.same_device(op, "target", target, x, "x")
     name = "chunk_size" if op == "linear_cross_entropy_forward" else "vocab_block"

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from memkern.ops.activation import act_forward  # noqa: F401  (defines the op the node runs)
 from memkern.ops._gemm_layer import NORM_RECIPE_SCHEMA, fake_output, recomputed_ops
 from memkern.ops._registry import LIBRARY, eager_entry
+from memkern.ops.activation import act_forward  # noqa: F401  (defines the op the node runs)
 
 LIBRARY.define(
     "mlp_layer(Tensor x, Tensor fc1_weight, Tensor? fc1_bias, Tensor fc2_weight, "

@@ -79,7 +79,8 @@ def _check_backward(dy, x, weight, mean, rstd, rms) -> torch.device:
             raise ValueError(
                 f"memkern.ops.norm_backward: {name} must be the {sd} [{n}] statistic returned by "
                 f"norm_forward, got "
-                + (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t))
+                + (f"{t.dtype} of shape {tuple(t.shape)}"
+                   if isinstance(t, torch.Tensor) else repr(t))
             )
         _checks.same_device("norm_backward", name, t, x, "x")
     return x.device
@@ -119,7 +120,8 @@ def backward_reference(dy, x, weight, mean, rstd, rms):
     w = weight.to(cd) if weight is not None else None
     if not rms:
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            g, xc, [x.shape[1]], mean[:, None], rstd[:, None], w, w, [True, w is not None, w is not None]
+            g, xc, [x.shape[1]], mean[:, None], rstd[:, None], w, w,
+            [True, w is not None, w is not None]
         )
         if w is None:
             return dx.to(x.dtype), x.new_empty((0,), dtype=cd), x.new_empty((0,), dtype=cd)
@@ -144,7 +146,8 @@ norm_forward = Op(
 
 norm_backward = Op(
     "norm_backward",
-    "(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, bool rms) -> (Tensor, Tensor, Tensor)",
+    "(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, bool rms) "
+    "-> (Tensor, Tensor, Tensor)",
     check=_check_backward,
     fake=_fake_backward,
     reference=backward_reference,

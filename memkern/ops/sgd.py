@@ -43,8 +43,9 @@ SCHEMA = (
 
 
 def _check(master, momentum_buffer, grads, params, step, grad_multiplier, found_inf,
-           lr, momentum, dampening, weight_decay, nesterov) -> torch.device:
-    op = "sgd_step_"
+           lr, momentum, dampening, weight_decay, nesterov, op: str = "sgd_step_") -> torch.device:
+    """``op``: the op named in the errors (``sgd8bit_step_`` checks its common arguments
+    here)."""
     _checks.flat(op, "master", master, (torch.float32, torch.float64))
     if momentum != 0.0:
         if momentum_buffer is None:

@@ -58,7 +58,7 @@ def _check(master, momentum_buffer, momentum_absmax, grads, params, step, grad_m
                           momentum_absmax, master)
     # The rest (grads, params, scalars, hyper-parameters) as sgd_step_.
     sgd._check(master, master, grads, params, step, grad_multiplier, found_inf, lr, momentum,
-               dampening, weight_decay, nesterov)
+               dampening, weight_decay, nesterov, op=op)
     return master.device
 
 

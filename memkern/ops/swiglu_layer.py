@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from memkern.ops.swiglu import swiglu_forward  # noqa: F401  (defines the op the node runs)
 from memkern.ops._gemm_layer import NORM_RECIPE_SCHEMA, fake_output, recomputed_ops
 from memkern.ops._registry import LIBRARY, eager_entry
+from memkern.ops.swiglu import swiglu_forward  # noqa: F401  (defines the op the node runs)
 
 LIBRARY.define(
     "swiglu_layer(Tensor x, Tensor gate_weight, Tensor? gate_bias, Tensor up_weight, "

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from memkern.ops.swiglu import swiglu_forward  # noqa: F401  (defines the op the node runs)
 from memkern.ops._registry import LIBRARY, eager_entry
+from memkern.ops.swiglu import swiglu_forward  # noqa: F401  (defines the op the node runs)
 
 LIBRARY.define("swiglu_unit_layer(Tensor gate, Tensor up) -> Tensor")
 

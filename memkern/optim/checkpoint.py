@@ -24,8 +24,9 @@ Format (``memkern-sharded-optimizer/2``): a DCP checkpoint directory with
 
 Pieces are named in per-parameter coordinates, which do not depend on the world size or the
 zero stage: a loading rank reads the metadata, finds the saved pieces that overlap the
-slices it owns now, and reads only those. What a rank holds where comes from the optimizer's
-:class:`~memkern.optim.state_io.StateIO`, which is all this module sees of the optimizer.
+slices it owns now, and reads only those. This module sees the optimizer only through the
+:class:`~memkern.optim.state_io.StateIO` the optimizer builds over its parts: what a rank holds
+where, and the loss scaler, accumulation window and step counts the header records.
 
 Atomicity: the checkpoint is written into ``<path>.incomplete`` (a stale one from an earlier
 failed save is removed first); once every rank has written its part and DCP its metadata, the

@@ -212,7 +212,8 @@ class FlatOptimizer(torch.optim.Optimizer):
                 None if ptr is None else p.data_ptr() for p, ptr in zip(params, built)]:
             return
         for i, (p, ptr) in enumerate(zip(params, self._weight_ptrs)):
-            what = f"a parameter of shape {tuple(p.shape)} ({p.dtype}, number {i} in the flat layout)"
+            what = (f"a parameter of shape {tuple(p.shape)} ({p.dtype}, number {i} in the flat "
+                    "layout)")
             if not p.requires_grad:
                 raise RuntimeError(
                     f"{where}: {what} no longer requires grad; memkern steps every parameter it "

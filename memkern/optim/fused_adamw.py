@@ -9,10 +9,9 @@ import torch
 from memkern import ops
 from memkern.kernels.state8bit import num_blocks
 from memkern.optim.flat_state import FlatOptimizer
-from memkern.optim.state_precision import (check_state_precision,
-                                           wants_8bit_state)
 from memkern.optim.local_grads import LocalGrads
 from memkern.optim.segment import Segment
+from memkern.optim.state_precision import check_state_precision, wants_8bit_state
 
 
 class AdamW:
@@ -57,7 +56,8 @@ class AdamW:
                found_inf: torch.Tensor | None) -> None:
         beta1, beta2 = group["betas"]
         if seg.quantized:
-            (m, m_absmax), (v, v_absmax) = seg.quantized_state["exp_avg"], seg.quantized_state["exp_avg_sq"]
+            m, m_absmax = seg.quantized_state["exp_avg"]
+            v, v_absmax = seg.quantized_state["exp_avg_sq"]
             ops.adamw8bit_step_(seg.master, m, m_absmax, v, v_absmax, seg.grads,
                                 seg.model_weights, seg.step, grad_multiplier, found_inf,
                                 float(group["lr"]), float(beta1), float(beta2),

@@ -9,9 +9,9 @@ import torch
 from memkern import ops
 from memkern.kernels.state8bit import num_blocks
 from memkern.optim.flat_state import FlatOptimizer
-from memkern.optim.state_precision import check_state_precision, wants_8bit_state
 from memkern.optim.local_grads import LocalGrads
 from memkern.optim.segment import Segment
+from memkern.optim.state_precision import check_state_precision, wants_8bit_state
 
 
 class SGD:

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
+from memkern.optim.grad_buffer import Bucket, GradBuffer
 from memkern.optim.process_group import WeakGroup
 from memkern.optim.segment import Segment
-from memkern.optim.grad_buffer import Bucket, GradBuffer
 
 
 @dataclasses.dataclass(eq=False)

@@ -16,8 +16,10 @@ import weakref
 from collections.abc import Iterable
 
 import torch
-from torch.nn.modules.module import (register_module_module_registration_hook,
-                                     register_module_parameter_registration_hook)
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 
 class ReplacementWatch:

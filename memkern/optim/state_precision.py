@@ -14,7 +14,6 @@ import torch
 from memkern.ops import adamw8bit
 from memkern.optim.segment import Segment
 
-
 STATE_PRECISIONS = ("32bit", "8bit")
 """The ``state_precision`` options of the optimizers: float32 state, or block-wise 8 bits."""
 MIN_8BIT_NUMEL = 4096

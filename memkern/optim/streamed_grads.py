@@ -39,8 +39,7 @@ from __future__ import annotations
 
 import collections
 import queue
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import torch
@@ -55,26 +54,6 @@ from memkern.optim.zero import Shards, unit_square
 COPIES_IN_FLIGHT = 2
 """Copies down a rank keeps in flight at once, each into a pinned staging slot as large as the
 largest unit's slice: two let one bucket's copy run while the next bucket's is issued."""
-
-
-class HostWorker:
-    """One host thread running jobs in the order they were submitted (``name``: the thread's
-    name prefix). Under a fake tensor mode (the planner's), whose state is not thread-safe,
-    each job runs at once on the submitting thread instead."""
-
-    def __init__(self, name: str) -> None:
-        self._pool = (None if _fake.fake_mode_active()
-                      else ThreadPoolExecutor(1, thread_name_prefix=name))
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        if self._pool is not None:
-            return self._pool.submit(fn, *args)
-        done: Future = Future()
-        try:
-            done.set_result(fn(*args))
-        except BaseException as e:  # handed to the caller, as the thread's would be
-            done.set_exception(e)
-        return done
 
 
 class StreamedGrads(Shards):
@@ -93,7 +72,7 @@ class StreamedGrads(Shards):
     def __init__(self, group: Any, rank: int, world: int, bucket_size_mb: float) -> None:
         super().__init__(group, rank, world, 2, bucket_size_mb)
         self._free_slots: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        self._summing = HostWorker("memkern-grad-sum")
+        self._summing: Executor | None = None  # made with the segments
         self._sums: collections.deque[Future] = collections.deque()
         # The window's last backward (units watched): each unit's squared norm, taken on the
         # summing thread right after its last sum, so that the step need not read the sums.
@@ -103,9 +82,16 @@ class StreamedGrads(Shards):
         self._transfers = Transfers(buffer.device)
         segments = super().make_segments(buffer)
         largest = max(u.shard * u.bucket.grad_dtype.itemsize for u in self.units)
-        for _ in range(COPIES_IN_FLIGHT):
-            self._free_slots.put(_host.empty(largest, torch.uint8, pinned=self._transfers.pinned,
-                                             holds="gradients"))
+        # the slots are held here too, not only in the queue of free ones (which a walk of
+        # the optimizer's references, as memkern.profile.memory takes, does not enter)
+        self._slots = [_host.empty(largest, torch.uint8, pinned=self._transfers.pinned,
+                                   holds="gradients") for _ in range(COPIES_IN_FLIGHT)]
+        for slot in self._slots:
+            self._free_slots.put(slot)
+        # one host thread sums the buckets in the order they arrive (the planner's fake
+        # tensors: on the submitting thread, memkern._fake.thread_pool)
+        self._summing = _fake.thread_pool(segments[0].weights, 1,
+                                          thread_name_prefix="memkern-grad-sum")
         return segments
 
     def _make_shard_grads(self, numel: int, dtype: torch.dtype,

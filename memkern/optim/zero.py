@@ -4,8 +4,8 @@ shards, and the collectives over them (``torch.distributed``: nccl on GPUs, gloo
 Layout. The flat layout of :class:`~memkern.GradBuffer` (one buffer per dtype, parameters in
 slots aligned to ``ALIGN`` = 256 elements, param group after param group) is cut into *units*:
 runs of parameters of one param group and one dtype, of at most ``bucket_size_mb`` of
-gradients (a larger parameter is a unit of its own). Each unit is padded to a multiple of ``W * ALIGN``
-elements, so rank ``r`` of ``W`` owns the equal, ALIGN-aligned, contiguous slice
+gradients (a larger parameter is a unit of its own). Each unit is padded to a multiple of
+``W * ALIGN`` elements, so rank ``r`` of ``W`` owns the equal, ALIGN-aligned, contiguous slice
 ``[r * numel / W, (r + 1) * numel / W)`` of every unit, whatever W is (odd W, parameters
 smaller than W or than ALIGN included: the padding is zero and stays zero). A unit is the
 communication bucket (one collective each) and a rank's slice of it is one optimizer kernel

@@ -257,9 +257,9 @@ def fit(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     ``backward``/``step``/``zero_grad``. ``device``: the planning target ("cuda", "cuda-sm80",
     "cpu"). ``blocks``: the modules to choose for (default: :func:`repeated_blocks`).
     ``throughput``: FLOP/s to cost recomputation at (default: measured on the target when it is
-    this machine — its GPU, or the CPU — else :data:`DEFAULT_THROUGHPUT`). ``margin``: kept under the budget. ``apply=False``: only
-    report. Raises :class:`MemoryBudgetError` naming the smallest budget that fits when none of
-    the configurations does.
+    this machine — its GPU, or the CPU — else :data:`DEFAULT_THROUGHPUT`). ``margin``: kept under
+    the budget. ``apply=False``: only report. Raises :class:`MemoryBudgetError` naming the smallest
+    budget that fits when none of the configurations does.
     """
     limit = parse_bytes(budget)
     if not 0 <= margin < 1:

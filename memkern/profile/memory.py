@@ -50,10 +50,6 @@ class MemoryBreakdown:
         side = self.grads + self.master_weights + self.params_as_master + self.optimizer_state
         return side / max(self.num_params, 1)
 
-    def as_dict(self) -> dict[str, float]:
-        return {**dataclasses.asdict(self), "total": self.total,
-                "optimizer_side_per_param": self.optimizer_side_per_param}
-
 
 class _StorageCounter:
     def __init__(self) -> None:

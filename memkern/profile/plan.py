@@ -57,12 +57,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from memkern import _fake, _host, backend
+from memkern import _fake, _host, _saved_notes, backend
 from memkern.ops._registry import COMPOSITE_REFERENCES
-from memkern.profile import saved as _saved
 from memkern.profile.caching_allocator import HostAllocator
 from memkern.profile.memory import MASTER_KEYS, _state_tensors
-from memkern.profile.targets import GEMMS, Target, target as _target
+from memkern.profile.targets import GEMMS, Target
+from memkern.profile.targets import target as _target
 
 CATEGORIES = ("parameters", "gradients", "master weights", "optimizer state",
               "saved for backward", "kept from forward", "transient")
@@ -147,11 +147,6 @@ class StepPlan:
         """The highest moment of a phase other than the peak's."""
         others = [m for p, m in self.phase_peaks.items() if p != self.peak.phase]
         return max(others, key=lambda m: m.allocated) if others else None
-
-    def table(self) -> str:
-        from memkern.profile.plan_report import format_plan
-
-        return format_plan(self)
 
 
 def collapse_indices(name: str) -> str:
@@ -657,7 +652,7 @@ def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Targ
     gc.collect()
     hooks = [nn.modules.module.register_module_forward_pre_hook(tl.module_entered),
              nn.modules.module.register_module_forward_hook(tl.module_left, always_call=True)]
-    _saved._observers.append(tl.noted)
+    _saved_notes.observers.append(tl.noted)
     _active.append(tl)
     try:
         with contextlib.ExitStack() as stack:
@@ -694,7 +689,7 @@ def plan_training_step(build: Callable[[], TrainingSetup], *, device: str | Targ
             del setup
     finally:
         _active.remove(tl)
-        _saved._observers.remove(tl.noted)
+        _saved_notes.observers.remove(tl.noted)
         for h in hooks:
             h.remove()
     best, run_peak, reserved, block, step_start = _replay(tl, tgt)

@@ -44,8 +44,8 @@ def format_plan(plan: StepPlan) -> str:
     """The plan's peak, its second-highest moment and each phase's peak, taken apart."""
     lines = [f"memkern plan: {plan.description} on {plan.device}",
              f"peak {plan.peak.allocated / MIB:.1f} MiB (run peak {plan.run_peak / MIB:.1f}, "
-             f"reserved {plan.reserved / MIB:.1f}); step starts at {plan.step_start / MIB:.1f} MiB; "
-             f"planned in {plan.seconds:.1f} s", ""]
+             f"reserved {plan.reserved / MIB:.1f}); "
+             f"step starts at {plan.step_start / MIB:.1f} MiB; planned in {plan.seconds:.1f} s", ""]
     lines += _moment_lines("peak", plan.peak)
     second = plan.second
     if second is not None:

@@ -9,31 +9,26 @@ weight is a new storage and is counted.
 Some memkern code keeps tensors for backward outside autograd's saving mechanism (the linear
 cross-entropy keeps its precomputed gradients; :func:`memkern.checkpoint` keeps its region's
 inputs and, with the "selective" policy, the matmul outputs). It reports them to active
-recorders through :func:`note_saved`, so they are counted too. (Tensors that
-``torch.utils.checkpoint`` used directly keeps for itself are invisible to this measure.)
+recorders through :func:`note_saved` (:mod:`memkern._saved_notes`), so they are counted too.
+(Tensors that ``torch.utils.checkpoint`` used directly keeps for itself are invisible to this
+measure.)
 """
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-_local = threading.local()
-
-
-def _stack() -> list[SavedTensorsRecorder]:
-    if not hasattr(_local, "stack"):
-        _local.stack = []
-    return _local.stack
-
-
-def is_parameter(t: torch.Tensor) -> bool:
-    """``t`` is an ``nn.Parameter`` or a view of one."""
-    base = t._base if t._base is not None else t
-    return isinstance(base, torch.nn.Parameter)
+# the channel itself is below memkern.nn, which reports to it; re-exported here for the users
+from memkern._saved_notes import (  # noqa: F401
+    is_parameter,
+    note_saved,
+    recorders,
+    recording,
+    reporting,
+)
 
 
 @dataclasses.dataclass
@@ -80,40 +75,13 @@ class SavedTensorsRecorder:
         return t
 
     def __enter__(self) -> SavedTensorsRecorder:
-        _stack().append(self)
+        recorders().append(self)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
-        _stack().remove(self)
-
-
-_observers: list[Callable[[torch.Tensor], None]] = []
-"""Called with every tensor :func:`note_saved` reports, without making :func:`recording` true
-(the planner, :mod:`memkern.profile.plan`, which must see the code paths of a plain run)."""
-
-
-def note_saved(*tensors: torch.Tensor | None) -> None:
-    """Report tensors kept for backward outside autograd's saved-tensor mechanism."""
-    for rec in _stack():
-        for t in tensors:
-            if t is not None:
-                rec.record(t)
-    for observe in _observers:
-        for t in tensors:
-            if t is not None:
-                observe(t)
-
-
-def recording() -> bool:
-    """Whether a :class:`SavedTensorsRecorder` is active (lets callers skip the bookkeeping)."""
-    return bool(_stack())
-
-
-def reporting() -> bool:
-    """Whether anything listens to :func:`note_saved`: a recorder, or an observer."""
-    return bool(_stack()) or bool(_observers)
+        recorders().remove(self)
 
 
 def saved_bytes(fn: Callable[..., Any], *args: Any, include_parameters: bool = False,

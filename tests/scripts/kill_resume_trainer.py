@@ -32,10 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 from kill_resume_train import Killer, killable_rank, log, save_final  # noqa: E402
+from memkern.integrations.transformers import MemkernTrainer, last_complete_checkpoint  # noqa: E402
 from test_integrations_transformers import Sequences, arguments, tiny_llama  # noqa: E402
-
-from memkern.integrations.transformers import (MemkernTrainer,  # noqa: E402
-                                               last_complete_checkpoint)
 
 MODE = "trainer"
 PER_RANK_BATCH, SEQUENCES = 2, 16  # 4 micro-batches per rank and epoch: 2 steps an epoch

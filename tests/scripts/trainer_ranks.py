@@ -20,12 +20,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from clean_exit import end_finished_rank  # noqa: E402
-from test_integrations_transformers import Sequences, arguments, tiny_llama  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
-from memkern.integrations.transformers import (MemkernTrainer,  # noqa: E402
-                                               last_complete_checkpoint)
+from clean_exit import end_finished_rank  # noqa: E402
+from memkern.integrations.transformers import MemkernTrainer, last_complete_checkpoint  # noqa: E402
+from test_integrations_transformers import Sequences, arguments, tiny_llama  # noqa: E402
 
 SEQUENCES = 40
 """Per epoch: 5 micro-batches of 8 sequences, windows of 2, 2 and 1 (the epoch's end)."""
