@@ -54,7 +54,7 @@ void add_constants(py::module_& m) {
   m.attr("LCE_CLASS_ALIGN") = lce::kClassAlign;
   m.attr("LCE_CHUNK_ENV") = lce::kChunkEnv;
   m.attr("LCE_VOCAB_BLOCK_ENV") = lce::kVocabBlockEnv;
-  // memkern/ops/cross_entropy.py (the rows op's per-row statistics)
+  // memkern/kernels/row_stats.py (the cross-entropy rows op's per-row statistics)
   m.attr("CE_ROW_ENTROPY") = cross_entropy::kRowEntropy;
   m.attr("CE_ROW_IS_TOP1") = cross_entropy::kRowIsTop1;
   m.attr("CE_ROW_MEAN_LOGIT") = cross_entropy::kRowMeanLogit;

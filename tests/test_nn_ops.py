@@ -19,14 +19,7 @@ from compare import rel_err
 from layer_oracle import norm64
 from memkern import backend, ops
 from memkern._extension import compiled
-from memkern.ops.cross_entropy import (
-    ENTROPY_ROW,
-    IS_TOP1_ROW,
-    MEAN_LOGIT_ROW,
-    ROW_ENTROPY,
-    ROW_IS_TOP1,
-    ROW_MEAN_LOGIT,
-)
+from memkern.ops import cross_entropy as ce
 from memkern.ops.dropout import keep_mask, philox4x32
 
 LOW = [pytest.param(d, id=str(d).removeprefix("torch."))
@@ -156,7 +149,7 @@ def test_linear_cross_entropy_loop_statistics_and_entropy_grad_match_float64():
     t[16], t[18] = 9, 34  # ... and at the second
     x[17] *= 60  # a peaked row: entropy ~ 0
     t[-1] = -100
-    every = ROW_ENTROPY | ROW_IS_TOP1 | ROW_MEAN_LOGIT
+    every = ce.ROW_ENTROPY | ce.ROW_IS_TOP1 | ce.ROW_MEAN_LOGIT
     special = x.clone()
     special[21, 0] = float("inf")  # +inf and -inf logits: NaN as torch, argmax the first +inf
     for inputs in (x, special):
@@ -166,14 +159,14 @@ def test_linear_cross_entropy_loop_statistics_and_entropy_grad_match_float64():
         valid = t != -100
         want = (torch.special.entr(torch.softmax(z, 1)).sum(1), (z.argmax(1) == t).double(),
                 z.mean(1))
-        for k, ref in zip((ENTROPY_ROW, IS_TOP1_ROW, MEAN_LOGIT_ROW), want):
+        for k, ref in zip((ce.ENTROPY_ROW, ce.IS_TOP1_ROW, ce.MEAN_LOGIT_ROW), want):
             ref = torch.where(valid, ref, 0.0)
             assert torch.equal(stats[k].isnan(), ref.isnan()), k
             assert rel_err(stats[k].nan_to_num(), ref.nan_to_num()) < 1e-13, k
-        assert stats[IS_TOP1_ROW, 16] == 1.0 and stats[IS_TOP1_ROW, 18] == 0.0
-        assert stats[ENTROPY_ROW, 17] < 1e-3
-    assert stats[IS_TOP1_ROW, 21] == float(F.linear(special, w, b)[21].argmax() == t[21])
-    assert torch.isnan(stats[ENTROPY_ROW, 21]) and torch.isnan(loss[21])
+        assert stats[ce.IS_TOP1_ROW, 16] == 1.0 and stats[ce.IS_TOP1_ROW, 18] == 0.0
+        assert stats[ce.ENTROPY_ROW, 17] < 1e-3
+    assert stats[ce.IS_TOP1_ROW, 21] == float(F.linear(special, w, b)[21].argmax() == t[21])
+    assert torch.isnan(stats[ce.ENTROPY_ROW, 21]) and torch.isnan(loss[21])
     xr, wr, br = (a.clone().requires_grad_() for a in (x, w, b))
     z = F.linear(xr, wr, br)
     per_row = F.cross_entropy(z, t, reduction="none")
@@ -182,9 +175,9 @@ def test_linear_cross_entropy_loop_statistics_and_entropy_grad_match_float64():
     g2[-1] = 0.0  # the ignored token's entropy has no gradient
     want = torch.autograd.grad((g1 * per_row + g2 * entropy).sum(), (xr, wr, br))
     _, lse, _, _, _, stats = ops.linear_cross_entropy_forward(
-        x, w, b, t, -100, 0.0, 5, False, False, False, 0.0, ROW_ENTROPY)
+        x, w, b, t, -100, 0.0, 5, False, False, False, 0.0, ce.ROW_ENTROPY)
     got = ops.linear_cross_entropy_backward(g1, x, w, b, t, lse, -100, 0.0, 4, True, True, 0.0,
-                                            stats[ENTROPY_ROW].contiguous(), g2, True)
+                                            stats[ce.ENTROPY_ROW].contiguous(), g2, True)
     for g, ref in zip((got[2], got[0], got[1]), want):
         assert rel_err(g, ref) < 1e-12
 
@@ -531,11 +524,12 @@ def _opcheck_cases():
                                            0.0, 3, True, True)),
         ("linear_cross_entropy_forward", (x, w, None, tt, -100, 0.1, 3, True, True, False, 2.5)),
         ("cross_entropy_rows_", (torch.randn(5, 17), t, None, -100, 0.0, True, 0.0,
-                                 ROW_ENTROPY | ROW_IS_TOP1 | ROW_MEAN_LOGIT, torch.zeros(3, 5))),
+                                 ce.ROW_ENTROPY | ce.ROW_IS_TOP1 | ce.ROW_MEAN_LOGIT,
+                                 torch.zeros(3, 5))),
         ("cross_entropy_block_grad_", (torch.randn(5, 7), torch.randn(5), t, torch.randn(5), 4,
                                        17, -100, 0.0, 0.0, torch.rand(5), torch.randn(5))),
         ("linear_cross_entropy_forward", (x, w, None, tt, -100, 0.0, 2, True, False, False, 0.0,
-                                          ROW_ENTROPY | ROW_IS_TOP1)),
+                                          ce.ROW_ENTROPY | ce.ROW_IS_TOP1)),
         ("linear_cross_entropy_backward", (torch.randn(5), x, w, torch.randn(11), tt,
                                            torch.randn(5), -100, 0.0, 3, True, True, 0.0,
                                            torch.rand(5), torch.randn(5), True)),
@@ -584,7 +578,7 @@ def _layer_opcheck_cases():
                                         torch.randint(0, 11, (6,)), None, None, "mean", -100,
                                         0.1, 4, 8, 0.0)),
         ("linear_log_prob_layer", (leaf(6, 17), leaf(11, 17), leaf(11),
-                                   torch.randint(0, 11, (6,)), ROW_ENTROPY | ROW_MEAN_LOGIT,
+                                   torch.randint(0, 11, (6,)), ce.ROW_ENTROPY | ce.ROW_MEAN_LOGIT,
                                    -100, 4, 8, 0.0)),
     ]
 

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from memkern.kernels import _nn_common as C
 from memkern.kernels._common import f32, round_to
-from memkern.ops.cross_entropy import (
+from memkern.kernels.row_stats import (
     ENTROPY_ROW,
     IS_TOP1_ROW,
     MEAN_LOGIT_ROW,

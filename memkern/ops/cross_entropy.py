@@ -62,20 +62,17 @@ from __future__ import annotations
 
 import torch
 
-from memkern._extension import check_same_in_cpp
 from memkern._fake import is_fake
+from memkern.kernels.row_stats import (
+    ENTROPY_ROW,
+    IS_TOP1_ROW,
+    MEAN_LOGIT_ROW,
+    ROW_ENTROPY,
+    ROW_IS_TOP1,
+    ROW_MEAN_LOGIT,
+)
 from memkern.ops import _checks
 from memkern.ops._registry import Op
-
-ROW_ENTROPY, ROW_IS_TOP1, ROW_MEAN_LOGIT = 1, 2, 4
-"""Bits of the rows op's ``outputs``: the per-row statistics it writes into ``stats``."""
-ENTROPY_ROW, IS_TOP1_ROW, MEAN_LOGIT_ROW = 0, 1, 2
-"""The row of ``stats`` each statistic is written to."""
-
-# The kernels' per-row math (csrc/cuda/kernels/cross_entropy_math.h) must use these constants.
-check_same_in_cpp(__name__, {"CE_ROW_ENTROPY": ROW_ENTROPY, "CE_ROW_IS_TOP1": ROW_IS_TOP1,
-                             "CE_ROW_MEAN_LOGIT": ROW_MEAN_LOGIT, "CE_ENTROPY_ROW": ENTROPY_ROW,
-                             "CE_IS_TOP1_ROW": IS_TOP1_ROW, "CE_MEAN_LOGIT_ROW": MEAN_LOGIT_ROW})
 
 
 def _check_common(op, logits, target, label_smoothing, softcap):
