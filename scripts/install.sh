@@ -47,7 +47,8 @@ if [ "$with_tests" = 1 ]; then
   # the installed torch is named with the test packages so that none of them replaces it
   "$python" -m pip install "pytest>=8" pytest-xdist expecttest "hypothesis>=6.100" "triton>=3.4" \
     "transformers>=5.23" "accelerate>=1.15" "diffusers>=0.42,<0.43" \
-    "peft==0.22.0" "trl==1.16.0" "datasets==5.2.0" "mmengine==0.10.7" "ruff==0.17.6" \
+    "peft==0.22.0" "trl==1.16.0" "datasets==5.2.0" "mmengine==0.10.7" "bitsandbytes==0.50.2" \
+    "ruff==0.17.6" \
     "torch==$("$python" -c 'import torch; print(torch.__version__)')"
 fi
 if [ "${MEMKERN_BUILD_EXT:-1}" = 0 ]; then
