@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
-from clean_exit import end_finished_rank  # noqa: E402
+from clean_exit import DTENSOR_CACHES, end_finished_rank  # noqa: E402
 from memkern.integrations.transformers import MemkernTrainer, last_complete_checkpoint  # noqa: E402
 from test_integrations_transformers import Sequences, arguments, tiny_llama  # noqa: E402
 
@@ -67,7 +67,7 @@ class Losses(TrainerCallback):
             self.losses[state.global_step] = logs["loss"]
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=("memkern", "plain"), default="memkern")
     parser.add_argument("--zero-stage", type=int, default=1)
@@ -121,12 +121,13 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.result, "w") as fh:
             json.dump({"losses": losses.losses, "ranks": ranks,
                        "parameters": sum(p.numel() for p in model.parameters())}, fh)
+    return args
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    main()
+    args = main()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-        end_finished_rank()
+        end_finished_rank(DTENSOR_CACHES if args.fsdp2 else None)
