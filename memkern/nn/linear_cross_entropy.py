@@ -103,6 +103,25 @@ def check_call(input, weight, target, bias, reduction, label_smoothing, num_item
     return softcap
 
 
+def flat_operands(input, weight, bias, target, chunk_size, vocab_block, split):
+    """The layer ops' operands: ``input`` as contiguous ``[N, H]`` rows, ``weight``, ``bias``
+    contiguous, ``target`` as contiguous ``[N]``, and the token chunk and vocabulary block
+    (:func:`~memkern.ops.linear_cross_entropy.block_sizes` where not given; ``split``: the
+    two-GEMM backward, :func:`splits`)."""
+    x = input.reshape(-1, input.shape[-1]).contiguous()
+    t = target.reshape(-1).contiguous()
+    w, b = weight.contiguous(), None if bias is None else bias.contiguous()
+    # computed here, not left to the op (0: its default): under torch.compile the sizes may be
+    # symbolic, which the op's C++ cannot read
+    if chunk_size is None or vocab_block is None:
+        default_chunk, default_block = block_sizes(
+            x.shape[0], w.shape[0], x.shape[1], x.element_size(),
+            w.requires_grad and torch.is_grad_enabled(), split)
+        chunk_size = chunk_size or default_chunk
+        vocab_block = vocab_block or default_block
+    return x, w, b, t, chunk_size, vocab_block
+
+
 def _torch_loss(input, weight, target, bias, ignore_index, reduction, label_smoothing, num_items,
                 softcap):
     """The same loss as torch's layers compute it (the logits held whole): no extension."""
@@ -150,17 +169,9 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
     if linear_cross_entropy_layer_entry is None:
         return _torch_loss(input, weight, target, bias, ignore_index, reduction, label_smoothing,
                            num_items, softcap)
-    x = input.reshape(-1, input.shape[-1]).contiguous()
-    t = target.reshape(-1).contiguous()
-    w, b = weight.contiguous(), None if bias is None else bias.contiguous()
-    # computed here, not left to the op (0: its default): under torch.compile the sizes may be
-    # symbolic, which the op's C++ cannot read
-    if chunk_size is None or vocab_block is None:
-        default_chunk, default_block = block_sizes(
-            x.shape[0], w.shape[0], x.shape[1], x.element_size(),
-            w.requires_grad and torch.is_grad_enabled(), splits(reduction, x.dtype))
-        chunk_size = chunk_size or default_chunk
-        vocab_block = vocab_block or default_block
+    x, w, b, t, chunk_size, vocab_block = flat_operands(
+        input, weight, bias, target, chunk_size, vocab_block,
+        splits(reduction, input.dtype))
     tensor_items = num_items if isinstance(num_items, torch.Tensor) else None
     divisor = None if num_items is None or tensor_items is not None else float(num_items)
     loss = linear_cross_entropy_layer(x, w, b, t, tensor_items, divisor, reduction,

@@ -36,9 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from memkern._extension import compiled
-from memkern.nn.linear_cross_entropy import check_call
+from memkern.nn.linear_cross_entropy import check_call, flat_operands
 from memkern.ops.cross_entropy import ROW_ENTROPY, ROW_IS_TOP1, ROW_MEAN_LOGIT
-from memkern.ops.linear_cross_entropy import block_sizes
 from memkern.ops.linear_log_prob_layer import linear_log_prob_layer
 
 WHERE = "memkern.nn.functional.linear_log_probs"
@@ -96,21 +95,12 @@ def linear_log_probs(input: torch.Tensor, weight: torch.Tensor, target: torch.Te
                          vocab_block, where=WHERE)
     outputs = ((ROW_ENTROPY if entropy else 0) | (ROW_IS_TOP1 if is_top1 else 0)
                | (ROW_MEAN_LOGIT if mean_logits else 0))
-    x = input.reshape(-1, input.shape[-1])
-    t = target.reshape(-1)
     if not compiled.has_cpu:
-        results = _torch_log_probs(x, weight, t, bias, ignore_index, softcap, outputs)
+        results = _torch_log_probs(input.reshape(-1, input.shape[-1]), weight,
+                                   target.reshape(-1), bias, ignore_index, softcap, outputs)
     else:
-        x, t = x.contiguous(), t.contiguous()
-        w, b = weight.contiguous(), None if bias is None else bias.contiguous()
-        # computed here, not left to the op (0: its default): under torch.compile the sizes may
-        # be symbolic, which the op's C++ cannot read
-        if chunk_size is None or vocab_block is None:
-            default_chunk, default_block = block_sizes(
-                x.shape[0], w.shape[0], x.shape[1], x.element_size(),
-                w.requires_grad and torch.is_grad_enabled(), True)
-            chunk_size = chunk_size or default_chunk
-            vocab_block = vocab_block or default_block
+        x, w, b, t, chunk_size, vocab_block = flat_operands(input, weight, bias, target,
+                                                            chunk_size, vocab_block, True)
         results = linear_log_prob_layer(x, w, b, t, outputs, int(ignore_index), int(chunk_size),
                                         int(vocab_block), softcap)
         asked = (True, entropy, is_top1, mean_logits)
