@@ -5,11 +5,15 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch.distributed as dist
 
 import launch_ranks
 
 
 def scenario_one_rank_fails(rank, world, seed, out):
+    # both ranks past the group's set-up first: a rank still connecting when the other exits
+    # fails there (under load it did), instead of waiting to be killed
+    dist.barrier()
     if rank == world - 1:
         raise ValueError(f"rank {rank} cannot go on")
     print(f"rank {rank} waits", flush=True)

@@ -29,6 +29,7 @@ import torch
 import launch_ranks
 import memkern as mk
 from compare import assert_same_bits, params_rel_err
+from memkern import _fake
 
 BUCKET_MB = 1e-3
 """1 KiB buckets: every parameter a bucket (unit) of its own, so buckets are final one by one
@@ -310,14 +311,19 @@ def test_the_device_holds_no_gradient_buffer_when_planned():
 
 
 @pytest.mark.parametrize("precision", ["32bit", "8bit"])
-def test_bytes_per_parameter(precision):
+def test_bytes_per_parameter(monkeypatch, precision):
     """Measured from the storages after two windows (bf16 AdamW, one process, 1 KiB buckets):
     the device holds the weights only (2 B/param: no gradient buffer); host memory the
     window's sums (2), the float32 masters (4), the moments (8, or 2 + 4/256 in 8 bits), the
     copies of the weights the early steps write (2) and the copies of the state those steps
     keep (as much as master + moments + step counters), plus two pinned staging slots. Every
     count is the parameters' own elements rounded up to 256-element slots (the flat layout's
-    alignment). docs/memory.md quotes these figures (``pytest -s -k bytes_per_parameter``)."""
+    alignment). docs/memory.md quotes these figures (``pytest -s -k bytes_per_parameter``).
+
+    The host threads' jobs run on the caller's thread, so every segment steps early (with its
+    state copy): with real threads, how many do is a race with step(), decided by the load."""
+    monkeypatch.setattr(_fake, "thread_pool",
+                        lambda like, workers, **kwargs: _fake._OnTheCallersThread())
     model = make_model(0, torch.bfloat16)
     opt = make_optimizer(model, "streamed", algorithm="adamw", accumulation=2,
                          state_precision=precision)
