@@ -83,3 +83,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Under torchrun / accelerate launch: free the process group before the interpreter ends,
+    # else gloo's threads run into its finalization, where one can end a finished rank with
+    # SIGABRT (docs/reliability.md, "A finished run does not die at exit")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
